@@ -1,0 +1,112 @@
+// XLA FFI handler for the four collectives. One target, `pk_collective`; the `op` attribute picks
+// the kernel. Host work per call is a few table lookups; all cross-device state lives on the GPU,
+// so the handler is safe to capture in a CUDA graph (command buffer).
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../kernels/collectives.cuh"
+#include "group_resolver.h"
+#include "runtime.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pk {
+namespace {
+
+constexpr size_t kBoxFields = 15;
+
+Box decode_box(ffi::Span<const int64_t> v) {
+  Box b;
+  b.rows = v[0];
+  b.inner = v[1];
+  for (int d = 0; d < kMaxOuterDims; ++d) {
+    b.extent[d] = v[2 + d];
+    b.src_stride[d] = v[5 + d];
+    b.dst_stride[d] = v[8 + d];
+  }
+  b.src_rank_offset = v[11];
+  b.src_peer_offset = v[12];
+  b.dst_rank_offset = v[13];
+  b.dst_peer_offset = v[14];
+  return b;
+}
+
+bool to_dtype(ffi::DataType t, DType& out) {
+  switch (t) {
+    case ffi::DataType::F32: out = DType::kF32; return true;
+    case ffi::DataType::BF16: out = DType::kBF16; return true;
+    case ffi::DataType::F16: out = DType::kF16; return true;
+    default: return false;
+  }
+}
+
+ffi::Error collective(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y,
+                      int32_t op, int32_t variant, int32_t vec_bytes, ffi::Span<const int64_t> mesh_ids,
+                      ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> group_axes,
+                      ffi::Span<const int64_t> box_fields) {
+  Runtime& rt = Runtime::get();
+  if (!rt.initialized()) return ffi::Error::Internal("pk_jax: runtime not initialized (import pk_jax first)");
+  const std::string pending = rt.first_error();
+  if (!pending.empty()) return ffi::Error::Internal(pending);
+  const LocalDevice* me = rt.by_ordinal(ordinal);
+  if (!me) return ffi::Error::Internal("pk_jax: GPU " + std::to_string(ordinal) + " is not managed by pk_jax");
+  if (box_fields.size() != kBoxFields) return ffi::Error::InvalidArgument("pk_jax: malformed box attribute");
+
+  std::string error;
+  const GroupMembers members = resolve_group(me->global_id, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
+                                             mesh_shape.size(), group_axes.begin(), group_axes.size(), error);
+  if (!error.empty()) return ffi::Error::Internal("pk_jax: " + error);
+  if (members.ids.size() < 2 || members.ids.size() > size_t(kMaxGroup))
+    return ffi::Error::InvalidArgument("pk_jax: group size must be 2.." + std::to_string(kMaxGroup));
+
+  Group g{};
+  g.rank = members.rank;
+  g.size = int32_t(members.ids.size());
+  g.op = op;
+  g.timeout_ns = rt.timeout_ns();
+  g.err = me->err;
+  for (int r = 0; r < g.size; ++r) {
+    const LocalDevice* d = rt.by_global_id(members.ids[r]);
+    if (!d)
+      return ffi::Error::Internal("pk_jax: device id " + std::to_string(members.ids[r]) +
+                                  " is not local to this process (multi-process groups are not supported yet)");
+    g.ctrl[r] = d->ctrl;
+    g.slot[r] = d->slot;
+  }
+  const Box box = decode_box(box_fields);
+  const LaunchLimits lim = rt.limits(*me);
+  cudaError_t e;
+  if (op == kOpAllGather || op == kOpAllToAll) {
+    e = launch_copy(g, box, vec_bytes, variant == 1, x.untyped_data(), y->untyped_data(), lim, stream);
+  } else if (op == kOpReduceScatter || op == kOpAllReduce) {
+    DType dt;
+    if (!to_dtype(x.element_type(), dt))
+      return ffi::Error::InvalidArgument("pk_jax: reductions support float32, bfloat16 and float16");
+    e = launch_pull_reduce(g, box, vec_bytes, dt, variant == 1, x.untyped_data(), y->untyped_data(), lim, stream);
+  } else {
+    return ffi::Error::InvalidArgument("pk_jax: unknown op code " + std::to_string(op));
+  }
+  if (e != cudaSuccess)
+    return ffi::Error::Internal(std::string("pk_jax ") + op_name(op) + " launch failed: " + cudaGetErrorString(e));
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkCollective, pk::collective,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("op")
+                                  .Attr<int32_t>("variant")
+                                  .Attr<int32_t>("vec_bytes")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_ids")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<ffi::Span<const int64_t>>("group_axes")
+                                  .Attr<ffi::Span<const int64_t>>("box"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,47 @@
+#include "driver_api.h"
+
+#include <cuda_runtime.h>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace pk::driver {
+namespace {
+
+template <typename F>
+void resolve(F& fn, const char* name) {
+  void* p = nullptr;
+  cudaDriverEntryPointQueryResult status;
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &status);
+  if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || p == nullptr)
+    throw std::runtime_error(std::string("pk_jax: CUDA driver entry point ") + name + " is unavailable");
+  fn = reinterpret_cast<F>(p);
+}
+
+}  // namespace
+
+const Api& api() {
+  static Api a;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    resolve(a.mem_create, "cuMemCreate");
+    resolve(a.mem_release, "cuMemRelease");
+    resolve(a.mem_get_allocation_granularity, "cuMemGetAllocationGranularity");
+    resolve(a.mem_address_reserve, "cuMemAddressReserve");
+    resolve(a.mem_address_free, "cuMemAddressFree");
+    resolve(a.mem_map, "cuMemMap");
+    resolve(a.mem_unmap, "cuMemUnmap");
+    resolve(a.mem_set_access, "cuMemSetAccess");
+    resolve(a.get_error_string, "cuGetErrorString");
+  });
+  return a;
+}
+
+void check(CUresult r, const char* what) {
+  if (r == CUDA_SUCCESS) return;
+  const char* msg = "unknown error";
+  api().get_error_string(r, &msg);
+  throw std::runtime_error(std::string("pk_jax: ") + what + ": " + msg);
+}
+
+}  // namespace pk::driver

@@ -1,0 +1,46 @@
+// Host-side entry points of the collective kernels (implemented in collectives.cu).
+#pragma once
+#include <cuda_runtime.h>
+#include <vector>
+#include "pk/box.cuh"
+#include "pk/group.cuh"
+
+namespace pk {
+
+enum OpCode : int32_t {
+  kOpAllGather = 1,
+  kOpReduceScatter = 2,
+  kOpAllReduce = 3,
+  kOpAllToAll = 4,
+  kOpSelfTest = 5,
+};
+
+enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
+
+struct LaunchLimits {
+  int num_sms;  // grids are capped at num_sms x (resident CTAs per SM of the kernel)
+};
+
+// all_gather / all_to_all: box(sender, receiver) of the sender's `src` goes to the receiver's
+// `dst`, for every pair; `pull` picks remote loads instead of remote stores.
+cudaError_t launch_copy(const Group& g, const Box& box, int vec_bytes, bool pull, const void* src, void* dst,
+                        const LaunchLimits& lim, cudaStream_t stream);
+
+// reduce_scatter / all_reduce: every member sums box(rank) of all members' `src` in rank order
+// (bitwise identical on every member) and writes it to its own `dst`, or to every member's `dst`
+// when `broadcast` (the second half of a two-shot all-reduce).
+cudaError_t launch_pull_reduce(const Group& g, const Box& box, int vec_bytes, DType dtype, bool broadcast,
+                               const void* src, void* dst, const LaunchLimits& lim, cudaStream_t stream);
+
+// Self-test of the bounded wait: waits for a test signal from `peer_rank` that nobody sends.
+cudaError_t launch_wait_for_peer(const Group& g, int peer_rank, cudaStream_t stream);
+
+// Every kernel in this file, so the runtime can load them all before any cross-GPU wait can be in
+// flight (a lazy module load takes a process-wide lock and can deadlock against a spinning kernel).
+std::vector<const void*> collective_kernels();
+
+// Loads every kernel on the current device and records how many CTAs of each fit on one SM.
+// Call on each device at start-up, before any launch.
+cudaError_t configure_kernels();
+
+}  // namespace pk

@@ -1,0 +1,41 @@
+// Layout of the per-device control block that lives in symmetric (peer-mapped) memory.
+// Shared by host and device code: plain C++ only.
+#pragma once
+#include <cstdint>
+
+namespace pk {
+
+constexpr int kMaxGroup = 8;      // largest communication group (paper: 8 GPUs per NVLink domain)
+constexpr int kMaxSlots = 8;      // device slots with a control block (local devices in one process)
+constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
+
+// Error codes written by device code into a host-mapped ErrorRecord.
+enum ErrorCode : int32_t {
+  kOk = 0,
+  kTimeoutReady = 1,  // a peer never published its buffers (never launched the op)
+  kTimeoutDone = 2,   // a peer never finished touching our buffers
+  kTimeoutTest = 3,   // the self-test wait
+};
+
+// Host-mapped, one per device: the first failure wins and stays until the runtime is reset.
+struct ErrorRecord {
+  int32_t code;
+  int32_t op;           // OpCode of the failing launch
+  int32_t device_slot;  // the device that waited
+  int32_t peer_slot;    // the device it waited for
+};
+
+// Peers write `ready`, `done` and `mailbox`; everything else is only touched by the owner.
+// Counters only grow (one step per op), so consecutive launches need no reset and CUDA graph
+// replays stay correct: the expected value comes from `seq`, kept in device memory.
+struct alignas(128) ControlBlock {
+  uint64_t ready[kMaxSlots];                   // ready[src]: ops for which src published its buffers
+  uint64_t done[kMaxSlots];                    // done[src]: ops after which src stopped touching ours
+  uint64_t mailbox[kMaxSlots][kMaxPublished];  // mailbox[src]: addresses src published for this op
+  uint64_t test_flag[kMaxSlots];               // self-test signals (never used by real ops)
+  alignas(128) uint64_t seq[kMaxSlots];        // local: ops completed with each peer slot
+  uint32_t arrived;                            // local: CTAs of the running launch that finished
+  uint32_t aborted;                            // local: set after a timeout, later waits fail fast
+};
+
+}  // namespace pk

@@ -1,0 +1,94 @@
+// The per-launch protocol every collective kernel follows. Data moves directly between the XLA
+// buffers of the group members (zero copy), so a launch must (1) learn the peers' buffer addresses
+// for this op and know they are live, and (2) not return before every peer has stopped touching
+// this device's buffers (XLA reuses them as soon as the kernel ends).
+//
+//   publish:  CTA 0 writes this device's buffer addresses into every peer's mailbox, then signals
+//             ready (release). A device starts an op only after its earlier work is done, so a
+//             published buffer is safe to read or write.
+//   acquire:  every CTA waits for each peer's ready count to reach this op's epoch and loads the
+//             peer addresses once into shared memory (then registers).
+//   finish:   every CTA arrives on a local counter; the last one signals done to each peer and
+//             waits for each peer's done, then advances the per-peer epochs (seq) in device memory.
+//
+// Epochs are per peer pair (seq[slot]), so groups of different mesh axes interleave freely and no
+// host state is needed: the kernels replay correctly inside CUDA graphs.
+#pragma once
+#include "pgl.cuh"
+#include "sync.cuh"
+
+namespace pk {
+
+struct OpProtocol {
+  const Group& g;
+  uint64_t epoch[kMaxGroup];  // this op's expected counter value for each peer (by rank)
+
+  __device__ explicit OpProtocol(const Group& group) : g(group) {
+    const ControlBlock* me = g.self();
+#pragma unroll
+    for (int r = 0; r < kMaxGroup; ++r) epoch[r] = r < g.size ? me->seq[g.slot[r]] + 1 : 0;
+  }
+
+  // CTA 0 only: publish `n` addresses to every peer. Thread r handles peer r.
+  __device__ void publish(const void* const* addrs, int n) const {
+    const int r = threadIdx.x;
+    if (blockIdx.x != 0 || r >= g.size || r == g.rank) return;
+    uint64_t* box = g.ctrl[r]->mailbox[g.my_slot()];
+    for (int k = 0; k < n; ++k) box[k] = reinterpret_cast<uint64_t>(addrs[k]);
+    signal(&g.ctrl[r]->ready[g.my_slot()]);
+  }
+
+  // All CTAs: wait until every peer published, then build one PGL per published address.
+  // `local[k]` is this device's own k-th address. Returns false after a timeout.
+  template <int N>
+  __device__ bool acquire(void* const (&local)[N], pgl<char> (&out)[N]) const {
+    __shared__ uint64_t addr[N][kMaxGroup];
+    __shared__ int ok;
+    const int r = threadIdx.x;
+    if (r == 0) ok = 1;
+    __syncthreads();
+    if (r < g.size) {
+      if (r == g.rank) {
+        for (int k = 0; k < N; ++k) addr[k][r] = reinterpret_cast<uint64_t>(local[k]);
+      } else if (wait(&g.self()->ready[g.slot[r]], epoch[r], g, r, kTimeoutReady)) {
+        const uint64_t* box = g.self()->mailbox[g.slot[r]];
+        for (int k = 0; k < N; ++k) addr[k][r] = box[k];
+      } else {
+        ok = 0;
+      }
+    }
+    __syncthreads();
+    for (int k = 0; k < N; ++k) {
+      out[k].size = g.size;
+#pragma unroll
+      for (int i = 0; i < kMaxGroup; ++i) out[k].ptr[i] = i < g.size ? reinterpret_cast<char*>(addr[k][i]) : nullptr;
+    }
+    return ok;
+  }
+
+  // All CTAs, after their last access to peer memory.
+  __device__ void finish() const {
+    __shared__ int last;
+    ControlBlock* me = g.self();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      // GPU scope is enough here: the last CTA observes this arrival and its system-scope fence
+      // below is cumulative, so this CTA's peer writes are ordered before `done`.
+      __threadfence();
+      last = atomicAdd(&me->arrived, 1u) == gridDim.x - 1;
+    }
+    __syncthreads();
+    if (!last) return;
+    const int r = threadIdx.x;
+    if (r < g.size && r != g.rank) {
+      __threadfence_system();  // every CTA's writes (seen through `arrived`) before done
+      signal(&g.ctrl[r]->done[g.my_slot()]);
+      wait(&me->done[g.slot[r]], epoch[r], g, r, kTimeoutDone);
+    }
+    __syncthreads();
+    if (r < g.size && r != g.rank) me->seq[g.slot[r]] = epoch[r];
+    if (r == 0) me->arrived = 0;
+  }
+};
+
+}  // namespace pk

@@ -1,0 +1,125 @@
+"""The `pk_collective` primitive: abstract evaluation, autodiff, and lowering.
+
+On CUDA (with the extension built and >= 2 local GPUs) it lowers to the `pk_collective` FFI custom
+call; everywhere else — and whenever the GPU path cannot serve the call (no concrete mesh, devices of
+other processes) — to the jax.lax op it mirrors, so results have identical semantics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Hashable
+
+import jax
+import numpy as np
+from jax._src import config, core
+from jax._src.lax.parallel import insert_collective_pvary
+from jax._src.interpreters import ad
+from jax.interpreters import mlir
+
+from pk_jax import _ext, runtime
+from pk_jax._layout import Box
+from pk_jax.sharding import group_table
+
+OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4}
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveSpec:
+    """Everything static about one collective call (hashable: it is the primitive's parameter)."""
+
+    op: str
+    axis_name: tuple[Hashable, ...]
+    out_shape: tuple[int, ...]
+    box: Box | None  # None: this call has no GPU kernel path (e.g. empty array)
+    variant: int     # all_reduce: 0 one-shot, 1 two-shot
+    lax_kwargs: tuple[tuple[str, object], ...]
+
+    @property
+    def reduces(self) -> bool:
+        return self.op == "all_reduce"
+
+    def lax_apply(self, x: jax.Array) -> jax.Array:
+        """The jax.lax op with the same semantics (fallback and reference)."""
+        kw = dict(self.lax_kwargs)
+        name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
+        if self.op == "all_gather":
+            return jax.lax.all_gather(x, name, **kw)
+        if self.op == "reduce_scatter":
+            return jax.lax.psum_scatter(x, name, **kw)
+        if self.op == "all_reduce":
+            return jax.lax.psum(x, name)
+        return jax.lax.all_to_all(x, name, **kw)
+
+
+pk_collective_p = core.Primitive("pk_collective")
+
+
+def bind(x: jax.Array, spec: CollectiveSpec) -> jax.Array:
+    """Binds the primitive after making x varying over the group axes, as jax.lax does."""
+    x = insert_collective_pvary(spec.axis_name, x)
+    return pk_collective_p.bind(x, spec=spec)
+
+
+def _abstract_eval(x, *, spec: CollectiveSpec):
+    if not config._check_vma.value:
+        return x.update(shape=spec.out_shape)
+    varying = x.mat.varying
+    varying = varying - set(spec.axis_name) if spec.reduces else varying | set(spec.axis_name)
+    return x.update(shape=spec.out_shape, manual_axis_type=x.mat.update(varying=frozenset(varying)))
+
+
+pk_collective_p.def_abstract_eval(_abstract_eval)
+
+
+def _transpose(ct, x, *, spec: CollectiveSpec):
+    # Linear op: its transpose is the jax.lax op's transpose (same semantics, incl. vma typing).
+    (x_ct,) = jax.linear_transpose(spec.lax_apply, core.typeof(x) if not ad.is_undefined_primal(x) else x.aval)(ct)
+    return [x_ct]
+
+
+ad.deflinear2(pk_collective_p, _transpose)
+
+
+def _lax_lowering(ctx, x, *, spec: CollectiveSpec):
+    return mlir.lower_fun(spec.lax_apply, multiple_results=False)(ctx, x)
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"pk_jax: using the jax.lax fallback on GPU: {reason}", stacklevel=3)
+
+
+def _cuda_lowering(ctx, x, *, spec: CollectiveSpec):
+    reason = None
+    table = None
+    if spec.box is None:
+        reason = None  # nothing worth a kernel (e.g. empty); silent fallback
+    elif (reason := runtime.ensure_initialized()) is None:
+        table = group_table(ctx.module_context.axis_context, spec.axis_name)
+        if table is None:
+            reason = "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
+        elif not table.all_local:
+            reason = "the mesh spans several processes (multi-process mode is not supported yet)"
+    if table is None or reason is not None:
+        if reason:
+            _warn_once(reason)
+        return _lax_lowering(ctx, x, spec=spec)
+    box = spec.box
+    return jax.ffi.ffi_lowering("pk_collective")(
+        ctx, x,
+        op=np.int32(OP_CODES[spec.op]),
+        variant=np.int32(spec.variant),
+        vec_bytes=np.int32(box.vec_bytes),
+        mesh_ids=np.asarray(table.mesh_ids, np.int64),
+        mesh_shape=np.asarray(table.mesh_shape, np.int64),
+        group_axes=np.asarray(table.group_axes, np.int64),
+        box=np.asarray(box.fields(), np.int64),
+    )
+
+
+mlir.register_lowering(pk_collective_p, _lax_lowering)
+if _ext.available():
+    mlir.register_lowering(pk_collective_p, _cuda_lowering, platform="cuda")

@@ -1,0 +1,1 @@
+"""Benchmark suites: `python -m pk_jax.bench <suite>` (see --help)."""

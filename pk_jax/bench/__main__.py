@@ -1,0 +1,69 @@
+"""pk_jax benchmarks: `python -m pk_jax.bench collectives [--quick] [--out FILE]`.
+
+On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
+(small sizes; semantics and plumbing only, the timings mean nothing there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import re
+import sys
+
+
+# Without GPUs, XLA gets 8 virtual CPU devices. XLA's combiners would merge the K independent
+# baseline collectives of one timed call into a few large ones; a model's single op is not merged,
+# so the baseline is timed per op with combining off.
+_XLA_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_gpu_all_reduce_combine_threshold_bytes=0",
+              "--xla_gpu_all_gather_combine_threshold_bytes=0",
+              "--xla_gpu_reduce_scatter_combine_threshold_bytes=0")
+
+
+def _ensure_flags() -> None:
+    """Must run before jax initializes its backends."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    for f in _XLA_FLAGS:
+        if f.split("=")[0] not in flags:
+            flags += " " + f
+    os.environ["XLA_FLAGS"] = flags.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=["collectives"], help="which suite to run")
+    p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
+    p.add_argument("--reps", type=int, default=20, help="timed calls per case (median reported)")
+    p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
+    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
+    args = p.parse_args(argv)
+    _ensure_flags()
+    import jax
+
+    from pk_jax.bench import collectives, results
+
+    on_gpu = jax.devices()[0].platform == "gpu"
+    if len(jax.devices()) < 2:
+        print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
+        return 2
+    quick = args.quick or not on_gpu
+    print(f"pk_jax.bench {args.suite}: {results.device_description()}, "
+          f"{'quick sizes' if quick else 'full sizes'}, {args.reps} reps", flush=True)
+    if not on_gpu:
+        print("  (no GPU: pk_jax ops run their jax.lax fallback here; timings only exercise the plumbing)")
+    rows = collectives.run(quick=quick, reps=args.reps, only=args.op)
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", results.device_description()).strip("-").lower()
+    out = args.out or os.path.join("benchmarks", "results",
+                                   f"{datetime.date.today().isoformat()}-{args.suite}-{slug}.json")
+    results.write(out, args.suite, rows)
+    print()
+    results.print_table(rows)
+    print(f"\nwrote {out}")
+    bad = [r for r in rows if "MISMATCH" in r["extra"]["check"]]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

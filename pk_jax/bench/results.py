@@ -1,0 +1,52 @@
+"""Result files in the shape of shared/notes/results-format.md."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import jax
+
+
+def device_description() -> str:
+    devs = jax.devices()
+    return f"{len(devs)}x {devs[0].device_kind}" if devs[0].platform == "gpu" else f"{len(devs)}x cpu"
+
+
+def git_commit() -> str:
+    try:
+        here = os.path.dirname(os.path.abspath(__file__))
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("PK_JAX_COMMIT", "unknown")
+
+
+def write(path: str, suite: str, rows: Sequence[dict]) -> dict:
+    doc = {
+        "suite": suite,
+        "device": device_description(),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m pk_jax.bench " + " ".join(sys.argv[1:]),
+        "rows": list(rows),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+    return doc
+
+
+def print_table(rows: Sequence[dict]) -> None:
+    head = f"{'op':<15}{'case':<12}{'shape':<22}{'G':>3}{'ours ms':>11}{'lax ms':>11}{'ratio':>8}{'GB/s':>9}  check"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        gbps = r.get("extra", {}).get("gbps")
+        print(f"{r['op']:<15}{r['case']:<12}{str(r['shape']):<22}{r['group']:>3}{r['ours_ms']:>11.4f}"
+              f"{r['baseline_ms']:>11.4f}{r['ratio']:>8.2f}{(f'{gbps:.0f}' if gbps else '-'):>9}  "
+              f"{r.get('extra', {}).get('check', '')}")

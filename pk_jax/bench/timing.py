@@ -1,0 +1,33 @@
+"""Timing on the device by many back-to-back calls and one sync.
+
+One jitted call runs the op K times on K different inputs (rotating buffers, so repeated calls do
+not measure L2 hits), and the host waits once; the per-op time is the call's time over K, with K
+large enough that dispatch overhead is a small fraction. Median of `reps` calls after warm-up.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+
+def calls_per_measure(bytes_per_call: int, budget_bytes: int = 24 << 30, lo: int = 4, hi: int = 100) -> int:
+    """How many rotating inputs fit in `budget_bytes` (input + output per call)."""
+    return max(lo, min(hi, budget_bytes // max(bytes_per_call, 1)))
+
+
+def time_per_op(fn: Callable[[Sequence[jax.Array]], object], inputs: Sequence[jax.Array], *,
+                warmup: int = 3, reps: int = 20) -> tuple[float, list[float]]:
+    """Median milliseconds per op of `fn(inputs)`, which applies the op once per input."""
+    k = len(inputs)
+    for _ in range(warmup):
+        jax.block_until_ready(fn(inputs))
+    samples = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(inputs))
+        samples.append((time.perf_counter() - t0) * 1e3 / k)
+    return statistics.median(samples), samples

@@ -1,0 +1,87 @@
+"""The symmetric-memory runtime: set-up, error state and transport policy.
+
+The runtime initializes itself the first time an op is lowered for GPUs; nothing here is needed for
+ordinary use. It allocates a small symmetric control region per GPU (signals, pointer mailboxes,
+epochs), enables peer access, and loads every kernel before any cross-GPU wait can be in flight.
+Data never passes through a staging heap: kernels move it directly between XLA's own buffers on
+the group's GPUs, so there is no heap size to choose and no input is too large.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+from pk_jax import _ext
+
+_lock = threading.Lock()
+_init_error: str | None = None
+
+
+def gpu_devices() -> list[jax.Device]:
+    """Local CUDA devices of this process (empty without GPUs)."""
+    try:
+        return [d for d in jax.local_devices() if d.platform == "gpu"]
+    except RuntimeError:
+        return []
+
+
+def ensure_initialized() -> str | None:
+    """Initializes the runtime for all local GPUs once. Returns None on success, else why the GPU
+    path is unavailable (the caller then lowers to jax.lax)."""
+    global _init_error
+    if _ext.ext is None:
+        return "the CUDA extension is not installed"
+    with _lock:
+        if _ext.ext.is_initialized():
+            return None
+        if _init_error is not None:
+            return _init_error
+        devices = gpu_devices()
+        if len(devices) < 2:
+            _init_error = "fewer than 2 local GPUs"
+            return _init_error
+        try:
+            _ext.ext.initialize([d.local_hardware_id for d in devices], [d.id for d in devices])
+        except RuntimeError as e:
+            _init_error = str(e)
+            return _init_error
+    return None
+
+
+def is_initialized() -> bool:
+    return _ext.ext is not None and _ext.ext.is_initialized()
+
+
+def check() -> None:
+    """Raises RuntimeError if a GPU recorded a failure (e.g. a peer that never arrived)."""
+    if _ext.ext is not None:
+        msg = _ext.ext.first_error()
+        if msg:
+            raise RuntimeError(msg)
+
+
+def reset() -> None:
+    """Clears recorded errors and all signal state. Only when no pk_jax op is in flight."""
+    if is_initialized():
+        _ext.ext.reset()
+
+
+def set_timeout_ms(ms: int) -> None:
+    """How long a GPU waits for a peer before reporting an error (default 5000, or
+    PK_JAX_TIMEOUT_MS). Applies to ops launched (or graph-captured) afterwards."""
+    if ms <= 0:
+        raise ValueError(f"set_timeout_ms: ms must be positive, got {ms}")
+    if _ext.ext is None:
+        raise RuntimeError("set_timeout_ms: the CUDA extension is not installed")
+    _ext.ext.set_timeout_ms(int(ms))
+
+
+def multicast_policy() -> tuple[bool, str]:
+    """(allowed, reason). Multicast is never used unless PK_JAX_ENABLE_MULTICAST=1 and none of
+    NCCL_NVLS_ENABLE=0, NVSHMEM_DISABLE_NVLS=1, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 is set; all
+    current kernels are peer-to-peer."""
+    if _ext.ext is None:
+        return False, "the CUDA extension is not installed"
+    return _ext.ext.multicast_policy()
