@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per case (median reported)")
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
+    p.add_argument("--variants", action="store_true", help="also time the non-default transports (pull)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
     args = p.parse_args(argv)
     _ensure_flags()
@@ -53,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{'quick sizes' if quick else 'full sizes'}, {args.reps} reps", flush=True)
     if not on_gpu:
         print("  (no GPU: pk_jax ops run their jax.lax fallback here; timings only exercise the plumbing)")
-    rows = collectives.run(quick=quick, reps=args.reps, only=args.op)
+    rows = collectives.run(quick=quick, reps=args.reps, only=args.op, variants=args.variants)
     slug = re.sub(r"[^A-Za-z0-9]+", "-", results.device_description()).strip("-").lower()
     out = args.out or os.path.join("benchmarks", "results",
                                    f"{datetime.date.today().isoformat()}-{args.suite}-{slug}.json")

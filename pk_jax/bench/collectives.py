@@ -31,7 +31,7 @@ class Case:
     exact: bool
 
 
-def cases(g: int, quick: bool) -> list[Case]:
+def cases(g: int, quick: bool, variants: bool = False) -> list[Case]:
     ag_n = [512, 1024] if quick else [8192, 16384, 32768]
     ar_n = [256, 1024] if quick else [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     a2a_s = [256, 1024] if quick else [8192, 16384, 32768, 65536, 131072]
@@ -42,10 +42,11 @@ def cases(g: int, quick: bool) -> list[Case]:
                         lambda x: pk_jax.all_gather(x, AX, axis=1, tiled=True),
                         lambda x: jax.lax.all_gather(x, AX, axis=1, tiled=True),
                         lambda b: b * (g - 1), True))
-        out.append(Case("all_gather", "lastdim_pull", [n, n], (n, n), P(None, AX), P(),
-                        lambda x: pk_jax.all_gather(x, AX, axis=1, tiled=True, transport="pull"),
-                        lambda x: jax.lax.all_gather(x, AX, axis=1, tiled=True),
-                        lambda b: b * (g - 1), True))
+        if variants:
+            out.append(Case("all_gather", "lastdim_pull", [n, n], (n, n), P(None, AX), P(),
+                            lambda x: pk_jax.all_gather(x, AX, axis=1, tiled=True, transport="pull"),
+                            lambda x: jax.lax.all_gather(x, AX, axis=1, tiled=True),
+                            lambda b: b * (g - 1), True))
         out.append(Case("all_gather", "firstdim", [n, n], (n, n), P(AX), P(),
                         lambda x: pk_jax.all_gather(x, AX, axis=0, tiled=True),
                         lambda x: jax.lax.all_gather(x, AX, axis=0, tiled=True),
@@ -71,11 +72,12 @@ def cases(g: int, quick: bool) -> list[Case]:
                         lambda x: pk_jax.all_to_all(x, AX, 2, 1, tiled=True),
                         lambda x: jax.lax.all_to_all(x, AX, 2, 1, tiled=True),
                         lambda b: b * f, True))
-        out.append(Case("all_to_all", "seq_heads_pull", [1, s, 128, 128], (1, s, 128, 128), P(None, AX),
-                        P(None, None, AX),
-                        lambda x: pk_jax.all_to_all(x, AX, 2, 1, tiled=True, transport="pull"),
-                        lambda x: jax.lax.all_to_all(x, AX, 2, 1, tiled=True),
-                        lambda b: b * f, True))
+        if variants:
+            out.append(Case("all_to_all", "seq_heads_pull", [1, s, 128, 128], (1, s, 128, 128), P(None, AX),
+                            P(None, None, AX),
+                            lambda x: pk_jax.all_to_all(x, AX, 2, 1, tiled=True, transport="pull"),
+                            lambda x: jax.lax.all_to_all(x, AX, 2, 1, tiled=True),
+                            lambda b: b * f, True))
     return out
 
 
@@ -102,14 +104,14 @@ def _check(ours: jax.Array, ref: jax.Array, exact: bool) -> str:
     return f"ok rel={err:.1e}" if err < 1e-2 and np.isfinite(a).all() else f"MISMATCH rel={err:.1e}"
 
 
-def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
+def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, variants: bool = False) -> list[dict]:
     devices = jax.devices()
     g = len(devices)
     max_calls = 100 if devices[0].platform == "gpu" else 2  # CPU: plumbing only, keep it short
     mesh = Mesh(np.array(devices), (AX,))
     itemsize = jnp.dtype(dtype).itemsize
     rows = []
-    for c in cases(g, quick):
+    for c in cases(g, quick, variants):
         if only and c.op != only:
             continue
         local_in = int(np.prod(c.in_global)) * itemsize // g

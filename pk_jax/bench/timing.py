@@ -20,7 +20,7 @@ def calls_per_measure(bytes_per_call: int, budget_bytes: int = 24 << 30, lo: int
 
 
 def time_per_op(fn: Callable[[Sequence[jax.Array]], object], inputs: Sequence[jax.Array], *,
-                warmup: int = 3, reps: int = 20) -> tuple[float, list[float]]:
+                warmup: int = 8, reps: int = 20) -> tuple[float, list[float]]:
     """Median milliseconds per op of `fn(inputs)`, which applies the op once per input."""
     k = len(inputs)
     for _ in range(warmup):
