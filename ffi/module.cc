@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include "../kernels/collectives.cuh"
+#include "../kernels/tma_selftest.cuh"
+#include "group_resolver.h"
 #include "cuda_check.h"
 #include "multicast_policy.h"
 #include "runtime.h"
@@ -73,4 +75,20 @@ NB_MODULE(_pk_jax_ext, m) {
     return out;
   });
   m.def("wait_for_absent_peer", &wait_for_absent_peer);
+  m.def("tma_peer_selftest", [](int me, int peer, size_t chunks) {
+    int prev = 0;
+    PK_CUDA(cudaGetDevice(&prev));
+    std::string err = pk::tma_peer_selftest(me, peer, chunks);
+    cudaSetDevice(prev);
+    return err;
+  });
+  // The C++ group resolution, exposed so CPU tests can check it against the Python mirror.
+  m.def("resolve_group", [](int64_t my_id, const std::vector<int64_t>& mesh_ids, const std::vector<int64_t>& shape,
+                            const std::vector<int64_t>& axes) {
+    std::string error;
+    pk::GroupMembers g = pk::resolve_group(my_id, mesh_ids.data(), mesh_ids.size(), shape.data(), shape.size(),
+                                           axes.data(), axes.size(), error);
+    if (!error.empty()) throw nb::value_error(error.c_str());
+    return std::make_pair(g.ids, g.rank);
+  });
 }

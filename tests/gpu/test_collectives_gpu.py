@@ -242,3 +242,10 @@ def test_peer_that_never_arrives_reports_error():
     pk_jax.runtime.check()
     a = np.asarray(f(x).astype(jnp.float32))
     assert np.isfinite(a).all()
+
+
+# ---------------------------------------------------------------- TMA primitives
+@pytest.mark.parametrize("chunks", [1, 64, 2048])  # 16 KiB .. 32 MiB
+def test_tma_load_store_and_store_add_with_peer(chunks):
+    assert _ext.ext.tma_peer_selftest(0, 1, chunks) == ""
+    assert _ext.ext.tma_peer_selftest(1, 0, chunks) == ""
