@@ -1,0 +1,82 @@
+"""Runtime pieces that need no GPU: the multicast guard, group resolution (C++ vs Python), the
+bench CLI's CPU mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pk_jax
+from pk_jax import _ext
+from pk_jax.sharding import GroupTable
+
+needs_ext = pytest.mark.skipif(not pk_jax.extension_available(), reason="CUDA extension not built")
+MULTICAST_VARS = ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST",
+                  "PK_JAX_ENABLE_MULTICAST")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for v in MULTICAST_VARS:
+        monkeypatch.delenv(v, raising=False)
+    return monkeypatch
+
+
+@needs_ext
+def test_multicast_off_by_default(clean_env):
+    allowed, reason = pk_jax.runtime.multicast_policy()
+    assert not allowed and "not requested" in reason
+
+
+@needs_ext
+@pytest.mark.parametrize("var,value", [("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                                       ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")])
+def test_multicast_refused_when_machine_forbids_it(clean_env, var, value):
+    clean_env.setenv("PK_JAX_ENABLE_MULTICAST", "1")
+    clean_env.setenv(var, value)
+    allowed, reason = pk_jax.runtime.multicast_policy()
+    assert not allowed and var in reason
+
+
+@needs_ext
+def test_multicast_only_with_explicit_opt_in(clean_env):
+    # Policy only: no multicast object is ever created by this package's current kernels.
+    clean_env.setenv("PK_JAX_ENABLE_MULTICAST", "1")
+    assert pk_jax.runtime.multicast_policy()[0]
+
+
+@needs_ext
+@pytest.mark.parametrize("shape,axes", [((8,), (0,)), ((2, 4), (1,)), ((2, 4), (0,)), ((2, 4), (0, 1)),
+                                        ((2, 4), (1, 0)), ((2, 2, 2), (0, 2)), ((4, 2), (1,))])
+def test_cpp_group_resolution_matches_python(shape, axes):
+    rng = np.random.default_rng(len(shape) * 10 + sum(axes))
+    ids = tuple(int(i) for i in rng.permutation(int(np.prod(shape))) + 100)
+    table = GroupTable(ids, shape, axes, True)
+    for dev in ids:
+        members, rank = table.members(dev)
+        assert _ext.ext.resolve_group(dev, list(ids), list(shape), list(axes)) == (members, rank)
+        assert members[rank] == dev and len(set(members)) == len(members)
+
+
+@needs_ext
+def test_cpp_group_resolution_rejects_foreign_device():
+    with pytest.raises(ValueError, match="not in the op's mesh"):
+        _ext.ext.resolve_group(99, [0, 1], [2], [0])
+
+
+def test_bench_cli_runs_on_cpu(tmp_path):
+    out = tmp_path / "r.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-m", "pk_jax.bench", "collectives", "--op", "all_to_all", "--reps", "1",
+                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == "collectives" and doc["rows"]
+    for row in doc["rows"]:
+        assert {"op", "case", "shape", "dtype", "group", "ours_ms", "baseline", "baseline_ms", "ratio"} <= row.keys()
+        assert row["extra"]["check"] == "ok"
