@@ -76,7 +76,7 @@ pk_collective_p.def_abstract_eval(_abstract_eval)
 
 def _transpose(ct, x, *, spec: CollectiveSpec):
     # Linear op: its transpose is the jax.lax op's transpose (same semantics, incl. vma typing).
-    (x_ct,) = jax.linear_transpose(spec.lax_apply, core.typeof(x) if not ad.is_undefined_primal(x) else x.aval)(ct)
+    (x_ct,) = jax.linear_transpose(spec.lax_apply, x.aval)(ct)
     return [x_ct]
 
 
@@ -93,18 +93,15 @@ def _warn_once(reason: str) -> None:
 
 
 def _cuda_lowering(ctx, x, *, spec: CollectiveSpec):
-    reason = None
-    table = None
-    if spec.box is None:
-        reason = None  # nothing worth a kernel (e.g. empty); silent fallback
-    elif (reason := runtime.ensure_initialized()) is None:
+    reason, table = None, None
+    if spec.box is not None and (reason := runtime.ensure_initialized()) is None:
         table = group_table(ctx.module_context.axis_context, spec.axis_name)
         if table is None:
             reason = "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
         elif not table.all_local:
             reason = "the mesh spans several processes (multi-process mode is not supported yet)"
     if table is None or reason is not None:
-        if reason:
+        if reason:  # no reason: nothing for a kernel to do (empty array, group of one)
             _warn_once(reason)
         return _lax_lowering(ctx, x, spec=spec)
     box = spec.box

@@ -55,6 +55,21 @@ def _transport_variant(fn: str, transport: str) -> int:
     return int((DEFAULT_TRANSPORT if transport == "auto" else transport) == "pull")
 
 
+def _check_split(fn: str, arg: str, value: int, x: jax.Array, g: int, tiled: bool) -> int:
+    """The dimension cut into G blocks: divisible by G (tiled) or equal to G (not tiled)."""
+    if x.ndim == 0:
+        raise ValueError(f"pk_jax.{fn}: x must have rank >= 1")
+    dim = _check_axis(fn, arg, value, x.ndim)
+    n = x.shape[dim]
+    if tiled and n % g:
+        raise ValueError(f"pk_jax.{fn}: x.shape[{dim}]={n} ({arg}) is not divisible by the group size {g}; "
+                         f"pad it to a multiple of {g}.")
+    if not tiled and n != g:
+        raise ValueError(f"pk_jax.{fn}: with tiled=False, x.shape[{dim}]={n} ({arg}) must equal the group "
+                         f"size {g}; use tiled=True to split it into blocks.")
+    return dim
+
+
 def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
                transport: Transport = "auto") -> jax.Array:
     """Gathers x from every member of the group, like `jax.lax.all_gather`.
@@ -97,16 +112,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
     """
     x = _check_array("reduce_scatter", x)
     g = group_size(axis_name)
-    if x.ndim == 0:
-        raise ValueError("pk_jax.reduce_scatter: x must have rank >= 1")
-    dim = _check_axis("reduce_scatter", "scatter_dimension", scatter_dimension, x.ndim)
-    n = x.shape[dim]
-    if tiled and n % g:
-        raise ValueError(f"pk_jax.reduce_scatter: x.shape[{dim}]={n} (scatter_dimension) is not divisible "
-                         f"by the group size {g}; pad it to a multiple of {g}.")
-    if not tiled and n != g:
-        raise ValueError(f"pk_jax.reduce_scatter: with tiled=False, x.shape[{dim}]={n} (scatter_dimension) "
-                         f"must equal the group size {g}; use tiled=True to split it into blocks.")
+    dim = _check_split("reduce_scatter", "scatter_dimension", scatter_dimension, x, g, tiled)
     out, box = _layout.reduce_scatter_box(x.shape, dim, tiled, g, x.dtype.itemsize)
     return _run("reduce_scatter", x, axis_name, out, box, 0,
                 (("scatter_dimension", dim), ("tiled", tiled)))
@@ -161,17 +167,8 @@ def all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat_axis: 
     """
     x = _check_array("all_to_all", x)
     g = group_size(axis_name)
-    if x.ndim == 0:
-        raise ValueError("pk_jax.all_to_all: x must have rank >= 1")
-    split = _check_axis("all_to_all", "split_axis", split_axis, x.ndim)
-    concat = _check_axis("all_to_all", "concat_axis", concat_axis, x.ndim if tiled else x.ndim)
-    n = x.shape[split]
-    if tiled and n % g:
-        raise ValueError(f"pk_jax.all_to_all: x.shape[{split}]={n} (split_axis) is not divisible by the group "
-                         f"size {g}.")
-    if not tiled and n != g:
-        raise ValueError(f"pk_jax.all_to_all: with tiled=False, x.shape[{split}]={n} (split_axis) must equal "
-                         f"the group size {g}; use tiled=True to split it into blocks.")
+    split = _check_split("all_to_all", "split_axis", split_axis, x, g, tiled)
+    concat = _check_axis("all_to_all", "concat_axis", concat_axis, x.ndim)
     variant = _transport_variant("all_to_all", transport)
     out, box = _layout.all_to_all_box(x.shape, split, concat, tiled, g, x.dtype.itemsize)
     return _run("all_to_all", x, axis_name, out, box, variant,

@@ -14,7 +14,10 @@ elif has_deps python3; then
 elif [ -x .venv/bin/python ] && has_deps .venv/bin/python; then
   PY=.venv/bin/python
 else
-  base=$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1 || true)
+  base=""
+  for c in /root/.pyenv/versions/3.12*/bin/python3.12 "$(command -v python3.12)" "$(command -v python3.13)"; do
+    if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null; then base=$c; break; fi
+  done
   [ -n "$base" ] || { echo "pk_jax: needs Python >= 3.12 (jax 0.11)"; exit 1; }
   "$base" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
