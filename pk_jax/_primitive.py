@@ -75,7 +75,21 @@ pk_collective_p.def_abstract_eval(_abstract_eval)
 
 
 def _transpose(ct, x, *, spec: CollectiveSpec):
-    # Linear op: its transpose is the jax.lax op's transpose (same semantics, incl. vma typing).
+    """The ops are linear; the backward pass of a gather is a reduce-scatter and vice versa, and an
+    all-to-all's is the all-to-all with the axes swapped, so training runs on our kernels too.
+    all_reduce's transpose under vma typing is not a collective: it defers to jax.lax."""
+    from pk_jax import collectives  # the public ops build on this module
+
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval)]
+    kw = dict(spec.lax_kwargs)
+    name = spec.axis_name if len(spec.axis_name) > 1 else spec.axis_name[0]
+    if spec.op == "all_gather":
+        return [collectives.reduce_scatter(ct, name, scatter_dimension=kw["axis"], tiled=kw["tiled"])]
+    if spec.op == "reduce_scatter":
+        return [collectives.all_gather(ct, name, axis=kw["scatter_dimension"], tiled=kw["tiled"])]
+    if spec.op == "all_to_all":
+        return [collectives.all_to_all(ct, name, kw["concat_axis"], kw["split_axis"], tiled=kw["tiled"])]
     (x_ct,) = jax.linear_transpose(spec.lax_apply, x.aval)(ct)
     return [x_ct]
 
