@@ -2,11 +2,13 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
 #include <cuda_runtime.h>
 
 #include "../kernels/collectives.cuh"
+#include "../kernels/microbench.cuh"
 #include "../kernels/tma_selftest.cuh"
 #include "group_resolver.h"
 #include "cuda_check.h"
@@ -51,6 +53,36 @@ std::string wait_for_absent_peer(int ordinal, int peer_ordinal, uint64_t timeout
 
 }  // namespace
 
+// A group of all local devices (rank = slot) over the runtime's control blocks, one per device.
+std::vector<pk::Group> all_device_groups() {
+  pk::Runtime& rt = pk::Runtime::get();
+  const auto& devs = rt.devices();
+  std::vector<pk::Group> groups(devs.size());
+  for (size_t i = 0; i < devs.size(); ++i) {
+    pk::Group& g = groups[i];
+    g.size = int(devs.size());
+    g.rank = int(i);
+    g.op = pk::kOpSelfTest;
+    g.timeout_ns = rt.timeout_ns();
+    g.err = devs[i].err;
+    for (size_t r = 0; r < devs.size(); ++r) {
+      g.ctrl[r] = devs[r].ctrl;
+      g.slot[r] = devs[r].slot;
+    }
+  }
+  return groups;
+}
+
+// Runs `fn` and restores the caller's current device (XLA threads rely on their own).
+template <typename F>
+auto keep_device(F fn) {
+  int prev = 0;
+  PK_CUDA(cudaGetDevice(&prev));
+  auto out = fn();
+  cudaSetDevice(prev);
+  return out;
+}
+
 NB_MODULE(_pk_jax_ext, m) {
   m.def("registrations", [] {
     nb::dict d;
@@ -81,6 +113,42 @@ NB_MODULE(_pk_jax_ext, m) {
     std::string err = pk::tma_peer_selftest(me, peer, chunks);
     cudaSetDevice(prev);
     return err;
+  });
+  // Microbenchmarks (python -m pk_jax.bench transfer|sync).
+  m.def("mb_mechanisms", [] { return pk::microbench::mechanisms(); });
+  m.def("mb_transfer", [](const std::string& mech, int src, int dst, size_t total, size_t message, int sms, int reps) {
+    return keep_device([&] {
+      const auto r = pk::microbench::transfer(mech, src, dst, total, message, sms, reps);
+      return std::make_tuple(r.ms, r.gbps, r.total);
+    });
+  });
+  m.def("mb_all_pairs", [](const std::string& mech, const std::vector<int>& devices, size_t total, int sms, int reps) {
+    return keep_device([&] { return pk::microbench::all_pairs(mech, devices, total, sms, reps); });
+  });
+  m.def("mb_mbarrier_handoff_ns", [](int dev, int iters) {
+    return keep_device([&] { return pk::microbench::mbarrier_handoff_ns(dev, iters); });
+  });
+  m.def("mb_hbm_flag_handoff_ns", [](int dev, int iters) {
+    return keep_device([&] { return pk::microbench::hbm_flag_handoff_ns(dev, iters); });
+  });
+  m.def("mb_peer_round_trip_ns", [](int a, int b, int iters) {
+    return keep_device([&] { return pk::microbench::peer_signal_round_trip_ns(a, b, iters); });
+  });
+  m.def("mb_group_barrier_ns", [](int iters) {
+    pk::Runtime& rt = pk::Runtime::get();
+    if (!rt.initialized()) throw nb::value_error("mb_group_barrier_ns: runtime not initialized");
+    rt.reset();  // barrier epochs start from zero
+    std::vector<int> ordinals;
+    for (const auto& d : rt.devices()) ordinals.push_back(d.ordinal);
+    const double ns = keep_device([&] { return pk::microbench::group_barrier_ns(all_device_groups(), ordinals, iters); });
+    const std::string err = rt.first_error();
+    if (!err.empty()) throw std::runtime_error(err);
+    return ns;
+  });
+  m.def("num_sms", [](int dev) {
+    int n = 0;
+    PK_CUDA(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev));
+    return n;
   });
   // The C++ group resolution, exposed so CPU tests can check it against the Python mirror.
   m.def("resolve_group", [](int64_t my_id, const std::vector<int64_t>& mesh_ids, const std::vector<int64_t>& shape,

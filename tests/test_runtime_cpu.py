@@ -80,3 +80,22 @@ def test_bench_cli_runs_on_cpu(tmp_path):
     for row in doc["rows"]:
         assert {"op", "case", "shape", "dtype", "group", "ours_ms", "baseline", "baseline_ms", "ratio"} <= row.keys()
         assert row["extra"]["check"] == "ok"
+
+
+@pytest.mark.parametrize("suite", ["transfer", "sync"])
+def test_microbench_cli_fails_clearly_without_gpus(suite, tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-m", "pk_jax.bench", suite, "--out", str(tmp_path / "x.json")],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode != 0
+    assert "needs >= 2 CUDA GPUs" in p.stderr + p.stdout
+
+
+def test_saturation_point_from_sm_sweep():
+    from pk_jax.bench.microbench import saturation_sms
+
+    rows = [{"case": "tma_store", "extra": {"sweep": "sm_count", "sms": s, "gbps": g}}
+            for s, g in [(1, 40), (4, 150), (8, 300), (16, 340), (132, 350)]]
+    assert saturation_sms(rows, "tma_store") == 16  # first point >= 0.9 x 350 = 315 GB/s
+    assert saturation_sms(rows, "tma_store", fraction=0.8) == 8
+    assert saturation_sms(rows, "reg_store") is None

@@ -33,9 +33,10 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["collectives"], help="which suite to run")
+    p.add_argument("suite", choices=["collectives", "transfer", "sync"], help="which suite to run")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
-    p.add_argument("--reps", type=int, default=20, help="timed calls per case (median reported)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
     p.add_argument("--variants", action="store_true", help="also time the non-default transports (pull)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
@@ -45,19 +46,38 @@ def main(argv: list[str] | None = None) -> int:
 
     from pk_jax.bench import collectives, results
 
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", results.device_description()).strip("-").lower()
+    out = args.out or os.path.join("benchmarks", "results",
+                                   f"{datetime.date.today().isoformat()}-{args.suite}-{slug}.json")
+    out_dir = os.path.dirname(os.path.abspath(out))
+    os.makedirs(out_dir, exist_ok=True)
+    if args.suite in ("transfer", "sync"):
+        from pk_jax.bench import microbench
+
+        microbench.require_gpus()
+        print(f"pk_jax.bench {args.suite}: {results.device_description()}", flush=True)
+        if args.suite == "transfer":
+            rows = microbench.run_transfer(args.quick, args.reps or 5, out_dir)
+            sat = {m: microbench.saturation_sms(rows, m) for m in microbench.DEVICE_MECHANISMS}
+            print("SMs to reach 90% of each mechanism's best bandwidth:", sat)
+        else:
+            rows = microbench.run_sync(args.reps or 9)
+        results.write(out, args.suite, rows)
+        results.print_micro_table(rows)
+        print(f"\nwrote {out}")
+        return 0
+
     on_gpu = jax.devices()[0].platform == "gpu"
     if len(jax.devices()) < 2:
         print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
         return 2
     quick = args.quick or not on_gpu
+    reps = args.reps or 20
     print(f"pk_jax.bench {args.suite}: {results.device_description()}, "
-          f"{'quick sizes' if quick else 'full sizes'}, {args.reps} reps", flush=True)
+          f"{'quick sizes' if quick else 'full sizes'}, {reps} reps", flush=True)
     if not on_gpu:
         print("  (no GPU: pk_jax ops run their jax.lax fallback here; timings only exercise the plumbing)")
-    rows = collectives.run(quick=quick, reps=args.reps, only=args.op, variants=args.variants)
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", results.device_description()).strip("-").lower()
-    out = args.out or os.path.join("benchmarks", "results",
-                                   f"{datetime.date.today().isoformat()}-{args.suite}-{slug}.json")
+    rows = collectives.run(quick=quick, reps=reps, only=args.op, variants=args.variants)
     results.write(out, args.suite, rows)
     print()
     results.print_table(rows)

@@ -50,3 +50,13 @@ def print_table(rows: Sequence[dict]) -> None:
         print(f"{r['op']:<15}{r['case']:<12}{str(r['shape']):<22}{r['group']:>3}{r['ours_ms']:>11.4f}"
               f"{r['baseline_ms']:>11.4f}{r['ratio']:>8.2f}{(f'{gbps:.0f}' if gbps else '-'):>9}  "
               f"{r.get('extra', {}).get('check', '')}")
+
+
+def print_micro_table(rows: Sequence[dict]) -> None:
+    """Transfer/sync rows: mechanism, sweep point, bandwidth or latency."""
+    print(f"{'op':<10}{'case':<26}{'sweep':<14}{'bytes':>12}{'msg':>11}{'SMs':>5}{'GB/s':>9}{'latency ns':>12}")
+    for r in rows:
+        e = r["extra"]
+        print(f"{r['op']:<10}{r['case']:<26}{e.get('sweep', ''):<14}{(r['shape'] or [''])[0]!s:>12}"
+              f"{e.get('message_bytes', '')!s:>11}{e.get('sms', '')!s:>5}{e.get('gbps', '')!s:>9}"
+              f"{e.get('latency_ns', '')!s:>12}")

@@ -1,0 +1,43 @@
+// Host entry points of the transfer and synchronization microbenchmarks (microbench_*.cu): the
+// measurements behind the paper's table 1 and figures 2, 3 and 5, on the user's own GPUs.
+#pragma once
+#include <cstddef>
+#include <string>
+#include <vector>
+
+#include "pk/group.cuh"
+
+namespace pk::microbench {
+
+// Mechanisms that move data from GPU `src` to GPU `dst`:
+//   copy_engine    cudaMemcpyPeerAsync, one call per message
+//   tma_store      kernel on src: TMA load (local) -> TMA store to dst
+//   tma_load       kernel on dst: TMA load from src -> TMA store (local)
+//   tma_store_add  kernel on src: TMA load (local) -> TMA add-store (bf16) into dst
+//   reg_store      kernel on src: 16-byte loads (local) -> 16-byte stores to dst
+//   reg_load       kernel on dst: 16-byte loads from src -> 16-byte stores (local)
+const std::vector<std::string>& mechanisms();
+
+struct TransferResult {
+  double ms;          // median time of one transfer of `total` bytes
+  double gbps;        // total / ms
+  size_t total;       // bytes moved per transfer (reduced for tiny copy-engine messages)
+};
+
+// One mechanism, one pair, `sms` CTAs (one per SM; ignored by the copy engine), median of `reps`.
+// Throws std::runtime_error on CUDA errors or an unknown mechanism.
+TransferResult transfer(const std::string& mechanism, int src, int dst, size_t total, size_t message, int sms,
+                        int reps);
+
+// Every GPU of `devices` sends `total` bytes to every other one at once, with `sms` CTAs split across
+// its peers. Returns the per-GPU send bandwidth (GB/s), median of `reps`.
+double all_pairs(const std::string& mechanism, const std::vector<int>& devices, size_t total, int sms, int reps);
+
+// Median latencies in nanoseconds over `iters` round trips:
+double mbarrier_handoff_ns(int device, int iters);      // two warps of one SM, through an mbarrier
+double hbm_flag_handoff_ns(int device, int iters);      // two SMs, through a flag in global memory
+double peer_signal_round_trip_ns(int a, int b, int iters);  // signal/wait between two GPUs, there and back
+// Full barrier across `g` (runtime control blocks; the caller resets them first), per barrier.
+double group_barrier_ns(const std::vector<Group>& groups, const std::vector<int>& devices, int iters);
+
+}  // namespace pk::microbench
