@@ -3,6 +3,7 @@
 // so the handler is safe to capture in a CUDA graph (command buffer).
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "../kernels/collectives.cuh"
@@ -75,6 +76,10 @@ ffi::Error collective(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     g.ctrl[r] = d->ctrl;
     g.slot[r] = d->slot;
   }
+  // Box units are vec_bytes-wide vectors; XLA aligns buffers far beyond 16 bytes, but say so if not.
+  const auto misaligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % uintptr_t(vec_bytes) != 0; };
+  if (vec_bytes <= 0 || misaligned(x.untyped_data()) || misaligned(y->untyped_data()))
+    return ffi::Error::Internal("pk_jax: buffer not aligned to the " + std::to_string(vec_bytes) + "-byte vectors");
   const Box box = decode_box(box_fields);
   const LaunchLimits lim = rt.limits(*me);
   cudaError_t e;
