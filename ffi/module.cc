@@ -24,6 +24,16 @@ namespace {
 
 nb::capsule handler_capsule(void* fn) { return nb::capsule(fn); }
 
+// Runs `fn` and restores the caller's current device (XLA threads rely on their own).
+template <typename F>
+auto keep_device(F fn) {
+  int prev = 0;
+  PK_CUDA(cudaGetDevice(&prev));
+  auto out = fn();
+  cudaSetDevice(prev);
+  return out;
+}
+
 // Runs the bounded wait on GPU `ordinal` for a signal from GPU `peer_ordinal` that nobody sends,
 // and returns the error the runtime recorded (the self-test of the timeout path).
 std::string wait_for_absent_peer(int ordinal, int peer_ordinal, uint64_t timeout_ms) {
@@ -42,13 +52,12 @@ std::string wait_for_absent_peer(int ordinal, int peer_ordinal, uint64_t timeout
   rt.set_timeout_ms(timeout_ms);  // the report names this timeout
   g.timeout_ns = rt.timeout_ns();
   g.err = me->err;
-  int prev = 0;
-  PK_CUDA(cudaGetDevice(&prev));
-  PK_CUDA(cudaSetDevice(ordinal));
-  PK_CUDA(pk::launch_wait_for_peer(g, 1, nullptr));
-  PK_CUDA(cudaDeviceSynchronize());
-  PK_CUDA(cudaSetDevice(prev));
-  return rt.first_error();
+  return keep_device([&] {
+    PK_CUDA(cudaSetDevice(ordinal));
+    PK_CUDA(pk::launch_wait_for_peer(g, 1, nullptr));
+    PK_CUDA(cudaDeviceSynchronize());
+    return rt.first_error();
+  });
 }
 
 }  // namespace
@@ -71,16 +80,6 @@ std::vector<pk::Group> all_device_groups() {
     }
   }
   return groups;
-}
-
-// Runs `fn` and restores the caller's current device (XLA threads rely on their own).
-template <typename F>
-auto keep_device(F fn) {
-  int prev = 0;
-  PK_CUDA(cudaGetDevice(&prev));
-  auto out = fn();
-  cudaSetDevice(prev);
-  return out;
 }
 
 NB_MODULE(_pk_jax_ext, m) {
@@ -108,11 +107,7 @@ NB_MODULE(_pk_jax_ext, m) {
   });
   m.def("wait_for_absent_peer", &wait_for_absent_peer);
   m.def("tma_peer_selftest", [](int me, int peer, size_t chunks) {
-    int prev = 0;
-    PK_CUDA(cudaGetDevice(&prev));
-    std::string err = pk::tma_peer_selftest(me, peer, chunks);
-    cudaSetDevice(prev);
-    return err;
+    return keep_device([&] { return pk::tma_peer_selftest(me, peer, chunks); });
   });
   // Microbenchmarks (python -m pk_jax.bench transfer|sync).
   m.def("mb_mechanisms", [] { return pk::microbench::mechanisms(); });

@@ -1,13 +1,23 @@
 // Host entry points of the transfer and synchronization microbenchmarks (microbench_*.cu): the
 // measurements behind the paper's table 1 and figures 2, 3 and 5, on the user's own GPUs.
 #pragma once
+#include <cuda_runtime.h>
+
 #include <cstddef>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "pk/group.cuh"
 
 namespace pk::microbench {
+
+// Dynamic shared memory that leaves room for only one CTA per SM, so "n CTAs" means "n SMs".
+constexpr size_t kPinSmem = 120 * 1024;
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
 
 // Mechanisms that move data from GPU `src` to GPU `dst`:
 //   copy_engine    cudaMemcpyPeerAsync, one call per message

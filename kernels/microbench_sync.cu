@@ -12,12 +12,6 @@
 namespace pk::microbench {
 namespace {
 
-constexpr size_t kPinSmem = 120 * 1024;  // one CTA per SM, so "two CTAs" means two SMs
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
 // Warps 0 and 1 pass a token back and forth through two mbarriers.
 __global__ void mbarrier_pingpong_kernel(int iters) {
   __shared__ uint64_t bar[2];

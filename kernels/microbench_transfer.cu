@@ -20,11 +20,6 @@ constexpr uint32_t kStageBytes = 32 * 1024;  // largest single TMA message here 
                                              // divides every power-of-two total); 6 stages = 192 KiB
 constexpr int kRegThreads = 512;
 constexpr int kRegUnroll = 4;
-constexpr size_t kPinSmem = 120 * 1024;  // forces one CTA per SM for the register kernel
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
-}
 
 // One thread per CTA streams pieces (min(message, stage) bytes each) through a ring of shared-memory
 // stages: loads run kStages-1 pieces ahead of the stores.
