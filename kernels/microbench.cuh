@@ -19,28 +19,56 @@ inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// Peer access both ways between `a` and `b` (XLA normally turned it on already; "already enabled"
+// is cleared so that it does not surface later through cudaGetLastError). Keeps the current device.
+inline void enable_peer_access(int a, int b) {
+  int prev = 0;
+  check(cudaGetDevice(&prev), "cudaGetDevice");
+  const int pairs[2][2] = {{a, b}, {b, a}};
+  for (const auto& p : pairs) {
+    int can = 0;
+    check(cudaDeviceCanAccessPeer(&can, p[0], p[1]), "cudaDeviceCanAccessPeer");
+    if (!can)
+      throw std::runtime_error("GPU " + std::to_string(p[0]) + " cannot access GPU " + std::to_string(p[1]) +
+                               " (no peer-to-peer path)");
+    check(cudaSetDevice(p[0]), "cudaSetDevice");
+    const cudaError_t e = cudaDeviceEnablePeerAccess(p[1], 0);
+    if (e == cudaErrorPeerAccessAlreadyEnabled)
+      (void)cudaGetLastError();
+    else
+      check(e, "cudaDeviceEnablePeerAccess");
+  }
+  check(cudaSetDevice(prev), "cudaSetDevice");
+}
+
 // Mechanisms that move data from GPU `src` to GPU `dst`:
-//   copy_engine    cudaMemcpyPeerAsync, one call per message
+//   copy_engine    cudaMemcpyPeerAsync, one call per message (at most kMaxCopyCalls calls per transfer)
 //   tma_store      kernel on src: TMA load (local) -> TMA store to dst
 //   tma_load       kernel on dst: TMA load from src -> TMA store (local)
 //   tma_store_add  kernel on src: TMA load (local) -> TMA add-store (bf16) into dst
 //   reg_store      kernel on src: 16-byte loads (local) -> 16-byte stores to dst
 //   reg_load       kernel on dst: 16-byte loads from src -> 16-byte stores (local)
+// A kernel's "message" is the contiguous run one CTA moves at a time; messages above 32 KiB (one
+// TMA stage; one pass of a register CTA) are moved as 32 KiB pieces spread over the CTAs.
+constexpr size_t kMaxCopyCalls = 16384;
 const std::vector<std::string>& mechanisms();
 
 struct TransferResult {
   double ms;          // median time of one transfer of `total` bytes
   double gbps;        // total / ms
-  size_t total;       // bytes moved per transfer (reduced for tiny copy-engine messages)
+  size_t total;       // bytes moved per transfer (reduced to kMaxCopyCalls messages for the copy engine)
 };
 
 // One mechanism, one pair, `sms` CTAs (one per SM; ignored by the copy engine), median of `reps`.
-// Throws std::runtime_error on CUDA errors or an unknown mechanism.
+// The destination is then checked byte for byte against the source (store-add: after one more
+// transfer into a zeroed destination). Throws std::runtime_error on CUDA errors, a wrong byte or
+// an unknown mechanism.
 TransferResult transfer(const std::string& mechanism, int src, int dst, size_t total, size_t message, int sms,
                         int reps);
 
 // Every GPU of `devices` sends `total` bytes to every other one at once, with `sms` CTAs split across
-// its peers. Returns the per-GPU send bandwidth (GB/s), median of `reps`.
+// its peers. Returns the per-GPU send bandwidth (GB/s), median of `reps`; every destination is
+// checked byte for byte afterwards.
 double all_pairs(const std::string& mechanism, const std::vector<int>& devices, size_t total, int sms, int reps);
 
 // Median latencies in nanoseconds over `iters` round trips:

@@ -56,17 +56,25 @@ __global__ void hbm_flag_pingpong_kernel(uint32_t* flag, int iters) {
   }
 }
 
-// GPU `me` (0 or 1) and its peer ping-pong through counters in each other's memory.
-__global__ void peer_pingpong_kernel(uint64_t* my_flag, uint64_t* peer_flag, int me, int iters) {
+// Spins until *flag >= v; false once `deadline` (globaltimer ns) has passed (checked every 1024 spins).
+__device__ __forceinline__ bool wait_at_least(const uint64_t* flag, uint64_t v, uint64_t deadline) {
+  for (uint32_t s = 1;; ++s) {
+    if (ld_acquire_sys(flag) >= v) return true;
+    if ((s & 1023u) == 0 && global_timer_ns() > deadline) return false;
+  }
+}
+
+// GPU `me` (0 or 1) and its peer ping-pong through counters in each other's memory. Gives up after
+// `timeout_ns` (the host then finds the counters short of `iters` and reports it) instead of hanging.
+__global__ void peer_pingpong_kernel(uint64_t* my_flag, uint64_t* peer_flag, int me, int iters, uint64_t timeout_ns) {
   if (threadIdx.x != 0) return;
+  const uint64_t deadline = global_timer_ns() + timeout_ns;
   for (int i = 0; i < iters; ++i) {
     if (me == 0) {
       signal(peer_flag);
-      while (ld_acquire_sys(my_flag) < uint64_t(i + 1)) {
-      }
+      if (!wait_at_least(my_flag, uint64_t(i + 1), deadline)) return;
     } else {
-      while (ld_acquire_sys(my_flag) < uint64_t(i + 1)) {
-      }
+      if (!wait_at_least(my_flag, uint64_t(i + 1), deadline)) return;
       signal(peer_flag);
     }
   }
@@ -126,7 +134,11 @@ double hbm_flag_handoff_ns(int device, int iters) {
 }
 
 double peer_signal_round_trip_ns(int a, int b, int iters) {
+  if (a == b) throw std::runtime_error("peer round trip needs two different GPUs");
+  if (iters < 1) throw std::runtime_error("iters must be >= 1");
+  enable_peer_access(a, b);
   preload({a, b});
+  const uint64_t timeout_ns = 10'000'000'000ull;  // 10 s; a round trip takes microseconds
   uint64_t *fa, *fb;
   check(cudaSetDevice(a), "cudaSetDevice");
   check(cudaMalloc(&fa, 8), "cudaMalloc");
@@ -137,14 +149,20 @@ double peer_signal_round_trip_ns(int a, int b, int iters) {
   check(cudaMemset(fb, 0, 8), "cudaMemset");
   check(cudaDeviceSynchronize(), "sync");
   // The responder starts first; the initiator's kernel time covers all round trips.
-  peer_pingpong_kernel<<<1, 32>>>(fb, fa, 1, iters);
+  peer_pingpong_kernel<<<1, 32>>>(fb, fa, 1, iters, timeout_ns);
   check(cudaGetLastError(), "launch");
-  const double ms = timed_ms(a, [&] { peer_pingpong_kernel<<<1, 32>>>(fa, fb, 0, iters); });
+  const double ms = timed_ms(a, [&] { peer_pingpong_kernel<<<1, 32>>>(fa, fb, 0, iters, timeout_ns); });
   check(cudaSetDevice(b), "cudaSetDevice");
   check(cudaDeviceSynchronize(), "sync");
+  uint64_t got_a = 0, got_b = 0;  // each side's counter must have reached iters
+  check(cudaMemcpy(&got_b, fb, 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
   cudaFree(fb);
   check(cudaSetDevice(a), "cudaSetDevice");
+  check(cudaMemcpy(&got_a, fa, 8, cudaMemcpyDeviceToHost), "cudaMemcpy");
   cudaFree(fa);
+  if (got_a != uint64_t(iters) || got_b != uint64_t(iters))
+    throw std::runtime_error("peer round trip timed out: counters " + std::to_string(got_a) + "/" +
+                             std::to_string(got_b) + " of " + std::to_string(iters));
   return ms * 1e6 / iters;
 }
 

@@ -20,6 +20,7 @@ constexpr uint32_t kStageBytes = 32 * 1024;  // largest single TMA message here 
                                              // divides every power-of-two total); 6 stages = 192 KiB
 constexpr int kRegThreads = 512;
 constexpr int kRegUnroll = 4;
+constexpr size_t kRegChunk = size_t(kRegThreads) * kRegUnroll * 16;  // one pass of a CTA: 32 KiB
 
 // One thread per CTA streams pieces (min(message, stage) bytes each) through a ring of shared-memory
 // stages: loads run kStages-1 pieces ahead of the stores.
@@ -57,7 +58,8 @@ __global__ void __launch_bounds__(32, 1) tma_copy_kernel(const char* src, char* 
   tma::wait_group<0>();
 }
 
-// Each CTA copies whole messages (message / 16 vectors), 4 loads in flight per thread.
+// Each CTA copies whole messages (message / 16 vectors, at most kRegChunk bytes: larger messages come
+// in as kRegChunk pieces), 4 loads in flight per thread.
 __global__ void __launch_bounds__(kRegThreads, 1) reg_copy_kernel(const uint4* src, uint4* dst, size_t vecs,
                                                                   size_t msg_vecs) {
   const size_t messages = vecs / msg_vecs;
@@ -116,9 +118,11 @@ void enqueue(const std::string& m, const char* src, int src_dev, char* dst, int 
     return;
   }
   if (m == "reg_store" || m == "reg_load") {
+    // Messages above one CTA pass are split, as the TMA splits them into stages: otherwise a 256 MiB
+    // message would leave all but total/message CTAs idle.
     reg_copy_kernel<<<sms, kRegThreads, kPinSmem, stream>>>(reinterpret_cast<const uint4*>(src),
                                                            reinterpret_cast<uint4*>(dst), total / 16,
-                                                           std::max<size_t>(message / 16, 1));
+                                                           std::min(message, kRegChunk) / 16);
   } else {
     const uint32_t piece = uint32_t(std::min<size_t>(message, kStageBytes));
     const size_t smem = size_t(kStages) * kStageBytes;
@@ -128,6 +132,32 @@ void enqueue(const std::string& m, const char* src, int src_dev, char* dst, int 
       tma_copy_kernel<false><<<sms, 32, smem, stream>>>(src, dst, total, piece);
   }
   check(cudaGetLastError(), "transfer kernel launch");
+}
+
+// Counts the 32-bit words of `dst` (on `dst_dev`) that differ from `src` (any GPU) and throws if any do.
+void verify(const char* src, char* dst, int dst_dev, size_t total, const std::string& what) {
+  check(cudaSetDevice(dst_dev), "cudaSetDevice");
+  unsigned long long* bad;
+  unsigned long long n = 0;
+  check(cudaMalloc(&bad, sizeof(*bad)), "cudaMalloc");
+  check(cudaMemset(bad, 0, sizeof(*bad)), "cudaMemset");
+  count_mismatches_kernel<<<1024, 256>>>(reinterpret_cast<const uint32_t*>(src),
+                                         reinterpret_cast<const uint32_t*>(dst), total / 4, bad);
+  check(cudaGetLastError(), "verify launch");
+  const cudaError_t e = cudaMemcpy(&n, bad, sizeof(n), cudaMemcpyDeviceToHost);
+  cudaFree(bad);
+  check(e, "verify");
+  if (n) throw std::runtime_error(what + ": " + std::to_string(n) + " of " + std::to_string(total / 4) +
+                                  " words differ from the source after the transfer");
+}
+
+// Store-add accumulates, so its check is one more transfer into a zeroed destination (0 + x == x
+// exactly in bf16; the source holds finite values only).
+void prepare_check(const std::string& m, char* dst, int dst_dev, size_t total) {
+  if (m != "tma_store_add") return;
+  check(cudaSetDevice(dst_dev), "cudaSetDevice");
+  check(cudaMemset(dst, 0, total), "cudaMemset");
+  check(cudaDeviceSynchronize(), "sync");
 }
 
 void configure(int device) {
@@ -151,7 +181,11 @@ TransferResult transfer(const std::string& m, int src, int dst, size_t total, si
     throw std::runtime_error("unknown mechanism '" + m + "'");
   if (message < 16 || message % 16 || total % message)
     throw std::runtime_error("message must be a multiple of 16 bytes that divides the total");
-  if (m == "copy_engine") total = std::min(total, message * 65536);  // bounded number of calls
+  if (reps < 1) throw std::runtime_error("reps must be >= 1");
+  if (src == dst) throw std::runtime_error("source and destination must be different GPUs");
+  // Bounded number of calls: with 128 B messages the time is per-call overhead anyway.
+  if (m == "copy_engine") total = std::min(total, message * kMaxCopyCalls);
+  enable_peer_access(src, dst);
   DeviceBuffer a(src, total), b(dst, total, false);
   const int runner = runs_on_dst(m) ? dst : src;
   configure(src);
@@ -172,21 +206,16 @@ TransferResult transfer(const std::string& m, int src, int dst, size_t total, si
     check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
     if (r >= 0) times.push_back(ms);
   }
+  if (m == "tma_store_add") {
+    prepare_check(m, b.ptr, dst, total);
+    check(cudaSetDevice(runner), "cudaSetDevice");
+    enqueue(m, a.ptr, src, b.ptr, dst, total, message, sms, stream);
+    check(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);
-  if (m != "tma_store_add") {  // the destination must now equal the source, byte for byte
-    check(cudaSetDevice(dst), "cudaSetDevice");
-    unsigned long long* bad;
-    unsigned long long n = 0;
-    check(cudaMalloc(&bad, sizeof(*bad)), "cudaMalloc");
-    check(cudaMemset(bad, 0, sizeof(*bad)), "cudaMemset");
-    count_mismatches_kernel<<<1024, 256>>>(reinterpret_cast<const uint32_t*>(a.ptr),
-                                           reinterpret_cast<const uint32_t*>(b.ptr), total / 4, bad);
-    check(cudaMemcpy(&n, bad, sizeof(n), cudaMemcpyDeviceToHost), "verify");
-    cudaFree(bad);
-    if (n) throw std::runtime_error(m + ": " + std::to_string(n) + " words differ after the transfer");
-  }
+  verify(a.ptr, b.ptr, dst, total, m);  // the destination must now equal the source, byte for byte
   std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
   const double ms = times[times.size() / 2];
   return {ms, double(total) / (ms * 1e-3) / 1e9, total};
@@ -195,6 +224,11 @@ TransferResult transfer(const std::string& m, int src, int dst, size_t total, si
 double all_pairs(const std::string& m, const std::vector<int>& devices, size_t total, int sms, int reps) {
   const size_t g = devices.size();
   if (g < 2) throw std::runtime_error("all_pairs needs >= 2 devices");
+  if (reps < 1) throw std::runtime_error("reps must be >= 1");
+  if (std::find(mechanisms().begin(), mechanisms().end(), m) == mechanisms().end())
+    throw std::runtime_error("unknown mechanism '" + m + "'");
+  for (size_t i = 0; i < g; ++i)
+    for (size_t j = i + 1; j < g; ++j) enable_peer_access(devices[i], devices[j]);
   std::vector<std::unique_ptr<DeviceBuffer>> src, dst;  // src[i]: data on i; dst[i*g+j]: on j, from i
   std::vector<cudaStream_t> streams(g * g);
   for (size_t i = 0; i < g; ++i) {
@@ -225,10 +259,24 @@ double all_pairs(const std::string& m, const std::vector<int>& devices, size_t t
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     if (r >= 0) times.push_back(ms);
   }
+  for (size_t i = 0; i < g; ++i)  // store-add: one more round into zeroed destinations, for the check
+    for (size_t j = 0; j < g && m == "tma_store_add"; ++j) {
+      if (i == j) continue;
+      prepare_check(m, dst[i * g + j]->ptr, devices[j], total);
+      check(cudaSetDevice(devices[i]), "cudaSetDevice");
+      enqueue(m, src[i]->ptr, devices[i], dst[i * g + j]->ptr, devices[j], total, size_t(64) << 10, per_peer,
+              streams[i * g + j]);
+      check(cudaStreamSynchronize(streams[i * g + j]), "cudaStreamSynchronize");
+    }
   for (size_t k = 0; k < streams.size(); ++k) {
     if (k / g == k % g) continue;
     cudaStreamDestroy(streams[k]);
   }
+  for (size_t i = 0; i < g; ++i)
+    for (size_t j = 0; j < g; ++j)
+      if (i != j)
+        verify(src[i]->ptr, dst[i * g + j]->ptr, devices[j], total,
+               m + " all pairs " + std::to_string(devices[i]) + "->" + std::to_string(devices[j]));
   std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
   return double(total) * double(g - 1) / (times[times.size() / 2] * 1e-3) / 1e9;
 }

@@ -22,8 +22,17 @@ def test_transfer_mechanisms_move_the_bytes(mechanism, message, sms):
     assert ms > 0 and 0 < gbps < 2000 and moved > 0
 
 
-def test_all_pairs():
-    assert 0 < _ext.ext.mb_all_pairs("reg_store", ordinals(), 16 << 20, 132, 2) < 2000
+@pytest.mark.parametrize("mechanism", ["copy_engine", "tma_store", "tma_store_add", "reg_store"])
+def test_all_pairs(mechanism):
+    assert 0 < _ext.ext.mb_all_pairs(mechanism, ordinals(), 16 << 20, 132, 2) < 2000
+
+
+def test_bad_arguments_raise():
+    d = ordinals()
+    with pytest.raises(RuntimeError, match="unknown mechanism"):
+        _ext.ext.mb_transfer("smoke_signals", d[0], d[1], 1 << 20, 4096, 1, 1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        _ext.ext.mb_transfer("tma_store", d[0], d[1], 1 << 20, 24, 1, 1)
 
 
 def test_latency_probes():
