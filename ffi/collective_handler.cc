@@ -7,7 +7,7 @@
 #include <string>
 
 #include "../kernels/collectives.cuh"
-#include "group_resolver.h"
+#include "group_builder.h"
 #include "runtime.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -47,35 +47,14 @@ ffi::Error collective(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
                       int32_t op, int32_t variant, int32_t vec_bytes, ffi::Span<const int64_t> mesh_ids,
                       ffi::Span<const int64_t> mesh_shape, ffi::Span<const int64_t> group_axes,
                       ffi::Span<const int64_t> box_fields) {
-  Runtime& rt = Runtime::get();
-  if (!rt.initialized()) return ffi::Error::Internal("pk_jax: runtime not initialized (import pk_jax first)");
-  const std::string pending = rt.first_error();
-  if (!pending.empty()) return ffi::Error::Internal(pending);
-  const LocalDevice* me = rt.by_ordinal(ordinal);
-  if (!me) return ffi::Error::Internal("pk_jax: GPU " + std::to_string(ordinal) + " is not managed by pk_jax");
+  Group g;
+  const LocalDevice* me = nullptr;
+  bool invalid = false;
+  const std::string error = build_group(ordinal, op, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
+                                        mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
+  if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
   if (box_fields.size() != kBoxFields) return ffi::Error::InvalidArgument("pk_jax: malformed box attribute");
-
-  std::string error;
-  const GroupMembers members = resolve_group(me->global_id, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
-                                             mesh_shape.size(), group_axes.begin(), group_axes.size(), error);
-  if (!error.empty()) return ffi::Error::Internal("pk_jax: " + error);
-  if (members.ids.size() < 2 || members.ids.size() > size_t(kMaxGroup))
-    return ffi::Error::InvalidArgument("pk_jax: group size must be 2.." + std::to_string(kMaxGroup));
-
-  Group g{};
-  g.rank = members.rank;
-  g.size = int32_t(members.ids.size());
-  g.op = op;
-  g.timeout_ns = rt.timeout_ns();
-  g.err = me->err;
-  for (int r = 0; r < g.size; ++r) {
-    const LocalDevice* d = rt.by_global_id(members.ids[r]);
-    if (!d)
-      return ffi::Error::Internal("pk_jax: device id " + std::to_string(members.ids[r]) +
-                                  " is not local to this process (multi-process groups are not supported yet)");
-    g.ctrl[r] = d->ctrl;
-    g.slot[r] = d->slot;
-  }
+  Runtime& rt = Runtime::get();
   // Box units are vec_bytes-wide vectors; XLA aligns buffers far beyond 16 bytes, but say so if not.
   const auto misaligned = [&](const void* p) { return reinterpret_cast<uintptr_t>(p) % uintptr_t(vec_bytes) != 0; };
   if (vec_bytes <= 0 || misaligned(x.untyped_data()) || misaligned(y->untyped_data()))

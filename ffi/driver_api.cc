@@ -33,6 +33,7 @@ const Api& api() {
     resolve(a.mem_unmap, "cuMemUnmap");
     resolve(a.mem_set_access, "cuMemSetAccess");
     resolve(a.get_error_string, "cuGetErrorString");
+    resolve(a.tensor_map_encode_tiled, "cuTensorMapEncodeTiled");
   });
   return a;
 }

@@ -1,4 +1,4 @@
-// The few CUDA driver entry points the runtime needs (virtual memory management). Resolved at run
+// The few CUDA driver entry points the runtime needs (virtual memory management, TMA tensor maps). Resolved at run
 // time through the runtime API, so the extension never links libcuda (absent on CPU-only machines).
 #pragma once
 #include <cuda.h>
@@ -15,6 +15,7 @@ struct Api {
   decltype(&cuMemUnmap) mem_unmap;
   decltype(&cuMemSetAccess) mem_set_access;
   decltype(&cuGetErrorString) get_error_string;
+  decltype(&cuTensorMapEncodeTiled) tensor_map_encode_tiled;
 };
 
 // Loads the entry points once; throws std::runtime_error naming a missing one.

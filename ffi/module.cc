@@ -8,6 +8,8 @@
 #include <cuda_runtime.h>
 
 #include "../kernels/collectives.cuh"
+#include "../kernels/gemm.cuh"
+#include "../kernels/tp_gemm.cuh"
 #include "../kernels/microbench.cuh"
 #include "../kernels/tma_selftest.cuh"
 #include "group_resolver.h"
@@ -19,6 +21,8 @@
 namespace nb = nanobind;
 
 extern "C" XLA_FFI_Error* PkCollective(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 
 namespace {
 
@@ -86,6 +90,8 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("registrations", [] {
     nb::dict d;
     d["pk_collective"] = handler_capsule(reinterpret_cast<void*>(&PkCollective));
+    d["pk_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkMatmul));
+    d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {
@@ -139,6 +145,21 @@ NB_MODULE(_pk_jax_ext, m) {
     const std::string err = rt.first_error();
     if (!err.empty()) throw std::runtime_error(err);
     return ns;
+  });
+  m.def("gemm_tile_names", [] {
+    std::vector<std::string> names;
+    for (int t = 0; t < pk::gemm::kNumTiles; ++t) names.push_back(pk::gemm::tile_name(t));
+    return names;
+  });
+  // The tile `pk_jax.matmul` picks for bf16/f16 (m, n, k) on GPU `ordinal` (f32_out: float32 output).
+  m.def("gemm_choose_tile", [](int m, int n, int k, bool f32_out, int ordinal) {
+    pk::gemm::Problem p{nullptr, nullptr, nullptr, m, n, k, pk::ElemType::kBF16,
+                        f32_out ? pk::ElemType::kF32 : pk::ElemType::kBF16};
+    return pk::gemm::choose_tile(p, pk::gemm::num_sms(ordinal));
+  });
+  // Why the fused GEMM kernel cannot run a problem ("" when it can); kind 0 AG, 1 RS, 2 AR.
+  m.def("tp_gemm_unsupported", [](int kind, int group, int m, int n, int k, int tile) {
+    return std::string(pk::tp::unsupported(pk::tp::Kind(kind), group, m, n, k, tile));
   });
   m.def("num_sms", [](int dev) {
     int n = 0;

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include "../kernels/gemm.cuh"
+#include "../kernels/tp_gemm.cuh"
 #include "cuda_check.h"
 
 namespace pk {
@@ -30,6 +32,9 @@ const char* op_name(int32_t op) {
     case kOpAllReduce: return "all_reduce";
     case kOpAllToAll: return "all_to_all";
     case kOpSelfTest: return "self-test wait";
+    case kOpAllGatherMatmul: return "all_gather_matmul";
+    case kOpMatmulReduceScatter: return "matmul_reduce_scatter";
+    case kOpMatmulAllReduce: return "matmul_all_reduce";
   }
   return "unknown op";
 }
@@ -83,6 +88,8 @@ void Runtime::initialize(const std::vector<int>& ordinals, const std::vector<int
     PK_CUDA(cudaSetDevice(ordinals[i]));
     PK_CUDA(cudaMemset(control_->at(i), 0, sizeof(ControlBlock)));
     PK_CUDA(configure_kernels());
+    PK_CUDA(gemm::configure_once(ordinals[i]));
+    PK_CUDA(tp::configure());
     cudaDeviceProp prop;
     PK_CUDA(cudaGetDeviceProperties(&prop, ordinals[i]));
     ErrorRecord* dev_err = nullptr;
@@ -114,6 +121,7 @@ std::string Runtime::describe(const ErrorRecord& e) const {
   };
   std::string what = e.code == kTimeoutReady  ? "never started the op (its buffers were never published)"
                      : e.code == kTimeoutDone ? "never finished the op"
+                     : e.code == kTimeoutItem ? "never delivered a tile or row chunk of the op"
                                               : "never sent the expected signal";
   return std::string("pk_jax ") + op_name(e.op) + ": GPU " + std::to_string(ordinal_of(e.device_slot)) +
          " waited more than " + std::to_string(timeout_ns() / 1000000) + " ms for GPU " +

@@ -13,6 +13,9 @@ enum OpCode : int32_t {
   kOpAllReduce = 3,
   kOpAllToAll = 4,
   kOpSelfTest = 5,
+  kOpAllGatherMatmul = 6,
+  kOpMatmulReduceScatter = 7,
+  kOpMatmulAllReduce = 8,
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };

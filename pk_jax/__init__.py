@@ -1,13 +1,16 @@
 """pk_jax: ParallelKittens for JAX.
 
-Device-initiated multi-GPU collectives (and, in later releases, fused GEMM+communication kernels)
-as XLA FFI custom calls. Every op is shaped like its jax.lax counterpart and falls back to it where
+Device-initiated multi-GPU collectives and a Hopper GEMM of our own (the base of the fused
+GEMM+communication kernels) as XLA FFI custom calls. Every op is shaped like its jax.lax counterpart and falls back to it where
 the GPU path is unavailable.
 """
 
 from pk_jax import runtime
 from pk_jax._ext import available as extension_available
 from pk_jax.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from pk_jax.matmul import matmul
 
-__all__ = ["all_gather", "all_reduce", "all_to_all", "extension_available", "reduce_scatter", "runtime"]
+__all__ = [
+    "all_gather", "all_reduce", "all_to_all", "extension_available", "matmul", "reduce_scatter", "runtime",
+]
 __version__ = "0.1.0"

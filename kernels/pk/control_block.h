@@ -8,6 +8,7 @@ namespace pk {
 constexpr int kMaxGroup = 8;      // largest communication group (paper: 8 GPUs per NVLink domain)
 constexpr int kMaxSlots = 8;      // device slots with a control block (local devices in one process)
 constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
+constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
 
 // Error codes written by device code into a host-mapped ErrorRecord.
 enum ErrorCode : int32_t {
@@ -15,6 +16,7 @@ enum ErrorCode : int32_t {
   kTimeoutReady = 1,  // a peer never published its buffers (never launched the op)
   kTimeoutDone = 2,   // a peer never finished touching our buffers
   kTimeoutTest = 3,   // the self-test wait
+  kTimeoutItem = 4,   // a peer never delivered a tile / row chunk of a fused op
 };
 
 // Host-mapped, one per device: the first failure wins and stays until the runtime is reset.
@@ -36,6 +38,9 @@ struct alignas(128) ControlBlock {
   alignas(128) uint64_t seq[kMaxSlots];        // local: ops completed with each peer slot
   uint32_t arrived;                            // local: CTAs of the running launch that finished
   uint32_t aborted;                            // local: set after a timeout, later waits fail fast
+  // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device
+  // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
+  alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];
 };
 
 }  // namespace pk

@@ -86,7 +86,7 @@ struct OpProtocol {
       wait(&me->done[g.slot[r]], epoch[r], g, r, kTimeoutDone);
     }
     __syncthreads();
-    if (r < g.size && r != g.rank) me->seq[g.slot[r]] = epoch[r];
+    if (r < g.size) me->seq[g.slot[r]] = epoch[r];  // own slot too: fused ops signal items to themselves
     if (r == 0) me->arrived = 0;
   }
 };

@@ -41,15 +41,16 @@ __device__ __forceinline__ void signal(uint64_t* peer_counter, uint64_t val = 1)
   red_add_release_sys(peer_counter, val);
 }
 
-// wait: spin until *counter >= expected (acquire). Returns false after a timeout, or at once when
-// an earlier wait on this device already timed out.
-__device__ inline bool wait(const uint64_t* counter, uint64_t expected, const Group& g, int peer_rank,
-                            int32_t code) {
-  if (ld_acquire_sys(counter) >= expected) return true;
+// wait_until: spin until reached() (which must load with acquire semantics). Returns false after
+// Group::timeout_ns (recording `code` against `peer_rank`), or at once when an earlier wait on this
+// device already timed out.
+template <typename Reached>
+__device__ inline bool wait_until(Reached reached, const Group& g, int peer_rank, int32_t code) {
+  if (reached()) return true;
   const uint64_t start = global_timer_ns();
   const volatile uint32_t* aborted = &g.self()->aborted;
   for (uint32_t spins = 0;; ++spins) {
-    if (ld_acquire_sys(counter) >= expected) return true;
+    if (reached()) return true;
     if ((spins & 63u) == 63u) {
       if (*aborted) return false;
       if (global_timer_ns() - start > g.timeout_ns) {
@@ -58,6 +59,12 @@ __device__ inline bool wait(const uint64_t* counter, uint64_t expected, const Gr
       }
     }
   }
+}
+
+// wait: spin until *counter >= expected (acquire).
+__device__ inline bool wait(const uint64_t* counter, uint64_t expected, const Group& g, int peer_rank,
+                            int32_t code) {
+  return wait_until([&] { return ld_acquire_sys(counter) >= expected; }, g, peer_rank, code);
 }
 
 // barrier: every member signals every other member, then waits for all of them. Uses the

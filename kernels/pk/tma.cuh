@@ -86,6 +86,37 @@ __device__ __forceinline__ void wait_group() {
   asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
 }
 
+// ---- tensor (tiled) copies through a CUtensorMap built on the host (kernels/pk/tensor_map.h) ----
+// Coordinates are (column, row) of the box's first element; out-of-bounds parts of a box read as
+// zeros and are not written, which is how edge tiles are handled.
+__device__ __forceinline__ void load_tile_2d(void* smem_dst, const void* tmap, int col, int row, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
+      ::"r"(smem_addr(smem_dst)), "l"(tmap), "r"(col), "r"(row), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void store_tile_2d(const void* tmap, int col, int row, const void* smem_src) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%1, %2}], [%3];"
+               ::"l"(tmap), "r"(col), "r"(row), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
+// Element-wise add of the box into global memory (the reduction a GEMM + reduce-scatter needs).
+__device__ __forceinline__ void store_add_tile_2d(const void* tmap, int col, int row, const void* smem_src) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];"
+               ::"l"(tmap), "r"(col), "r"(row), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const void* tmap) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
+
 // Order generic-proxy shared-memory writes before async-proxy (TMA) reads of them.
 __device__ __forceinline__ void fence_proxy_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");

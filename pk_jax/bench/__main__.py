@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench collectives [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {collectives,gemm,transfer,sync} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -33,12 +33,13 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["collectives", "transfer", "sync"], help="which suite to run")
+    p.add_argument("suite", choices=["collectives", "gemm", "transfer", "sync"], help="which suite to run")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
-    p.add_argument("--variants", action="store_true", help="also time the non-default transports (pull)")
+    p.add_argument("--variants", action="store_true",
+                   help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
     args = p.parse_args(argv)
     _ensure_flags()
@@ -68,6 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     on_gpu = jax.devices()[0].platform == "gpu"
+    if args.suite == "gemm":
+        from pk_jax.bench import gemm
+
+        reps = args.reps or 20
+        print(f"pk_jax.bench gemm: {results.device_description()} (uses GPU 0), {reps} reps", flush=True)
+        if not on_gpu:
+            print("  (no GPU: pk_jax.matmul runs jnp.dot here; timings only exercise the plumbing)")
+        rows = gemm.run(quick=args.quick, reps=reps, tiles=args.variants)
+        results.write(out, args.suite, rows)
+        print()
+        results.print_gemm_table(rows)
+        print(f"\nwrote {out}")
+        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
     if len(jax.devices()) < 2:
         print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
         return 2

@@ -18,12 +18,15 @@ def device_description() -> str:
 
 
 def git_commit() -> str:
+    """PK_JAX_COMMIT when set (device copies of the tree may carry a stale .git), else git HEAD."""
+    if os.environ.get("PK_JAX_COMMIT"):
+        return os.environ["PK_JAX_COMMIT"]
     try:
         here = os.path.dirname(os.path.abspath(__file__))
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("PK_JAX_COMMIT", "unknown")
+        return "unknown"
 
 
 def write(path: str, suite: str, rows: Sequence[dict]) -> dict:
@@ -60,3 +63,16 @@ def print_micro_table(rows: Sequence[dict]) -> None:
         print(f"{r['op']:<10}{r['case']:<26}{e.get('sweep', ''):<14}{(r['shape'] or [''])[0]!s:>12}"
               f"{e.get('message_bytes', '')!s:>11}{e.get('sms', '')!s:>5}{e.get('gbps', '')!s:>9}"
               f"{e.get('latency_ns', '')!s:>12}")
+
+
+def print_gemm_table(rows: Sequence[dict]) -> None:
+    head = (f"{'case':<14}{'M x N x K':<22}{'tile':<9}{'ours ms':>10}{'TF/s':>7}{'dot ms':>10}{'TF/s':>7}"
+            f"{'ratio':>8}{'target':>8}  check")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        e = r["extra"]
+        goal = "" if e["target"] is None else f"{e['target']:.2f}{'' if e['meets_target'] else ' !'}"
+        print(f"{r['case']:<14}{'x'.join(map(str, e['mnk'])):<22}{e['tile']:<9}{r['ours_ms']:>10.4f}"
+              f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
+              f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")

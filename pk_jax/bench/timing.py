@@ -31,3 +31,20 @@ def time_per_op(fn: Callable[[Sequence[jax.Array]], object], inputs: Sequence[ja
         jax.block_until_ready(fn(inputs))
         samples.append((time.perf_counter() - t0) * 1e3 / k)
     return statistics.median(samples), samples
+
+
+def time_interleaved(fns: Sequence[Callable[[Sequence[jax.Array]], object]], inputs: Sequence[jax.Array], *,
+                     warmup: int = 3, reps: int = 20) -> list[float]:
+    """Median milliseconds per op of each fn, timed in turns (fn0, fn1, fn0, ...) so that clock and
+    power drift hit every contender alike."""
+    k = len(inputs)
+    for fn in fns:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(inputs))
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(reps):
+        for fn, out in zip(fns, samples):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(inputs))
+            out.append((time.perf_counter() - t0) * 1e3 / k)
+    return [statistics.median(s) for s in samples]

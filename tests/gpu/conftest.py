@@ -1,4 +1,5 @@
-"""GPU tests: marked `gpu`, skipped cleanly without >= 2 CUDA GPUs and the compiled extension."""
+"""GPU tests: marked `gpu`, skipped cleanly without the compiled extension or enough CUDA GPUs
+(a test module sets MIN_GPUS; default 2)."""
 
 import jax
 import pytest
@@ -15,13 +16,12 @@ def _gpus() -> list:
 
 def pytest_collection_modifyitems(config, items):
     here = __file__.rsplit("/", 1)[0]
-    reason = None
-    if not pk_jax.extension_available():
-        reason = "pk_jax CUDA extension not built"
-    elif len(_gpus()) < 2:
-        reason = "needs >= 2 CUDA GPUs"
+    have = len(_gpus())
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.gpu)
-            if reason:
-                item.add_marker(pytest.mark.skip(reason=reason))
+            need = getattr(item.module, "MIN_GPUS", 2)
+            if not pk_jax.extension_available():
+                item.add_marker(pytest.mark.skip(reason="pk_jax CUDA extension not built"))
+            elif have < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs >= {need} CUDA GPUs"))

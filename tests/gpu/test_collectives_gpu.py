@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 import pk_jax
 from pk_jax import _ext
 
+from .poison import poison_allocator
+
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 _seed = itertools.count(1234)
 
@@ -41,14 +43,6 @@ def random_global(shape, dtype, mesh, spec) -> jax.Array:
     make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
                    out_shardings=NamedSharding(mesh, spec))
     return make(key)
-
-
-def poison_allocator(nbytes: int) -> None:
-    """Fill freed device memory with NaN so an output element the kernel never writes shows up."""
-    for d in gpus():
-        junk = jax.device_put(jnp.full((nbytes // 4,), jnp.nan, jnp.float32), d)
-        junk.block_until_ready()
-        del junk
 
 
 def run_both(mesh, ours, ref, x, in_spec, out_spec):

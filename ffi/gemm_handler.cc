@@ -1,0 +1,56 @@
+// XLA FFI handler `pk_matmul`: C = A @ B on one GPU with our LCSC GEMM (kernels/gemm.cuh).
+// Stateless per call (tensor maps are rebuilt from the buffers each time, ~1 us of host work), so it
+// is safe to capture into XLA's command buffers.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../kernels/gemm.cuh"
+#include "ffi_types.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+ffi::Error matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer b,
+                  ffi::Result<ffi::AnyBuffer> c, int32_t tile, int32_t compute_sms) {
+  const auto da = a.dimensions(), db = b.dimensions(), dc = c->dimensions();
+  if (da.size() != 2 || db.size() != 2 || dc.size() != 2 || da[1] != db[0] || dc[0] != da[0] || dc[1] != db[1])
+    return ffi::Error::InvalidArgument("pk_jax matmul: expected a (m, k), b (k, n), c (m, n)");
+  pk::gemm::Problem p{a.untyped_data(), b.untyped_data(), c->untyped_data(), int(da[0]), int(db[1]), int(da[1]),
+                      pk::ElemType::kBF16, pk::ElemType::kBF16};
+  if (!pk::to_elem_type(a.element_type(), p.in) || a.element_type() != b.element_type() ||
+      !pk::to_elem_type(c->element_type(), p.out))
+    return ffi::Error::InvalidArgument("pk_jax matmul: a, b must be bfloat16 or float16 (same dtype)");
+  if (p.m == 0 || p.n == 0) return ffi::Error::Success();
+  if (p.k == 0) {
+    const cudaError_t e = cudaMemsetAsync(p.c, 0, size_t(p.m) * p.n * pk::elem_bytes(p.out), stream);
+    return e == cudaSuccess ? ffi::Error::Success() : ffi::Error::Internal(cudaGetErrorString(e));
+  }
+  if (cudaError_t e = pk::gemm::configure_once(ordinal); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("pk_jax matmul: configuring kernels: ") + cudaGetErrorString(e));
+  const int sms = pk::gemm::num_sms(ordinal);
+  try {
+    pk::gemm::launch(p, tile, compute_sms > 0 && compute_sms < sms ? compute_sms : sms, stream);
+  } catch (const std::invalid_argument& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMatmul, matmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("compute_sms"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,35 @@
+#include "tensor_map.h"
+
+#include <stdexcept>
+#include <string>
+
+#include "driver_api.h"
+
+namespace pk {
+
+CUtensorMap make_tensor_map_2d(const void* base, ElemType type, uint64_t rows, uint64_t cols, uint64_t ld,
+                               uint32_t box_rows, uint32_t box_cols) {
+  const uint64_t esize = uint64_t(elem_bytes(type));
+  if (reinterpret_cast<uintptr_t>(base) % 16)
+    throw std::runtime_error("pk_jax: TMA needs 16-byte aligned matrix addresses");
+  if ((ld * esize) % 16)
+    throw std::runtime_error("pk_jax: TMA needs rows that are a multiple of 16 bytes (got " +
+                             std::to_string(ld * esize) + ")");
+  if (box_cols * esize != 128) throw std::runtime_error("pk_jax: swizzled boxes are 128 bytes wide");
+  const CUtensorMapDataType dt = type == ElemType::kF32    ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                 : type == ElemType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+                                                           : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {cols, rows};
+  const cuuint64_t strides[1] = {ld * esize};
+  const cuuint32_t box[2] = {box_cols, box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  driver::check(driver::api().tensor_map_encode_tiled(
+                    &map, dt, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                "cuTensorMapEncodeTiled");
+  return map;
+}
+
+}  // namespace pk

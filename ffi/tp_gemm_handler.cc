@@ -1,0 +1,76 @@
+// XLA FFI handler `pk_tp_gemm`: the fused tensor-parallel GEMMs (kernels/tp_gemm.cuh). Operands x, w;
+// results out and aux (AG: the gathered x; RS/AR: the partial product, scratch). Like the
+// collectives, all cross-device state is on the GPUs, so the handler is command-buffer safe.
+#include <cuda_runtime.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "../kernels/collectives.cuh"
+#include "../kernels/tp_gemm.cuh"
+#include "ffi_types.h"
+#include "group_builder.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pk {
+namespace {
+
+constexpr int32_t kOpOfKind[3] = {kOpAllGatherMatmul, kOpMatmulReduceScatter, kOpMatmulAllReduce};
+
+ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> aux, int32_t kind, int32_t tile,
+                   int32_t num_comm_sms, ffi::Span<const int64_t> mesh_ids, ffi::Span<const int64_t> mesh_shape,
+                   ffi::Span<const int64_t> group_axes) {
+  if (kind < 0 || kind > 2) return ffi::Error::InvalidArgument("pk_jax fused GEMM: unknown kind");
+  tp::Problem p{};
+  p.kind = tp::Kind(kind);
+  const LocalDevice* me = nullptr;
+  bool invalid = false;
+  const std::string error = build_group(ordinal, kOpOfKind[kind], mesh_ids.begin(), mesh_ids.size(),
+                                        mesh_shape.begin(), mesh_shape.size(), group_axes.begin(),
+                                        group_axes.size(), p.group, me, invalid);
+  if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+  const auto dx = x.dimensions(), dw = w.dimensions();
+  if (dx.size() != 2 || dw.size() != 2 || dx[1] != dw[0])
+    return ffi::Error::InvalidArgument("pk_jax fused GEMM: expected x (m, k) and w (k, n)");
+  if (!to_elem_type(x.element_type(), p.type) || p.type == ElemType::kF32 || w.element_type() != x.element_type() ||
+      out->element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("pk_jax fused GEMM: x, w and the output must share a bf16/f16 dtype");
+  p.x = x.untyped_data();
+  p.w = w.untyped_data();
+  p.out = out->untyped_data();
+  p.aux = aux->untyped_data();
+  p.m = int(dx[0]), p.k = int(dx[1]), p.n = int(dw[1]);
+  p.tile = tile;
+  p.num_comm_sms = num_comm_sms;
+  p.num_sms = me->num_sms;
+  try {
+    tp::launch(p, stream);
+  } catch (const std::invalid_argument& e) {
+    return ffi::Error::InvalidArgument(e.what());
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(e.what());
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkTpGemm, pk::tp_gemm,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int32_t>("kind")
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("num_comm_sms")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_ids")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<ffi::Span<const int64_t>>("group_axes"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,171 @@
+// C = A @ B on the LCSC template: A (M x K) and B (K x N) row-major (as JAX stores them), T = bf16
+// or f16 in, fp32 accumulation, OutT out. A block computes a (64 * WGS) x BN tile; each consumer
+// warpgroup owns 64 rows of it (wgmma m64nBNk16, B read N-major straight from the TMA tile).
+// The fused multi-GPU kernels reuse this struct's loader/consumer and add communication in the
+// storer or communicator.
+#pragma once
+#include <cuda.h>
+
+#include "pk/acc_store.cuh"
+#include "pk/lcsc.cuh"
+#include "pk/pipeline.cuh"
+#include "pk/swizzle.cuh"
+#include "pk/tile_scheduler.cuh"
+#include "pk/tma.cuh"
+#include "pk/wgmma.cuh"
+
+namespace pk::gemm {
+
+struct Globals {
+  CUtensorMap a, b, c;  // boxes: A (BM x 64), B (64 x 64), C (64 x 128 bytes)
+  int m, n, k;
+  TileGrid grid;
+  int num_comm_sms;
+};
+
+// What a fused kernel adds to the GEMM (kernels/tp_gemm_kernel.cuh); the plain GEMM adds nothing.
+//   tile(g, task)          which output tile a task is (the fused ops order tiles for their traffic)
+//   before_load(g, tile)   loader thread, before the tile's first TMA load (e.g. wait for its rows)
+//   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
+//   communicator / finish  the comm SMs' work, and the end-of-kernel protocol of every CTA
+struct NoComm {
+  using Globals = gemm::Globals;
+  struct CommShared {};
+  static constexpr bool kHasCommunicator = false;
+  __device__ static int2 tile(const Globals& g, int task) { return g.grid.tile(task); }
+  __device__ static void before_load(const Globals&, int2) {}
+  __device__ static void after_store(const Globals&, int2) {}
+  __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
+  __device__ static void finish(const Globals&) {}
+};
+
+template <typename T, typename OutT, int WGS_, int BN_, int STAGES_, class Ext = NoComm>
+struct Kernel {
+  using Globals = typename Ext::Globals;
+  using CommShared = typename Ext::CommShared;
+  static constexpr int WGS = WGS_, BN = BN_, STAGES = STAGES_;
+  static constexpr int BM = 64 * WGS, BK = 64;
+  static constexpr int kConsumerWarpgroups = WGS;
+  // 64K registers per SM: consumers hold BN/2 fp32 accumulators per thread.
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
+  static constexpr int kBoxCols = 128 / int(sizeof(T));       // 64 elements per 128-byte TMA box row
+  static constexpr int kOutBoxCols = 128 / int(sizeof(OutT));  // output boxes: 64 rows x 128 bytes
+  static constexpr uint32_t kStageBytes = uint32_t(BM * BK + BK * BN) * sizeof(T);
+  static_assert(BN % kBoxCols == 0 && BN % kOutBoxCols == 0, "tile width");
+
+  struct Stage {
+    alignas(1024) T a[BM * BK];  // one box: BM rows x 64 k, K-major, swizzled
+    alignas(1024) T b[BK * BN];  // BN/64 boxes of 64 k-rows x 64 n, N-major, swizzled
+  };
+  struct Shared {
+    Stage stage[STAGES];
+    alignas(1024) OutT c[WGS][64 * BN];  // per consumer warpgroup: BN/kOutBoxCols boxes of 64 rows
+    Ring<STAGES> ring;
+    Handoff c_slot[WGS];
+  };
+  struct LoaderState {
+    RingPos<STAGES> pos;
+  };
+  struct ConsumerState {
+    int warpgroup;
+    RingPos<STAGES> pos;
+    uint32_t c_phase;
+  };
+  struct StorerState {
+    uint32_t c_phase;
+  };
+
+  __host__ __device__ static int num_tasks(const Globals& g) { return g.grid.count(); }
+  __device__ static int k_blocks(const Globals& g) { return (g.k + BK - 1) / BK; }
+
+  __device__ static void init(const Globals& g, Shared& s) {
+    s.ring.init(1, 4 * WGS);  // full: the loader's expect_tx arrival; empty: one per consumer warp
+    for (int w = 0; w < WGS; ++w) s.c_slot[w].init(128, 1);
+    tma::prefetch_tensor_map(&g.a);
+    tma::prefetch_tensor_map(&g.b);
+    tma::prefetch_tensor_map(&g.c);
+  }
+
+  __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int task) {
+    const int2 tile = Ext::tile(g, task);
+    Ext::before_load(g, tile);
+    for (int kb = 0, n = k_blocks(g); kb < n; ++kb) {
+      st.pos.wait_empty(s.ring);
+      Stage& dst = s.stage[st.pos.stage];
+      uint64_t* full = &s.ring.full[st.pos.stage];
+      tma::mbar_expect_tx(full, kStageBytes);
+      tma::load_tile_2d(dst.a, &g.a, kb * BK, tile.x * BM, full);
+#pragma unroll
+      for (int j = 0; j < BN / kBoxCols; ++j)
+        tma::load_tile_2d(dst.b + j * BK * kBoxCols, &g.b, tile.y * BN + j * kBoxCols, kb * BK, full);
+      st.pos.advance();
+    }
+  }
+
+  // The warpgroup's 64 x BN accumulator for one tile, k-blocks streamed through the ring.
+  __device__ static void mma_tile(const Globals& g, Shared& s, ConsumerState& st, float (&acc)[BN / 2]) {
+    const int lane = threadIdx.x % 32;
+    int prev = -1;
+    for (int kb = 0, n = k_blocks(g); kb < n; ++kb) {
+      st.pos.wait_full(s.ring);
+      const Stage& in = s.stage[st.pos.stage];
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < BK / 16; ++kk) {
+        const uint64_t da = wgmma::desc_sw128(in.a + st.warpgroup * 64 * BK + kk * 16, 16, 1024);
+        const uint64_t db = wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
+        wgmma::mma<T, BN, 0, 1>(acc, da, db, (kb | kk) != 0);
+      }
+      wgmma::commit();
+      wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
+      if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+      prev = st.pos.stage;
+      st.pos.advance();
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc);
+    if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+  }
+
+  // Accumulators -> this warpgroup's output slot (swizzled boxes the storer's TMA reads).
+  __device__ static void stage_output(Shared& s, ConsumerState& st, const float (&acc)[BN / 2]) {
+    Handoff& slot = s.c_slot[st.warpgroup];
+    tma::mbar_wait(&slot.empty, st.c_phase ^ 1);
+    store_acc_swizzled<OutT, BN>(s.c[st.warpgroup], acc);
+    tma::fence_proxy_async_shared();  // the storer's TMA (async proxy) reads what we just wrote
+    tma::mbar_arrive(&slot.full);
+    st.c_phase ^= 1;
+  }
+
+  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int task) {
+    float acc[BN / 2];
+    mma_tile(g, s, st, acc);
+    stage_output(s, st, acc);
+  }
+
+  __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
+    const int2 tile = Ext::tile(g, task);
+    for (int w = 0; w < WGS; ++w) {
+      tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
+#pragma unroll
+      for (int j = 0; j < BN / kOutBoxCols; ++j)
+        tma::store_tile_2d(&g.c, tile.y * BN + j * kOutBoxCols, tile.x * BM + w * 64, s.c[w] + j * 64 * kOutBoxCols);
+      tma::commit_group();
+    }
+    tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
+    for (int w = 0; w < WGS; ++w) tma::mbar_arrive(&s.c_slot[w].empty);
+    st.c_phase ^= 1;
+    Ext::after_store(g, tile);
+  }
+
+  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+
+  __device__ static void communicator(const Globals& g, CommShared& s, lcsc::CommRole role) {
+    Ext::communicator(g, s, role);
+  }
+  __device__ static void finish(const Globals& g) { Ext::finish(g); }
+};
+
+}  // namespace pk::gemm

@@ -1,0 +1,106 @@
+// The load-compute-store-communicate (LCSC) program template (paper section 3.2.3, appendix D).
+//
+// A kernel is a struct K of four roles plus its state:
+//   K::loader(g, smem, LoaderState&, task)        one thread: TMA loads (local or peer HBM)
+//   K::consumer(g, smem, ConsumerState&, task)    one warpgroup each: tensor-core work
+//   K::storer(g, smem, StorerState&, task)        one thread: TMA stores (local or peer HBM)
+//   K::communicator(g, comm_smem, CommRole)       whole CTAs on the first num_comm_sms SMs
+// and K::Globals (with an int num_comm_sms), K::Shared (compute SMs), K::CommShared (comm SMs),
+// K::init(g, Shared&) (barriers, run by one thread), K::num_tasks(g), K::finish(g) (run by every
+// thread of every CTA at the end: the cross-GPU completion protocol), and the constants
+// kConsumerWarpgroups, kProducerRegs, kConsumerRegs, kHasCommunicator.
+//
+// The template owns the persistent grid (compute SMs take tasks worker, worker + workers, ...), the
+// warpgroup specialization and the setmaxnreg register split: warpgroup 0 produces (loader in warp 0,
+// storer in warp 1), warpgroups 1.. consume. Every role walks the same task list in the same order,
+// so the rings between them stay in step without further coordination.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "tile_scheduler.cuh"
+#include "tma.cuh"
+#include "wgmma.cuh"
+
+namespace pk::lcsc {
+
+struct CommRole {
+  int index;  // 0 .. count-1
+  int count;  // num_comm_sms
+};
+
+template <class K>
+constexpr int threads() {
+  return 128 * (K::kConsumerWarpgroups + 1);
+}
+template <class K>
+constexpr size_t smem_bytes() {
+  const size_t s = sizeof(typename K::Shared) > sizeof(typename K::CommShared) ? sizeof(typename K::Shared)
+                                                                               : sizeof(typename K::CommShared);
+  return s + 1024;  // slack to align the base to 1024 bytes (the 128-byte swizzle's period)
+}
+
+// The compute SMs: warpgroup-specialized loader / consumers / storer over this CTA's tasks.
+template <class K>
+__device__ __forceinline__ void compute(const typename K::Globals& g, typename K::Shared& s) {
+  const int comm = g.num_comm_sms;
+  if (threadIdx.x == 0) {
+    K::init(g, s);
+    tma::fence_barrier_init();
+  }
+  __syncthreads();
+  const TaskRange tasks{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)};
+  const int warpgroup = threadIdx.x / 128;
+  if (warpgroup == 0) {
+    wgmma::setmaxnreg_dec<K::kProducerRegs>();
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    if (warp == 0 && lane == 0) {
+      typename K::LoaderState st{};
+      for (int t : tasks) K::loader(g, s, st, t);
+    } else if (warp == 1 && lane == 0) {
+      typename K::StorerState st{};
+      for (int t : tasks) K::storer(g, s, st, t);
+      K::storer_finish(g, s, st);
+    }
+  } else {
+    wgmma::setmaxnreg_inc<K::kConsumerRegs>();
+    typename K::ConsumerState st{};
+    st.warpgroup = warpgroup - 1;
+    for (int t : tasks) K::consumer(g, s, st, t);
+  }
+}
+
+template <class K>
+__global__ void __launch_bounds__(threads<K>(), 1) kernel(const __grid_constant__ typename K::Globals g) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  const int comm = g.num_comm_sms;
+  if (int(blockIdx.x) < comm) {
+    if constexpr (K::kHasCommunicator) {
+      K::communicator(g, *reinterpret_cast<typename K::CommShared*>(base), CommRole{int(blockIdx.x), comm});
+      K::finish(g);
+    }
+    return;
+  }
+  compute<K>(g, *reinterpret_cast<typename K::Shared*>(base));
+  if constexpr (K::kHasCommunicator) K::finish(g);
+}
+
+// Raises the kernel's shared-memory limit (and so loads it): call for every device before any
+// cross-GPU wait can be in flight (a lazy module load takes a process-wide lock).
+template <class K>
+cudaError_t configure() {
+  return cudaFuncSetAttribute(reinterpret_cast<const void*>(&kernel<K>), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              int(smem_bytes<K>()));
+}
+
+// num_comm_sms + compute SMs CTAs, one per SM (the kernels are sized to fill an SM).
+template <class K>
+cudaError_t launch(const typename K::Globals& g, int compute_sms, cudaStream_t stream) {
+  const int workers = compute_sms < K::num_tasks(g) ? compute_sms : K::num_tasks(g);
+  kernel<K><<<g.num_comm_sms + (workers > 0 ? workers : 1), threads<K>(), smem_bytes<K>(), stream>>>(g);
+  return cudaGetLastError();
+}
+
+}  // namespace pk::lcsc

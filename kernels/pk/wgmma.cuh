@@ -1,0 +1,67 @@
+// Warpgroup MMA (sm_90a): shared-memory matrix descriptors for the 128-byte-swizzled tiles TMA
+// writes, the wgmma issue/commit/wait protocol, and the producer/consumer register split.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include <type_traits>
+
+#include "wgmma_ops.cuh"
+
+namespace pk::wgmma {
+
+// Descriptor of a 128B-swizzled tile (layout type 1 in bits 62-63). Offsets are in bytes.
+//  K-major (rows of 64 bf16 along K): SBO = 1024, the step between 8-row groups; LBO unused.
+//  MN-major (rows of 64 bf16 along M/N, one row per k): LBO = the step between 64-wide MN blocks,
+//  SBO = 1024, the step between groups of 8 k-rows.
+__device__ __forceinline__ uint64_t desc_sw128(const void* smem, uint32_t lbo, uint32_t sbo) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+         (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
+}
+
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+// Waits until at most N committed groups of this warpgroup are still running.
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accumulator reads/writes across an asynchronous wgmma.
+template <int R>
+__device__ __forceinline__ void fence_operands(float (&d)[R]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+template <int REGS>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(REGS));
+}
+
+// d (+)= A(64 x 16) * B(16 x N) for element type T (bf16 or f16).
+template <typename T, int N, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, uint32_t scale_d) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kBf16 || std::is_same_v<T, __half>, "wgmma: bf16 or f16 operands");
+  if constexpr (N == 256) {
+    if constexpr (kBf16) mma_m64n256k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+    else mma_m64n256k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+  } else if constexpr (N == 128) {
+    if constexpr (kBf16) mma_m64n128k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+    else mma_m64n128k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+  } else {
+    static_assert(N == 64, "wgmma: N is 64, 128 or 256");
+    if constexpr (kBf16) mma_m64n64k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+    else mma_m64n64k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+  }
+}
+
+}  // namespace pk::wgmma

@@ -1,0 +1,126 @@
+// Instantiations of the fused tensor-parallel GEMMs and their launch.
+#include "tp_gemm.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "gemm.cuh"
+#include "tp_gemm_kernel.cuh"
+
+namespace pk::tp {
+namespace {
+
+template <int TILE>
+constexpr int kBN = TILE == gemm::k128x256 ? 256 : 128;
+template <int TILE>
+constexpr int kStages = TILE == gemm::k128x256 ? 3 : 6;
+
+template <typename T, int TILE, Kind KIND>
+using ExtFor = std::conditional_t<KIND == kAllGatherMatmul, AllGatherMatmul,
+                                  MatmulReduce<KIND == kMatmulAllReduce, T>>;
+template <typename T, int TILE, Kind KIND>
+using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStages<TILE>, ExtFor<T, TILE, KIND>>;
+
+int rows_of_tile(int) { return 128; }
+int cols_of_tile(int tile) { return tile == gemm::k128x256 ? 256 : 128; }
+
+template <typename T, int TILE, Kind KIND>
+void run(const Problem& p, cudaStream_t stream) {
+  using K = KernelFor<T, TILE, KIND>;
+  static_assert(lcsc::smem_bytes<K>() <= 227 * 1024, "shared memory");
+  const int G = p.group.size;
+  Globals g{};
+  const bool ag = KIND == kAllGatherMatmul;
+  const int rows_a = ag ? G * p.m : p.m;  // rows of the GEMM's A and C
+  g.a = make_tensor_map_2d(ag ? p.aux : p.x, p.type, rows_a, p.k, p.k, K::BM, K::kBoxCols);
+  g.b = make_tensor_map_2d(p.w, p.type, p.k, p.n, p.n, K::BK, K::kBoxCols);
+  g.c = make_tensor_map_2d(ag ? p.out : p.aux, p.type, rows_a, p.n, p.n, 64, K::kOutBoxCols);
+  g.m = rows_a, g.n = p.n, g.k = p.k;
+  g.group = p.group;
+  g.rows_per_rank = ag ? p.m : p.m / G;
+  g.per_rank.tiles_m = g.rows_per_rank / K::BM;
+  g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
+  g.num_comm_sms = p.num_comm_sms;
+  const int compute = p.num_sms - p.num_comm_sms;
+  const int group_m = int(std::lround(std::sqrt(double(compute) * K::BN / K::BM)));
+  g.per_rank.group_m = std::max(1, std::min(g.per_rank.tiles_m, group_m));
+  g.grid = TileGrid{g.per_rank.tiles_m * G, g.per_rank.tiles_n, 1};  // only its count is used
+  g.bm = K::BM, g.bn = K::BN;
+  g.x = static_cast<const char*>(p.x);
+  g.aux = static_cast<char*>(p.aux);
+  g.out = static_cast<char*>(p.out);
+  g.elem_bytes = elem_bytes(p.type);
+  // Every CTA must be resident at once (they wait on each other): one per SM.
+  const int tasks = g.grid.count();
+  const int workers = std::min(compute, tasks);
+  const cudaError_t e = lcsc::launch<K>(g, workers, stream);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax fused GEMM launch: ") + cudaGetErrorString(e));
+}
+
+template <typename T, Kind KIND>
+void dispatch_tile(const Problem& p, int tile, cudaStream_t stream) {
+  if (tile == gemm::k128x256) run<T, gemm::k128x256, KIND>(p, stream);
+  else run<T, gemm::k128x128, KIND>(p, stream);
+}
+
+template <typename T>
+void dispatch(const Problem& p, int tile, cudaStream_t stream) {
+  switch (p.kind) {
+    case kAllGatherMatmul: return dispatch_tile<T, kAllGatherMatmul>(p, tile, stream);
+    case kMatmulReduceScatter: return dispatch_tile<T, kMatmulReduceScatter>(p, tile, stream);
+    case kMatmulAllReduce: return dispatch_tile<T, kMatmulAllReduce>(p, tile, stream);
+  }
+  throw std::invalid_argument("pk_jax fused GEMM: unknown op");
+}
+
+template <typename T, Kind KIND>
+cudaError_t configure_kind() {
+  cudaError_t e = lcsc::configure<KernelFor<T, gemm::k128x256, KIND>>();
+  return e == cudaSuccess ? lcsc::configure<KernelFor<T, gemm::k128x128, KIND>>() : e;
+}
+
+template <typename T>
+cudaError_t configure_type() {
+  cudaError_t e = configure_kind<T, kAllGatherMatmul>();
+  if (e == cudaSuccess) e = configure_kind<T, kMatmulReduceScatter>();
+  return e == cudaSuccess ? configure_kind<T, kMatmulAllReduce>() : e;
+}
+
+}  // namespace
+
+const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile) {
+  if (group_size < 2 || group_size > kMaxGroup) return "group size must be 2..8";
+  if (k % 8 || n % 8) return "k and n must be multiples of 8";
+  const int bm = rows_of_tile(tile), bn = cols_of_tile(tile);
+  const int rows = kind == kAllGatherMatmul ? m : m / group_size;
+  if (kind != kAllGatherMatmul && m % group_size) return "m must be divisible by the group size";
+  if (rows % bm) return "the rows per member must be a multiple of 128";
+  if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
+  return "";
+}
+
+int launch(const Problem& p, cudaStream_t stream) {
+  if (p.type == ElemType::kF32) throw std::invalid_argument("pk_jax fused GEMM: bfloat16 or float16 inputs");
+  int tile = p.tile;
+  if (tile != gemm::k128x256 && tile != gemm::k128x128) {  // the 128x256 tile unless it leaves SMs idle
+    const int rows = p.kind == kAllGatherMatmul ? p.m * p.group.size : p.m;
+    const double big = double(rows / 128) * ((p.n + 255) / 256);
+    tile = big >= 2.0 * (p.num_sms - p.num_comm_sms) ? gemm::k128x256 : gemm::k128x128;
+  }
+  const std::string why = unsupported(p.kind, p.group.size, p.m, p.n, p.k, tile);
+  if (!why.empty()) throw std::invalid_argument("pk_jax fused GEMM: " + why);
+  if (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms)
+    throw std::invalid_argument("pk_jax fused GEMM: num_comm_sms must be in 1.." + std::to_string(p.num_sms - 1));
+  if (p.type == ElemType::kBF16) dispatch<__nv_bfloat16>(p, tile, stream);
+  else dispatch<__half>(p, tile, stream);
+  return tile;
+}
+
+cudaError_t configure() {
+  cudaError_t e = configure_type<__nv_bfloat16>();
+  return e == cudaSuccess ? configure_type<__half>() : e;
+}
+
+}  // namespace pk::tp

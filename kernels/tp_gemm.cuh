@@ -1,0 +1,33 @@
+// Host interface of the fused tensor-parallel GEMMs (kernels/tp_gemm_kernel.cuh).
+#pragma once
+#include <cuda_runtime.h>
+
+#include "../ffi/tensor_map.h"
+#include "pk/group.cuh"
+
+namespace pk::tp {
+
+enum Kind : int { kAllGatherMatmul = 0, kMatmulReduceScatter = 1, kMatmulAllReduce = 2 };
+
+struct Problem {
+  Kind kind;
+  Group group;
+  const void* x;  // AG: (m, k) rows of this member; RS/AR: (m, k) with k the local contraction slice
+  const void* w;  // (k, n)
+  void* out;      // AG: (G m, n); RS: (m / G, n); AR: (m, n)
+  void* aux;      // AG: gathered x (G m, k); RS/AR: partial product (m, n)
+  int m, n, k;    // x is m x k
+  ElemType type;  // bf16 or f16 everywhere
+  int tile;       // gemm::Tile (128x256 or 128x128); kAuto picks
+  int num_comm_sms;
+  int num_sms;    // of this GPU
+};
+
+// Why the fused kernel cannot run this problem (empty string: it can). Checked at trace time too.
+const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile);
+// Throws std::invalid_argument / std::runtime_error. Returns the tile used.
+int launch(const Problem& p, cudaStream_t stream);
+// Loads every fused kernel on the current device (runtime start-up, before any cross-GPU wait).
+cudaError_t configure();
+
+}  // namespace pk::tp

@@ -1,0 +1,150 @@
+// Fused tensor-parallel GEMMs (paper 3.1.3, 4.1): the GEMM of gemm_kernel.cuh plus the communication
+// each op needs. Everything below the GEMM's own code is the communication, kept in one Ext struct
+// per op (tile order, a wait before loads or a signal after stores, and the comm SMs' loop).
+//
+//   AllGatherMatmul      out = all_gather(x) @ w. Comm SMs push x's row chunks into every member's
+//                        `gathered` buffer (TMA bulk copies) and signal each chunk; the loader waits
+//                        for a chunk's signal before loading its rows. Own rows are computed first.
+//   MatmulReduceScatter  out = psum_scatter(x @ w) (rows). Compute SMs write the partial product
+//   MatmulAllReduce      locally and signal each tile to its owner (row block m/G); the owner's comm
+//                        SMs sum the tile over all members in rank order (deterministic) and write it
+//                        to their own output (RS) or to every member's output (AR). Tiles of the
+//                        owners are interleaved so every member's comm SMs work from the start.
+#pragma once
+#include "gemm_kernel.cuh"
+#include "pk/bulk_broadcast.cuh"
+#include "pk/item_flags.cuh"
+#include "pk/op_protocol.cuh"
+#include "pk/vec.cuh"
+
+namespace pk::tp {
+
+struct Globals : gemm::Globals {
+  Group group;
+  TileGrid per_rank;   // the tiles of one member's rows (AG: its x rows; RS/AR: the rows it owns)
+  int rows_per_rank;   // AG: rows of x; RS/AR: m / G
+  int bm, bn;          // the GEMM's block tile
+  const char* x;       // AG: this member's x (rows_per_rank x k)
+  char* aux;           // AG: gathered x (G rows_per_rank x k); RS/AR: the partial product (m x n)
+  char* out;           // RS: (m / G x n); AR: (m x n)
+  int elem_bytes;
+};
+
+// Tasks visit member (rank + s) % G's tile block s (AG) or tile i of every owner in turn (RS/AR).
+__device__ __forceinline__ int2 member_major_tile(const Globals& g, int task, int first_member) {
+  const int per = g.per_rank.count(), s = task / per;
+  const int2 t = g.per_rank.tile(task % per);
+  return make_int2(((first_member + s) % g.group.size) * g.per_rank.tiles_m + t.x, t.y);
+}
+__device__ __forceinline__ int2 owner_interleaved_tile(const Globals& g, int task) {
+  const int2 t = g.per_rank.tile(task / g.group.size);
+  return make_int2((task % g.group.size) * g.per_rank.tiles_m + t.x, t.y);
+}
+
+struct AllGatherMatmul {
+  using Globals = tp::Globals;
+  static constexpr bool kHasCommunicator = true;
+  using CommShared = BulkRing<6, 32 * 1024>;
+
+  __device__ static int2 tile(const Globals& g, int task) { return member_major_tile(g, task, g.group.rank); }
+
+  __device__ static void before_load(const Globals& g, int2 tile) {
+    const int src = tile.x / g.per_rank.tiles_m, chunk = tile.x % g.per_rank.tiles_m;
+    wait_item(g.group, src, chunk, op_epoch(g.group, src));
+  }
+  __device__ static void after_store(const Globals&, int2) {}
+
+  __device__ static void communicator(const Globals& g, CommShared& ring, lcsc::CommRole role) {
+    OpProtocol op(g.group);
+    void* const local[1] = {g.aux};
+    op.publish(local, 1);
+    pgl<char> gathered[1];
+    const bool ok = op.acquire(local, gathered);
+    if (threadIdx.x != 0 || !ok) return;
+    ring.init();
+    const Group& grp = g.group;
+    const uint64_t chunk_bytes = uint64_t(g.bm) * g.k * g.elem_bytes;
+    const uint64_t my_rows = uint64_t(grp.rank) * g.rows_per_rank * g.k * g.elem_bytes;
+    for (int c = role.index; c < g.per_rank.tiles_m; c += role.count) {
+      char* dst[kMaxGroup];
+      for (int i = 0; i < grp.size; ++i)  // own buffer first: local compute starts on it
+        dst[i] = gathered[0][(grp.rank + i) % grp.size] + my_rows + c * chunk_bytes;
+      const uint64_t rows_left = uint64_t(g.rows_per_rank) - uint64_t(c) * g.bm;
+      const uint64_t bytes = rows_left < uint64_t(g.bm) ? rows_left * g.k * g.elem_bytes : chunk_bytes;
+      ring.broadcast(g.x + c * chunk_bytes, dst, grp.size, bytes);
+      for (int i = 0; i < grp.size; ++i) {
+        const int r = (grp.rank + i) % grp.size;
+        signal_item(grp, r, c, op.epoch[r]);
+      }
+    }
+  }
+
+  __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
+};
+
+// RS and AR share everything but where the summed tile goes.
+template <bool ALL_REDUCE, typename T>
+struct MatmulReduce {
+  using Globals = tp::Globals;
+  static constexpr bool kHasCommunicator = true;
+  struct CommShared {};
+  static constexpr int kVec = 16, kElems = kVec / int(sizeof(T)), kUnroll = 2;
+
+  __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
+  __device__ static void before_load(const Globals&, int2) {}
+
+  // Storer thread: the tile's partial is in HBM once the TMA stores complete; tell its owner.
+  __device__ static void after_store(const Globals& g, int2 tile) {
+    tma::wait_group<0>();
+    const int owner = tile.x / g.per_rank.tiles_m;
+    const int item = (tile.x % g.per_rank.tiles_m) * g.per_rank.tiles_n + tile.y;
+    signal_item(g.group, owner, item, op_epoch(g.group, owner));
+  }
+
+  __device__ static void communicator(const Globals& g, CommShared&, lcsc::CommRole role) {
+    OpProtocol op(g.group);
+    void* const local[2] = {g.aux, g.out};
+    op.publish(local, 2);
+    pgl<char> bufs[2];
+    if (!op.acquire(local, bufs)) return;
+    const Group& grp = g.group;
+    const int row_vecs = g.bn / kElems;
+    for (int i = role.index; i < g.per_rank.count(); i += role.count) {
+      const int2 t = g.per_rank.tile(i);
+      const int item = t.x * g.per_rank.tiles_n + t.y;
+      if (threadIdx.x < grp.size) wait_item(grp, threadIdx.x, item, op.epoch[threadIdx.x]);
+      __syncthreads();
+      const int row0 = (grp.rank * g.per_rank.tiles_m + t.x) * g.bm, col0 = t.y * g.bn;
+      const int rows = min(g.bm, g.m - row0), vecs = min(row_vecs, (g.n - col0) / kElems);
+      for (int v0 = threadIdx.x; v0 < rows * row_vecs; v0 += blockDim.x * kUnroll) {
+        float acc[kUnroll][kElems] = {};
+        int64_t at[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = v0 + u * blockDim.x, r = v / row_vecs, c = v % row_vecs;
+          at[u] = (v < rows * row_vecs && c < vecs) ? (int64_t(row0 + r) * g.n + col0 + c * kElems) / kElems : -1;
+        }
+        for (int src = 0; src < grp.size; ++src) {  // rank order: every member gets the same bits
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u)
+            if (at[u] >= 0) lanes<T, kVec>::add(acc[u], __ldcg(reinterpret_cast<const uint4*>(bufs[0][src]) + at[u]));
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (at[u] < 0) continue;
+          const uint4 sum = lanes<T, kVec>::pack(acc[u]);
+          if constexpr (ALL_REDUCE) {
+            for (int d = 0; d < grp.size; ++d) reinterpret_cast<uint4*>(bufs[1][(grp.rank + d) % grp.size])[at[u]] = sum;
+          } else {
+            const int64_t mine = int64_t(grp.rank) * g.rows_per_rank * g.n / kElems;
+            reinterpret_cast<uint4*>(g.out)[at[u] - mine] = sum;
+          }
+        }
+      }
+    }
+  }
+
+  __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
+};
+
+}  // namespace pk::tp
