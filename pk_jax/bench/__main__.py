@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {collectives,gemm,transfer,sync} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {collectives,gemm,tp_gemm,transfer,sync} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -33,7 +33,7 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["collectives", "gemm", "transfer", "sync"], help="which suite to run")
+    p.add_argument("suite", choices=["collectives", "gemm", "tp_gemm", "transfer", "sync"], help="which suite to run")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
@@ -80,6 +80,20 @@ def main(argv: list[str] | None = None) -> int:
         results.write(out, args.suite, rows)
         print()
         results.print_gemm_table(rows)
+        print(f"\nwrote {out}")
+        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
+    if args.suite == "tp_gemm":
+        from pk_jax.bench import tp_gemm
+
+        reps = args.reps or 20
+        print(f"pk_jax.bench tp_gemm: {results.device_description()}, {reps} reps", flush=True)
+        if len(jax.devices()) < 2:
+            print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
+            return 2
+        rows = tp_gemm.run(quick=args.quick, reps=reps, only=args.op, out_dir=out_dir)
+        results.write(out, args.suite, rows)
+        print()
+        results.print_tp_table(rows)
         print(f"\nwrote {out}")
         return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
     if len(jax.devices()) < 2:

@@ -76,3 +76,16 @@ def print_gemm_table(rows: Sequence[dict]) -> None:
         print(f"{r['case']:<14}{'x'.join(map(str, e['mnk'])):<22}{e['tile']:<9}{r['ours_ms']:>10.4f}"
               f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
               f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
+
+
+def print_tp_table(rows: Sequence[dict]) -> None:
+    head = (f"{'op':<23}{'N':>7}{'G':>3}{'ours ms':>10}{'XLA ms':>10}{'ratio':>7}{'target':>8}{'bound ms':>10}"
+            f"{'gemm ms':>9}{'comm ms':>9}{'non-ovl':>8}{'sms':>5}  check")
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        e = r["extra"]
+        print(f"{r['op']:<23}{r['shape'][0]:>7}{r['group']:>3}{r['ours_ms']:>10.4f}{r['baseline_ms']:>10.4f}"
+              f"{r['ratio']:>7.3f}{e['target']:>7.2f}{'' if e['meets_target'] else '!'}{e['bound_ms']:>10.4f}"
+              f"{min(e['gemm_ms_cublas'], e['gemm_ms_pk']):>9.4f}{min(e['coll_ms_lax'], e['coll_ms_pk']):>9.4f}"
+              f"{e['non_overlapped_fraction']:>8.2f}{e['num_comm_sms'] or '-'!s:>5}  {e['check']} rel={e['rel_err']:.1e}")

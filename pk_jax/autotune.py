@@ -1,0 +1,95 @@
+"""Chooses `num_comm_sms` for the fused GEMMs by timing candidates once per (op, shape, dtype, group
+size, GPU model) and caching the choice on disk, so no user ever tunes by hand.
+
+Cache: $PK_JAX_CACHE_DIR, else $XDG_CACHE_HOME/pk_jax, else ~/.cache/pk_jax; file autotune.json.
+Entries carry the package version and are ignored after an upgrade. PK_JAX_AUTOTUNE=0 skips the
+timing and uses the starting point below.
+
+The search starts at the SM counts that saturate NVLink in the transfer microbenchmark
+(benchmarks/results/2026-11-22-transfer-nvidia-h200-x2.json: TMA stores reach 90% of their best
+with 8 SMs, register loads with 16): the AG kernel pushes with TMA, the RS/AR kernels pull with
+register loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+START = {"all_gather_matmul": 8, "matmul_reduce_scatter": 16, "matmul_all_reduce": 16}
+CANDIDATES = (4, 8, 12, 16, 24, 32)
+
+_lock = threading.Lock()
+
+
+def cache_path() -> Path:
+    root = os.environ.get("PK_JAX_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "pk_jax")
+    return Path(root) / "autotune.json"
+
+
+def _version() -> str:
+    from pk_jax import __version__
+
+    return __version__
+
+
+def _load() -> dict:
+    try:
+        doc = json.loads(cache_path().read_text())
+    except (OSError, ValueError):
+        return {}
+    return doc.get("entries", {}) if doc.get("version") == _version() else {}
+
+
+def _store(entries: dict) -> None:
+    path = cache_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".autotune-")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": _version(), "entries": entries}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)  # atomic: concurrent processes never read a half-written file
+    except OSError:
+        pass  # an unwritable cache only costs re-tuning
+
+
+def key(op: str, m: int, n: int, k: int, dtype: str, group: int, gpu: str) -> str:
+    return f"{op}|{m}x{n}x{k}|{dtype}|g{group}|{gpu}"
+
+
+def enabled() -> bool:
+    return os.environ.get("PK_JAX_AUTOTUNE", "1") != "0"
+
+
+def choose(op: str, cache_key: str, time_candidate: Callable[[int], float], max_sms: int) -> int:
+    """The cached choice, or the fastest candidate by `time_candidate(num_comm_sms) -> ms`."""
+    with _lock:
+        hit = _load().get(cache_key)
+        if hit is not None:
+            return int(hit["num_comm_sms"])
+        start = START[op]
+        if not enabled():
+            return start
+        order = sorted((c for c in CANDIDATES if c < max_sms), key=lambda c: (abs(c - start), c))
+        times = {}
+        for c in order:
+            try:
+                times[c] = time_candidate(c)
+            except Exception as e:  # noqa: BLE001 - a candidate that fails is not chosen
+                times[c] = float("inf")
+                print(f"pk_jax autotune: {op} num_comm_sms={c} failed: {e}")
+        best = min(times, key=times.get) if times and min(times.values()) < float("inf") else start
+        entries = _load()
+        entries[cache_key] = {"num_comm_sms": best, "ms": {str(c): round(t, 5) for c, t in sorted(times.items())}}
+        _store(entries)
+        return best
+
+
+def entries() -> dict:
+    """Everything cached for this package version (for inspection and the benchmark report)."""
+    return _load()

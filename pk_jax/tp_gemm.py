@@ -1,0 +1,251 @@
+"""Fused tensor-parallel GEMMs: the GEMM and its collective in one kernel, NVLink traffic hidden
+under tensor-core work (paper 3.1.3, 4.1). Call inside `jax.shard_map` over one mesh axis (or a
+tuple of axes), like the jax.lax composition each replaces:
+
+  all_gather_matmul(x, w, axis)       == jnp.dot(lax.all_gather(x, axis, tiled=True), w)
+  matmul_reduce_scatter(x, w, axis)   == lax.psum_scatter(jnp.dot(x, w), axis, tiled=True)
+  matmul_all_reduce(x, w, axis)       == lax.psum(jnp.dot(x, w), axis)
+
+(jnp.dot with float32 accumulation, output in the input dtype.) `num_comm_sms`, the SMs given to
+communication, is autotuned once per shape and GPU and cached on disk (pk_jax/autotune.py); pass it
+to override. Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple
+of 128, ...) the composition itself runs, with a one-time warning on GPUs. Gradients are those of
+the composition (the backward pass runs the XLA ops).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from collections.abc import Hashable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import config, core, dispatch
+from jax._src.lax.parallel import insert_collective_pvary
+from jax.interpreters import mlir
+
+from pk_jax import _ext, autotune, runtime
+from pk_jax.sharding import group_size, group_table, normalize_axis_name
+from pk_jax.sharding.mesh_groups import AxisName
+
+OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")  # index = kernel kind
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class TpSpec:
+    op: str
+    axis_name: tuple[Hashable, ...]
+    group: int
+    num_comm_sms: int | None  # None: autotuned at lowering
+    fused: bool               # False: the kernel cannot run this call; lower to the composition
+
+    def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        if self.op == "all_gather_matmul":
+            return (self.group * m, n), (self.group * m, k)
+        if self.op == "matmul_reduce_scatter":
+            return (m // self.group, n), (m, n)
+        return (m, n), (m, n)
+
+    def lax_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The composition the kernel replaces (and its second output: gathered x / partial)."""
+        name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
+        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        if self.op == "all_gather_matmul":
+            gathered = jax.lax.all_gather(x, name, axis=0, tiled=True)
+            return dot(gathered), gathered
+        partial = dot(x)
+        if self.op == "matmul_reduce_scatter":
+            return jax.lax.psum_scatter(partial, name, scatter_dimension=0, tiled=True), partial
+        return jax.lax.psum(partial, name), partial
+
+
+pk_tp_gemm_p = core.Primitive("pk_tp_gemm")
+pk_tp_gemm_p.multiple_results = True
+pk_tp_gemm_p.def_impl(functools.partial(dispatch.apply_primitive, pk_tp_gemm_p))
+
+
+def _abstract_eval(x, w, *, spec: TpSpec):
+    (m, k), n = x.shape, w.shape[1]
+    out_shape, aux_shape = spec.out_shapes(m, n, k)
+    out, aux = x.update(shape=out_shape), x.update(shape=aux_shape)
+    if config._check_vma.value:
+        varying = frozenset(x.mat.varying) | frozenset(w.mat.varying)
+        group = set(spec.axis_name)
+        out_v = varying - group if spec.op == "matmul_all_reduce" else varying | group
+        out = out.update(manual_axis_type=x.mat.update(varying=frozenset(out_v)))
+        aux = aux.update(manual_axis_type=x.mat.update(varying=frozenset(varying | group)))
+    return out, aux
+
+
+pk_tp_gemm_p.def_abstract_eval(_abstract_eval)
+
+
+def _lax_lowering(ctx, x, w, *, spec: TpSpec):
+    return mlir.lower_fun(lambda a, b: list(spec.lax_apply(a, b)), multiple_results=True)(ctx, x, w)
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+    warnings.warn(f"pk_jax: {msg}", stacklevel=4)
+
+
+def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
+    """Autotunes num_comm_sms over the first group of the mesh (every group has the same shape)."""
+    from pk_jax.bench import timing
+
+    (m, k), n = x_aval.shape, w_aval.shape[1]
+    devices = {d.id: d for d in jax.devices()}
+    member_ids, _ = table.members(table.mesh_ids[0])
+    group_devs = [devices[i] for i in member_ids]
+    gpu = group_devs[0].device_kind
+    cache_key = autotune.key(spec.op, m, n, k, jnp.dtype(x_aval.dtype).name, spec.group, gpu)
+    mesh = jax.sharding.Mesh(np.array(group_devs), ("pk_tune",))
+    P = jax.sharding.PartitionSpec
+    x_spec = P("pk_tune")  # local x blocks stacked on rows
+    w_global = (spec.group * k, n)
+
+    def time_candidate(c: int) -> float:
+        tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=c)
+        body = lambda xs, ws: [pk_tp_gemm_p.bind(a, b, spec=tuned)[0] for a, b in zip(xs, ws)]
+        f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([x_spec] * 2, [P("pk_tune")] * 2),
+                                  out_specs=[P("pk_tune")] * 2, check_vma=False))
+        sharding = jax.sharding.NamedSharding(mesh, x_spec)
+        make = jax.jit(lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(x_aval.dtype),
+                       static_argnums=1, out_shardings=sharding)
+        xs = [make(jax.random.key(i), (spec.group * m, k)) for i in range(2)]
+        ws = [make(jax.random.key(10 + i), w_global) for i in range(2)]
+        (ms,) = timing.time_interleaved([lambda pair: f(*pair)], (xs, ws), warmup=2, reps=5)
+        return ms
+
+    return autotune.choose(spec.op, cache_key, time_candidate, max_sms=group_devs[0].core_count or 132)
+
+
+def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
+    reason, table = None, None
+    if spec.fused and (reason := runtime.ensure_initialized()) is None:
+        table = group_table(ctx.module_context.axis_context, spec.axis_name)
+        if table is None:
+            reason = "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
+        elif not table.all_local:
+            reason = "the mesh spans several processes (multi-process mode is not supported yet)"
+    if table is None or reason is not None:
+        if reason:
+            _warn_once(f"{spec.op} runs the XLA composition: {reason}")
+        return _lax_lowering(ctx, x, w, spec=spec)
+    x_aval, w_aval = ctx.avals_in
+    ncs = spec.num_comm_sms or _tuned_comm_sms(spec, table, x_aval, w_aval)
+    return jax.ffi.ffi_lowering("pk_tp_gemm")(
+        ctx, x, w,
+        kind=np.int32(OPS.index(spec.op)), tile=np.int32(-1), num_comm_sms=np.int32(ncs),
+        mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
+        group_axes=np.asarray(table.group_axes, np.int64))
+
+
+mlir.register_lowering(pk_tp_gemm_p, _lax_lowering)
+if _ext.available():
+    mlir.register_lowering(pk_tp_gemm_p, _cuda_lowering, platform="cuda")
+
+
+def _check(fn: str, x, w, axis_name: AxisName, num_comm_sms: int | None) -> tuple[jax.Array, jax.Array, int]:
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if x.ndim != 2 or w.ndim != 2:
+        raise ValueError(f"pk_jax.{fn}: x must be (m, k) and w (k, n); got x{x.shape}, w{w.shape}. "
+                         f"Reshape leading dimensions into m first.")
+    if x.shape[1] != w.shape[0]:
+        raise ValueError(f"pk_jax.{fn}: contraction sizes differ: x{x.shape}[1] = {x.shape[1]} but "
+                         f"w{w.shape}[0] = {w.shape[0]}")
+    if num_comm_sms is not None and (not isinstance(num_comm_sms, int) or num_comm_sms < 1):
+        raise ValueError(f"pk_jax.{fn}: num_comm_sms={num_comm_sms!r}; pass a positive int or None (autotune)")
+    return x, w, group_size(axis_name)
+
+
+def _fusable(op: str, x: jax.Array, w: jax.Array, g: int) -> str | None:
+    """Why the fused kernel cannot run this call (None: it can)."""
+    if x.dtype != w.dtype or x.dtype not in KERNEL_DTYPES:
+        return f"x and w are {x.dtype} and {w.dtype} (the kernel takes two bfloat16 or two float16 arrays)"
+    if _ext.ext is None:
+        return None  # CPU-only install: lowers to the composition anyway, silently
+    (m, k), n = x.shape, w.shape[1]
+    why = _ext.ext.tp_gemm_unsupported(OPS.index(op), g, m, n, k, 1)
+    return why or None
+
+
+def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None):
+    x, w, g = _check(op, x, w, axis_name, num_comm_sms)
+    why = _fusable(op, x, w, g)
+    if why and jax.default_backend() == "gpu":
+        _warn_once(f"{op} runs the XLA composition: {why}")
+    spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None)
+    return _fused(x, w, spec)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fused(x, w, spec: TpSpec):
+    x = insert_collective_pvary(spec.axis_name, x)
+    return tuple(pk_tp_gemm_p.bind(x, w, spec=spec))
+
+
+def _fused_fwd(x, w, spec):
+    return _fused(x, w, spec), (x, w)
+
+
+def _fused_bwd(spec, res, cts):
+    x, w = res
+    _, vjp = jax.vjp(spec.lax_apply, x, w)
+    return vjp(cts)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return_gathered: bool = False,
+                      num_comm_sms: int | None = None):
+    """all_gather(x) @ w in one kernel.
+
+    Args:
+      x: (m, k) rows of this member (the activations, sharded on rows over `axis_name`).
+      w: (k, n) local weights.
+      axis_name: the mesh axis (or tuple of axes) of the group, size G.
+      return_gathered: also return the gathered x, (G m, k) (the backward pass of a layer needs it).
+      num_comm_sms: SMs that push x to the peers (None: autotuned).
+
+    Returns:
+      (G m, n), or ((G m, n), (G m, k)) with return_gathered.
+    """
+    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms)
+    return (out, gathered) if return_gathered else out
+
+
+def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, scatter_dimension: int = 0,
+                          num_comm_sms: int | None = None) -> jax.Array:
+    """psum_scatter(x @ w, scatter_dimension, tiled=True) in one kernel.
+
+    Args:
+      x: (m, k) with k this member's slice of the contraction.
+      w: (k, n).
+      scatter_dimension: 0 (rows; the fused kernel) or 1 (columns; runs the composition).
+      num_comm_sms: SMs that reduce the tiles this member owns (None: autotuned).
+
+    Returns:
+      (m / G, n) for scatter_dimension=0, (m, n / G) for 1. The sum is taken in rank order in float32,
+      so every run gives the same bits (the kernel has no non-deterministic mode).
+    """
+    if scatter_dimension not in (0, 1, -1, -2):
+        raise ValueError(f"pk_jax.matmul_reduce_scatter: scatter_dimension={scatter_dimension}; use 0 or 1")
+    if scatter_dimension % 2 == 1:
+        name = axis_name
+        return jax.lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w)),
+                                    name, scatter_dimension=1, tiled=True)
+    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms)[0]
+
+
+def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
+                      num_comm_sms: int | None = None) -> jax.Array:
+    """psum(x @ w) in one kernel: x (m, k) with k this member's contraction slice, w (k, n);
+    returns (m, n), identical bits on every member. num_comm_sms: SMs that reduce and broadcast
+    (None: autotuned)."""
+    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms)[0]

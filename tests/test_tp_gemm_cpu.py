@@ -1,0 +1,138 @@
+"""Fused TP GEMMs on 8 virtual CPU devices: same results as the jax.lax compositions (1-D and 2-D
+meshes, sub-axes), argument errors, gradients, and the autotune cache."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import autotune
+
+
+def rand(key, shape, dtype=jnp.bfloat16):
+    return jax.random.normal(jax.random.key(key), shape, jnp.float32).astype(dtype)
+
+
+def compositions(axis):
+    dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(a.dtype)
+    return {
+        "ag": (lambda a, b: pk_jax.all_gather_matmul(a, b, axis),
+               lambda a, b: dot(jax.lax.all_gather(a, axis, tiled=True), b)),
+        "rs": (lambda a, b: pk_jax.matmul_reduce_scatter(a, b, axis),
+               lambda a, b: jax.lax.psum_scatter(dot(a, b), axis, tiled=True)),
+        "ar": (lambda a, b: pk_jax.matmul_all_reduce(a, b, axis),
+               lambda a, b: jax.lax.psum(dot(a, b), axis)),
+    }
+
+
+SPECS = {"ag": ((P("x"), P()), P("x")), "rs": ((P(None, "x"), P("x")), P("x")), "ar": ((P(None, "x"), P("x")), P())}
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("g", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_matches_composition_1d(op, g, dtype):
+    mesh = Mesh(np.array(jax.devices()[:g]), ("x",))
+    x, w = rand(1, (256, 128), dtype), rand(2, (128, 64), dtype)
+    ours, ref = compositions("x")[op]
+    in_specs, out_spec = SPECS[op]
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec))(x, w)
+    np.testing.assert_array_equal(np.asarray(run(ours), np.float32), np.asarray(run(ref), np.float32))
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_sub_axis_of_2d_mesh(op):
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "tp"))
+    x, w = rand(3, (256, 128)), rand(4, (128, 64))
+    ours, ref = compositions("tp")[op]
+    in_specs, out_spec = SPECS[op]
+    in_specs = tuple(P(*[("tp" if a == "x" else a) for a in s]) for s in in_specs)
+    out_spec = P(*[("tp" if a == "x" else a) for a in out_spec])
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec))(x, w)
+    np.testing.assert_array_equal(np.asarray(run(ours), np.float32), np.asarray(run(ref), np.float32))
+
+
+def test_return_gathered_and_scatter_dimension_1():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x, w = rand(5, (256, 128)), rand(6, (128, 64))
+    f = jax.jit(jax.shard_map(lambda a, b: pk_jax.all_gather_matmul(a, b, "x", return_gathered=True),
+                              mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
+    out, gathered = f(x, w)
+    assert out.shape == (4 * 256, 64) and gathered.shape == (4 * 256, 128)
+    np.testing.assert_array_equal(np.asarray(gathered[:256], np.float32), np.asarray(x, np.float32))
+    g = jax.jit(jax.shard_map(lambda a, b: pk_jax.matmul_reduce_scatter(a, b, "x", scatter_dimension=1),
+                              mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=P(None, "x")))
+    assert g(x, w).shape == (256, 64)
+
+
+def test_gradients_match_composition():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x, w = rand(7, (256, 128), jnp.float32), rand(8, (128, 64), jnp.float32)
+    for op in ("ag", "rs", "ar"):
+        ours, ref = compositions("x")[op]
+        in_specs, out_spec = SPECS[op]
+        loss = lambda f: lambda a, b: jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(a, b).sum()
+        got = jax.grad(loss(ours), argnums=(0, 1))(x, w)
+        want = jax.grad(loss(ref), argnums=(0, 1))(x, w)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: pk_jax.all_gather_matmul(x[None], w, "x"), "x must be \\(m, k\\)"),
+    (lambda x, w: pk_jax.matmul_all_reduce(x, w.T, "x"), "contraction sizes differ"),
+    (lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x", scatter_dimension=2), "scatter_dimension=2"),
+    (lambda x, w: pk_jax.matmul_all_reduce(x, w, "x", num_comm_sms=0), "num_comm_sms=0"),
+])
+def test_errors(call, match):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, w = rand(9, (64, 32)), rand(10, (32, 48))
+    with pytest.raises(ValueError, match=match):
+        jax.shard_map(call, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(x, w)
+
+
+def test_unknown_axis_names_the_axis():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, w = rand(9, (64, 32)), rand(10, (32, 48))
+    with pytest.raises(Exception, match="nope"):
+        jax.shard_map(lambda a, b: pk_jax.matmul_all_reduce(a, b, "nope"), mesh=mesh, in_specs=(P(), P()),
+                      out_specs=P(), check_vma=False)(x, w)
+
+
+def test_autotune_times_once_and_caches(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    calls = []
+
+    def fake_time(c):
+        calls.append(c)
+        return abs(c - 12) + 1.0  # fastest at 12
+
+    key = autotune.key("matmul_all_reduce", 1, 2, 3, "bfloat16", 4, "GPU X")
+    assert autotune.choose("matmul_all_reduce", key, fake_time, max_sms=132) == 12
+    assert calls[0] == autotune.START["matmul_all_reduce"]  # the search starts at the saturation point
+    n = len(calls)
+    assert autotune.choose("matmul_all_reduce", key, fake_time, max_sms=132) == 12
+    assert len(calls) == n  # cached: not timed again
+    doc = json.loads((tmp_path / "autotune.json").read_text())
+    assert doc["entries"][key]["num_comm_sms"] == 12
+
+
+def test_autotune_cache_is_invalidated_by_version(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    key = autotune.key("all_gather_matmul", 1, 2, 3, "bfloat16", 2, "GPU X")
+    (tmp_path / "autotune.json").write_text(json.dumps({"version": "0.0.0-old", "entries": {key: {"num_comm_sms": 99}}}))
+    assert autotune.choose("all_gather_matmul", key, lambda c: float(c), max_sms=132) == min(autotune.CANDIDATES)
+
+
+def test_autotune_disabled_uses_start(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PK_JAX_AUTOTUNE", "0")
+    key = autotune.key("matmul_reduce_scatter", 1, 2, 3, "bfloat16", 2, "GPU X")
+    assert autotune.choose("matmul_reduce_scatter", key, lambda c: 1 / 0, max_sms=132) == 16
