@@ -25,6 +25,7 @@ struct Globals {
 
 // What a fused kernel adds to the GEMM (kernels/tp_gemm_kernel.cuh); the plain GEMM adds nothing.
 //   tile(g, task)          which output tile a task is (the fused ops order tiles for their traffic)
+//   a_source(g, tile)      the tensor map and first row the tile's A rows are loaded from
 //   before_load(g, tile)   loader thread, before the tile's first TMA load (e.g. wait for its rows)
 //   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
 //   communicator / finish  the comm SMs' work, and the end-of-kernel protocol of every CTA
@@ -33,6 +34,10 @@ struct NoComm {
   struct CommShared {};
   static constexpr bool kHasCommunicator = false;
   __device__ static int2 tile(const Globals& g, int task) { return g.grid.tile(task); }
+  __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
+    row = tile.x * bm;
+    return &g.a;
+  }
   __device__ static void before_load(const Globals&, int2) {}
   __device__ static void after_store(const Globals&, int2) {}
   __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
@@ -90,13 +95,15 @@ struct Kernel {
 
   __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int task) {
     const int2 tile = Ext::tile(g, task);
+    int a_row;
+    const CUtensorMap* a_map = Ext::a_source(g, tile, BM, a_row);
     Ext::before_load(g, tile);
     for (int kb = 0, n = k_blocks(g); kb < n; ++kb) {
       st.pos.wait_empty(s.ring);
       Stage& dst = s.stage[st.pos.stage];
       uint64_t* full = &s.ring.full[st.pos.stage];
       tma::mbar_expect_tx(full, kStageBytes);
-      tma::load_tile_2d(dst.a, &g.a, kb * BK, tile.x * BM, full);
+      tma::load_tile_2d(dst.a, a_map, kb * BK, a_row, full);
 #pragma unroll
       for (int j = 0; j < BN / kBoxCols; ++j)
         tma::load_tile_2d(dst.b + j * BK * kBoxCols, &g.b, tile.y * BN + j * kBoxCols, kb * BK, full);

@@ -35,6 +35,7 @@ void run(const Problem& p, cudaStream_t stream) {
   const bool ag = KIND == kAllGatherMatmul;
   const int rows_a = ag ? G * p.m : p.m;  // rows of the GEMM's A and C
   g.a = make_tensor_map_2d(ag ? p.aux : p.x, p.type, rows_a, p.k, p.k, K::BM, K::kBoxCols);
+  g.a_own = make_tensor_map_2d(p.x, p.type, p.m, p.k, p.k, K::BM, K::kBoxCols);
   g.b = make_tensor_map_2d(p.w, p.type, p.k, p.n, p.n, K::BK, K::kBoxCols);
   g.c = make_tensor_map_2d(ag ? p.out : p.aux, p.type, rows_a, p.n, p.n, 64, K::kOutBoxCols);
   g.m = rows_a, g.n = p.n, g.k = p.k;

@@ -2,9 +2,10 @@
 // each op needs. Everything below the GEMM's own code is the communication, kept in one Ext struct
 // per op (tile order, a wait before loads or a signal after stores, and the comm SMs' loop).
 //
-//   AllGatherMatmul      out = all_gather(x) @ w. Comm SMs push x's row chunks into every member's
+//   AllGatherMatmul      out = all_gather(x) @ w. Comm SMs push x's row chunks into every peer's
 //                        `gathered` buffer (TMA bulk copies) and signal each chunk; the loader waits
-//                        for a chunk's signal before loading its rows. Own rows are computed first.
+//                        for a chunk's signal before loading its rows. Own rows are computed first,
+//                        straight from x; the own copy into `gathered` goes last.
 //   MatmulReduceScatter  out = psum_scatter(x @ w) (rows). Compute SMs write the partial product
 //   MatmulAllReduce      locally and signal each tile to its owner (row block m/G); the owner's comm
 //                        SMs sum the tile over all members in rank order (deterministic) and write it
@@ -20,6 +21,7 @@
 namespace pk::tp {
 
 struct Globals : gemm::Globals {
+  CUtensorMap a_own;   // AG: this member's x (its rows of A need no copy to be computed)
   Group group;
   TileGrid per_rank;   // the tiles of one member's rows (AG: its x rows; RS/AR: the rows it owns)
   int rows_per_rank;   // AG: rows of x; RS/AR: m / G
@@ -41,19 +43,23 @@ __device__ __forceinline__ int2 owner_interleaved_tile(const Globals& g, int tas
   return make_int2((task % g.group.size) * g.per_rank.tiles_m + t.x, t.y);
 }
 
-struct AllGatherMatmul {
+struct AllGatherMatmul : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;
   using CommShared = BulkRing<6, 32 * 1024>;
 
   __device__ static int2 tile(const Globals& g, int task) { return member_major_tile(g, task, g.group.rank); }
 
+  __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
+    const bool own = tile.x / g.per_rank.tiles_m == g.group.rank;
+    row = (own ? tile.x % g.per_rank.tiles_m : tile.x) * bm;
+    return own ? &g.a_own : &g.a;
+  }
+
   __device__ static void before_load(const Globals& g, int2 tile) {
     const int src = tile.x / g.per_rank.tiles_m, chunk = tile.x % g.per_rank.tiles_m;
-    wait_item(g.group, src, chunk, op_epoch(g.group, src));
+    if (src != g.group.rank) wait_item(g.group, src, chunk, op_epoch(g.group, src));
   }
-  __device__ static void after_store(const Globals&, int2) {}
-
   __device__ static void communicator(const Globals& g, CommShared& ring, lcsc::CommRole role) {
     OpProtocol op(g.group);
     void* const local[1] = {g.aux};
@@ -65,17 +71,19 @@ struct AllGatherMatmul {
     const Group& grp = g.group;
     const uint64_t chunk_bytes = uint64_t(g.bm) * g.k * g.elem_bytes;
     const uint64_t my_rows = uint64_t(grp.rank) * g.rows_per_rank * g.k * g.elem_bytes;
+    // Peers first (their compute waits on these chunks), the own copy (only an output) last.
     for (int c = role.index; c < g.per_rank.tiles_m; c += role.count) {
       char* dst[kMaxGroup];
-      for (int i = 0; i < grp.size; ++i)  // own buffer first: local compute starts on it
-        dst[i] = gathered[0][(grp.rank + i) % grp.size] + my_rows + c * chunk_bytes;
-      const uint64_t rows_left = uint64_t(g.rows_per_rank) - uint64_t(c) * g.bm;
-      const uint64_t bytes = rows_left < uint64_t(g.bm) ? rows_left * g.k * g.elem_bytes : chunk_bytes;
-      ring.broadcast(g.x + c * chunk_bytes, dst, grp.size, bytes);
-      for (int i = 0; i < grp.size; ++i) {
+      for (int i = 1; i < grp.size; ++i) dst[i - 1] = gathered[0][(grp.rank + i) % grp.size] + my_rows + c * chunk_bytes;
+      ring.broadcast(g.x + c * chunk_bytes, dst, grp.size - 1, chunk_bytes);
+      for (int i = 1; i < grp.size; ++i) {
         const int r = (grp.rank + i) % grp.size;
         signal_item(grp, r, c, op.epoch[r]);
       }
+    }
+    for (int c = role.index; c < g.per_rank.tiles_m; c += role.count) {
+      char* own = gathered[0][grp.rank] + my_rows + c * chunk_bytes;
+      ring.broadcast(g.x + c * chunk_bytes, &own, 1, chunk_bytes);
     }
   }
 
@@ -84,14 +92,13 @@ struct AllGatherMatmul {
 
 // RS and AR share everything but where the summed tile goes.
 template <bool ALL_REDUCE, typename T>
-struct MatmulReduce {
+struct MatmulReduce : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;
   struct CommShared {};
-  static constexpr int kVec = 16, kElems = kVec / int(sizeof(T)), kUnroll = 2;
+  static constexpr int kVec = 16, kElems = kVec / int(sizeof(T)), kUnroll = 8;  // 8 x 16 B in flight per thread
 
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
-  __device__ static void before_load(const Globals&, int2) {}
 
   // Storer thread: the tile's partial is in HBM once the TMA stores complete; tell its owner.
   __device__ static void after_store(const Globals& g, int2 tile) {
@@ -117,17 +124,22 @@ struct MatmulReduce {
       const int row0 = (grp.rank * g.per_rank.tiles_m + t.x) * g.bm, col0 = t.y * g.bn;
       const int rows = min(g.bm, g.m - row0), vecs = min(row_vecs, (g.n - col0) / kElems);
       for (int v0 = threadIdx.x; v0 < rows * row_vecs; v0 += blockDim.x * kUnroll) {
-        float acc[kUnroll][kElems] = {};
-        int64_t at[kUnroll];
+        int64_t at[kUnroll];  // vector index in the (m x n) matrices, -1 past the tile's edge
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int v = v0 + u * blockDim.x, r = v / row_vecs, c = v % row_vecs;
           at[u] = (v < rows * row_vecs && c < vecs) ? (int64_t(row0 + r) * g.n + col0 + c * kElems) / kElems : -1;
         }
+        float acc[kUnroll][kElems] = {};
+        uint4 cur[kUnroll], next[kUnroll];
+        load_vectors(bufs[0][0], at, cur);
         for (int src = 0; src < grp.size; ++src) {  // rank order: every member gets the same bits
+          if (src + 1 < grp.size) load_vectors(bufs[0][src + 1], at, next);  // in flight while we add
 #pragma unroll
-          for (int u = 0; u < kUnroll; ++u)
-            if (at[u] >= 0) lanes<T, kVec>::add(acc[u], __ldcg(reinterpret_cast<const uint4*>(bufs[0][src]) + at[u]));
+          for (int u = 0; u < kUnroll; ++u) {
+            lanes<T, kVec>::add(acc[u], cur[u]);
+            cur[u] = next[u];
+          }
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -142,6 +154,12 @@ struct MatmulReduce {
         }
       }
     }
+  }
+
+  __device__ static void load_vectors(const char* base, const int64_t (&at)[kUnroll], uint4 (&out)[kUnroll]) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      out[u] = at[u] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(base) + at[u]) : make_uint4(0, 0, 0, 0);
   }
 
   __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }

@@ -33,11 +33,12 @@ def time_per_op(fn: Callable[[Sequence[jax.Array]], object], inputs: Sequence[ja
     return statistics.median(samples), samples
 
 
-def time_interleaved(fns: Sequence[Callable[[Sequence[jax.Array]], object]], inputs: Sequence[jax.Array], *,
-                     warmup: int = 3, reps: int = 20) -> list[float]:
+def time_interleaved(fns: Sequence[Callable[[Sequence], object]], inputs: Sequence, *, warmup: int = 3,
+                     reps: int = 20, ops_per_call: int | None = None) -> list[float]:
     """Median milliseconds per op of each fn, timed in turns (fn0, fn1, fn0, ...) so that clock and
-    power drift hit every contender alike."""
-    k = len(inputs)
+    power drift hit every contender alike. A call applies the op `ops_per_call` times (default:
+    once per element of `inputs`)."""
+    k = ops_per_call or len(inputs)
     for fn in fns:
         for _ in range(warmup):
             jax.block_until_ready(fn(inputs))
