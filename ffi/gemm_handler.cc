@@ -32,14 +32,8 @@ ffi::Error matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ffi::A
   if (cudaError_t e = pk::gemm::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax matmul: configuring kernels: ") + cudaGetErrorString(e));
   const int sms = pk::gemm::num_sms(ordinal);
-  try {
-    pk::gemm::launch(p, tile, compute_sms > 0 && compute_sms < sms ? compute_sms : sms, stream);
-  } catch (const std::invalid_argument& e) {
-    return ffi::Error::InvalidArgument(e.what());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(e.what());
-  }
-  return ffi::Error::Success();
+  return pk::launch_as_ffi_error(
+      [&] { pk::gemm::launch(p, tile, compute_sms > 0 && compute_sms < sms ? compute_sms : sms, stream); });
 }
 
 }  // namespace

@@ -46,14 +46,7 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
   p.tile = tile;
   p.num_comm_sms = num_comm_sms;
   p.num_sms = me->num_sms;
-  try {
-    tp::launch(p, stream);
-  } catch (const std::invalid_argument& e) {
-    return ffi::Error::InvalidArgument(e.what());
-  } catch (const std::exception& e) {
-    return ffi::Error::Internal(e.what());
-  }
-  return ffi::Error::Success();
+  return launch_as_ffi_error([&] { tp::launch(p, stream); });
 }
 
 }  // namespace

@@ -26,11 +26,11 @@ __global__ void mbarrier_pingpong_kernel(int iters) {
   for (int i = 0; i < iters; ++i) {
     const uint32_t phase = i & 1;
     if (warp == 0) {
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tma::smem_addr(&bar[0])) : "memory");
+      tma::mbar_arrive(&bar[0]);
       tma::mbar_wait(&bar[1], phase);
     } else {
       tma::mbar_wait(&bar[0], phase);
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(tma::smem_addr(&bar[1])) : "memory");
+      tma::mbar_arrive(&bar[1]);
     }
   }
 }

@@ -21,7 +21,6 @@ from jax.interpreters import mlir
 
 from pk_jax import _ext, runtime
 from pk_jax._layout import Box
-from pk_jax.sharding import group_table
 
 OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "all_to_all": 4}
 
@@ -107,14 +106,8 @@ def _warn_once(reason: str) -> None:
 
 
 def _cuda_lowering(ctx, x, *, spec: CollectiveSpec):
-    reason, table = None, None
-    if spec.box is not None and (reason := runtime.ensure_initialized()) is None:
-        table = group_table(ctx.module_context.axis_context, spec.axis_name)
-        if table is None:
-            reason = "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
-        elif not table.all_local:
-            reason = "the mesh spans several processes (multi-process mode is not supported yet)"
-    if table is None or reason is not None:
+    table, reason = runtime.lowering_group(ctx, spec.axis_name) if spec.box is not None else (None, None)
+    if table is None:
         if reason:  # no reason: nothing for a kernel to do (empty array, group of one)
             _warn_once(reason)
         return _lax_lowering(ctx, x, spec=spec)

@@ -5,6 +5,10 @@ Cache: $PK_JAX_CACHE_DIR, else $XDG_CACHE_HOME/pk_jax, else ~/.cache/pk_jax; fil
 Entries carry the package version and are ignored after an upgrade. PK_JAX_AUTOTUNE=0 skips the
 timing and uses the starting point below.
 
+Candidate 0 is the unfused XLA composition itself: where no split of the SMs beats it (small shapes,
+where the fixed cost of the fused kernel's handshakes dominates), the op lowers to the composition,
+so a fused op is never slower than what it replaces by more than the timing noise.
+
 The search starts at the SM counts that saturate NVLink in the transfer microbenchmark
 (benchmarks/results/2026-11-22-transfer-nvidia-h200-x2.json: TMA stores reach 90% of their best
 with 8 SMs, register loads with 16): the AG kernel pushes with TMA, the RS/AR kernels pull with
@@ -21,7 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 START = {"all_gather_matmul": 8, "matmul_reduce_scatter": 16, "matmul_all_reduce": 16}
-CANDIDATES = (4, 8, 12, 16, 24, 32)
+CANDIDATES = (4, 8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion)
 
 _lock = threading.Lock()
 
@@ -75,7 +79,8 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[int], float], max_
         start = START[op]
         if not enabled():
             return start
-        order = sorted((c for c in CANDIDATES if c < max_sms), key=lambda c: (abs(c - start), c))
+        fused = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - start), c))
+        order = fused + [0]
         times = {}
         for c in order:
             try:

@@ -85,3 +85,18 @@ def multicast_policy() -> tuple[bool, str]:
     if _ext.ext is None:
         return False, "the CUDA extension is not installed"
     return _ext.ext.multicast_policy()
+
+
+def lowering_group(ctx, axis_name) -> tuple[object | None, str | None]:
+    """(group table, None) when a GPU kernel can serve this lowering over `axis_name`, else
+    (None, why not). Initializes the runtime on first use."""
+    from pk_jax.sharding import group_table
+
+    if (reason := ensure_initialized()) is not None:
+        return None, reason
+    table = group_table(ctx.module_context.axis_context, axis_name)
+    if table is None:
+        return None, "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
+    if not table.all_local:
+        return None, "the mesh spans several processes (multi-process mode is not supported yet)"
+    return table, None

@@ -8,7 +8,7 @@ tuple of axes), like the jax.lax composition each replaces:
 
 (jnp.dot with float32 accumulation, output in the input dtype.) `num_comm_sms`, the SMs given to
 communication, is autotuned once per shape and GPU and cached on disk (pk_jax/autotune.py); pass it
-to override. Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple
+to override (0 runs the unfused composition, which the autotuner also picks where it is faster). Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple
 of 128, ...) the composition itself runs, with a one-time warning on GPUs. Gradients are those of
 the composition (the backward pass runs the XLA ops).
 """
@@ -29,7 +29,7 @@ from jax._src.lax.parallel import insert_collective_pvary
 from jax.interpreters import mlir
 
 from pk_jax import _ext, autotune, runtime
-from pk_jax.sharding import group_size, group_table, normalize_axis_name
+from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 
 OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")  # index = kernel kind
@@ -128,19 +128,15 @@ def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
 
 
 def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
-    reason, table = None, None
-    if spec.fused and (reason := runtime.ensure_initialized()) is None:
-        table = group_table(ctx.module_context.axis_context, spec.axis_name)
-        if table is None:
-            reason = "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
-        elif not table.all_local:
-            reason = "the mesh spans several processes (multi-process mode is not supported yet)"
-    if table is None or reason is not None:
+    table, reason = runtime.lowering_group(ctx, spec.axis_name) if spec.fused else (None, None)
+    if table is None:
         if reason:
             _warn_once(f"{spec.op} runs the XLA composition: {reason}")
         return _lax_lowering(ctx, x, w, spec=spec)
     x_aval, w_aval = ctx.avals_in
-    ncs = spec.num_comm_sms or _tuned_comm_sms(spec, table, x_aval, w_aval)
+    ncs = spec.num_comm_sms if spec.num_comm_sms is not None else _tuned_comm_sms(spec, table, x_aval, w_aval)
+    if ncs == 0:  # the autotuner (or the caller) found the unfused composition faster here
+        return _lax_lowering(ctx, x, w, spec=spec)
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
         kind=np.int32(OPS.index(spec.op)), tile=np.int32(-1), num_comm_sms=np.int32(ncs),
@@ -161,8 +157,9 @@ def _check(fn: str, x, w, axis_name: AxisName, num_comm_sms: int | None) -> tupl
     if x.shape[1] != w.shape[0]:
         raise ValueError(f"pk_jax.{fn}: contraction sizes differ: x{x.shape}[1] = {x.shape[1]} but "
                          f"w{w.shape}[0] = {w.shape[0]}")
-    if num_comm_sms is not None and (not isinstance(num_comm_sms, int) or num_comm_sms < 1):
-        raise ValueError(f"pk_jax.{fn}: num_comm_sms={num_comm_sms!r}; pass a positive int or None (autotune)")
+    if num_comm_sms is not None and (not isinstance(num_comm_sms, int) or num_comm_sms < 0):
+        raise ValueError(f"pk_jax.{fn}: num_comm_sms={num_comm_sms!r}; pass None (autotune), a positive int, "
+                         f"or 0 (run the unfused XLA composition)")
     return x, w, group_size(axis_name)
 
 
@@ -214,7 +211,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
       w: (k, n) local weights.
       axis_name: the mesh axis (or tuple of axes) of the group, size G.
       return_gathered: also return the gathered x, (G m, k) (the backward pass of a layer needs it).
-      num_comm_sms: SMs that push x to the peers (None: autotuned).
+      num_comm_sms: SMs that push x to the peers (None: autotuned; 0: the unfused composition).
 
     Returns:
       (G m, n), or ((G m, n), (G m, k)) with return_gathered.
@@ -231,7 +228,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
       x: (m, k) with k this member's slice of the contraction.
       w: (k, n).
       scatter_dimension: 0 (rows; the fused kernel) or 1 (columns; runs the composition).
-      num_comm_sms: SMs that reduce the tiles this member owns (None: autotuned).
+      num_comm_sms: SMs that reduce the tiles this member owns (None: autotuned; 0: the unfused composition).
 
     Returns:
       (m / G, n) for scatter_dimension=0, (m, n / G) for 1. The sum is taken in rank order in float32,
@@ -250,5 +247,5 @@ def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
                       num_comm_sms: int | None = None) -> jax.Array:
     """psum(x @ w) in one kernel: x (m, k) with k this member's contraction slice, w (k, n);
     returns (m, n), identical bits on every member. num_comm_sms: SMs that reduce and broadcast
-    (None: autotuned)."""
+    (None: autotuned; 0: the unfused composition)."""
     return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms)[0]

@@ -89,7 +89,7 @@ def test_gradients_match_composition():
     (lambda x, w: pk_jax.all_gather_matmul(x[None], w, "x"), "x must be \\(m, k\\)"),
     (lambda x, w: pk_jax.matmul_all_reduce(x, w.T, "x"), "contraction sizes differ"),
     (lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x", scatter_dimension=2), "scatter_dimension=2"),
-    (lambda x, w: pk_jax.matmul_all_reduce(x, w, "x", num_comm_sms=0), "num_comm_sms=0"),
+    (lambda x, w: pk_jax.matmul_all_reduce(x, w, "x", num_comm_sms=-1), "num_comm_sms=-1"),
 ])
 def test_errors(call, match):
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
@@ -136,3 +136,11 @@ def test_autotune_disabled_uses_start(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_AUTOTUNE", "0")
     key = autotune.key("matmul_reduce_scatter", 1, 2, 3, "bfloat16", 2, "GPU X")
     assert autotune.choose("matmul_reduce_scatter", key, lambda c: 1 / 0, max_sms=132) == 16
+
+
+def test_autotune_picks_the_composition_when_it_is_faster(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    key = autotune.key("matmul_all_reduce", 8, 8, 8, "bfloat16", 2, "GPU X")
+    timed = []
+    choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c == 0 else 1.0), 132)
+    assert choice == 0 and timed[-1] == 0  # every fused split is tried first, the composition last

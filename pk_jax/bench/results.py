@@ -65,27 +65,41 @@ def print_micro_table(rows: Sequence[dict]) -> None:
               f"{e.get('latency_ns', '')!s:>12}")
 
 
+def _print_ruled(head: str, lines) -> None:
+    print(head)
+    print("-" * len(head))
+    for line in lines:
+        print(line)
+
+
 def print_gemm_table(rows: Sequence[dict]) -> None:
     head = (f"{'case':<14}{'M x N x K':<22}{'tile':<9}{'ours ms':>10}{'TF/s':>7}{'dot ms':>10}{'TF/s':>7}"
             f"{'ratio':>8}{'target':>8}  check")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        e = r["extra"]
-        goal = "" if e["target"] is None else f"{e['target']:.2f}{'' if e['meets_target'] else ' !'}"
-        print(f"{r['case']:<14}{'x'.join(map(str, e['mnk'])):<22}{e['tile']:<9}{r['ours_ms']:>10.4f}"
-              f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
-              f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
+    _print_ruled(head, (_gemm_line(r) for r in rows))
+
+
+def _gemm_line(r: dict) -> str:
+    e = r["extra"]
+    goal = "" if e["target"] is None else f"{e['target']:.2f}{'' if e['meets_target'] else ' !'}"
+    return (f"{r['case']:<14}{'x'.join(map(str, e['mnk'])):<22}{e['tile']:<9}{r['ours_ms']:>10.4f}"
+            f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
+            f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
 
 
 def print_tp_table(rows: Sequence[dict]) -> None:
     head = (f"{'op':<23}{'N':>7}{'G':>3}{'ours ms':>10}{'XLA ms':>10}{'ratio':>7}{'target':>8}{'bound ms':>10}"
             f"{'gemm ms':>9}{'comm ms':>9}{'non-ovl':>8}{'sms':>5}  check")
-    print(head)
-    print("-" * len(head))
-    for r in rows:
-        e = r["extra"]
-        print(f"{r['op']:<23}{r['shape'][0]:>7}{r['group']:>3}{r['ours_ms']:>10.4f}{r['baseline_ms']:>10.4f}"
-              f"{r['ratio']:>7.3f}{e['target']:>7.2f}{'' if e['meets_target'] else '!'}{e['bound_ms']:>10.4f}"
-              f"{min(e['gemm_ms_cublas'], e['gemm_ms_pk']):>9.4f}{min(e['coll_ms_lax'], e['coll_ms_pk']):>9.4f}"
-              f"{e['non_overlapped_fraction']:>8.2f}{e['num_comm_sms'] or '-'!s:>5}  {e['check']} rel={e['rel_err']:.1e}")
+    _print_ruled(head, (_tp_line(r) for r in rows))
+
+
+def _tp_line(r: dict) -> str:
+    e = r["extra"]
+    return (f"{r['op']:<23}{r['shape'][0]:>7}{r['group']:>3}{r['ours_ms']:>10.4f}{r['baseline_ms']:>10.4f}"
+            f"{r['ratio']:>7.3f}{e['target']:>7.2f}{'' if e['meets_target'] else '!'}{e['bound_ms']:>10.4f}"
+            f"{min(e['gemm_ms_cublas'], e['gemm_ms_pk']):>9.4f}{min(e['coll_ms_lax'], e['coll_ms_pk']):>9.4f}"
+            f"{e['non_overlapped_fraction']:>8.2f}{_sms(e['num_comm_sms']):>5}  {e['check']} rel={e['rel_err']:.1e}")
+
+
+def _sms(n: int | None) -> str:
+    """num_comm_sms as chosen: '-' unknown, 'xla' the unfused composition (0)."""
+    return "-" if n is None else ("xla" if n == 0 else str(n))
