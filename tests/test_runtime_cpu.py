@@ -99,3 +99,21 @@ def test_saturation_point_from_sm_sweep():
     assert saturation_sms(rows, "tma_store") == 16  # first point >= 0.9 x 350 = 315 GB/s
     assert saturation_sms(rows, "tma_store", fraction=0.8) == 8
     assert saturation_sms(rows, "reg_store") is None
+
+
+@pytest.mark.parametrize("suite,args", [("gemm", []), ("tp_gemm", ["--op", "matmul_all_reduce"])])
+def test_gemm_bench_clis_write_results_format(suite, args, tmp_path):
+    """The GEMM suites run end to end on CPU (jnp.dot / the composition underneath) and write rows in
+    the shape of shared/notes/results-format.md, with the per-suite extras the issues ask for."""
+    out = tmp_path / f"{suite}.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PK_JAX_CACHE_DIR=str(tmp_path / "cache"))
+    p = subprocess.run([sys.executable, "-m", "pk_jax.bench", suite, "--quick", "--reps", "1", *args,
+                        "--out", str(out)], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    assert doc["suite"] == suite and doc["rows"] and {"device", "commit", "date", "command"} <= doc.keys()
+    for row in doc["rows"]:
+        assert {"op", "case", "shape", "dtype", "group", "ours_ms", "baseline", "baseline_ms", "ratio"} <= row.keys()
+        assert len(row["extra"]["mnk"]) == 3 and row["extra"]["check"] == "ok"
+        if suite == "tp_gemm":
+            assert {"bound_ms", "non_overlapped_fraction", "num_comm_sms"} <= row["extra"].keys()
