@@ -21,9 +21,10 @@ ffi::Error matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ffi::A
     return ffi::Error::InvalidArgument("pk_jax matmul: expected a (m, k), b (k, n), c (m, n)");
   pk::gemm::Problem p{a.untyped_data(), b.untyped_data(), c->untyped_data(), int(da[0]), int(db[1]), int(da[1]),
                       pk::ElemType::kBF16, pk::ElemType::kBF16};
-  if (!pk::to_elem_type(a.element_type(), p.in) || a.element_type() != b.element_type() ||
-      !pk::to_elem_type(c->element_type(), p.out))
+  if (!pk::to_elem_type(a.element_type(), p.in) || a.element_type() != b.element_type())
     return ffi::Error::InvalidArgument("pk_jax matmul: a, b must be bfloat16 or float16 (same dtype)");
+  if (!pk::to_elem_type(c->element_type(), p.out))
+    return ffi::Error::InvalidArgument("pk_jax matmul: the output must be the input dtype or float32");
   if (p.m == 0 || p.n == 0) return ffi::Error::Success();
   if (p.k == 0) {
     const cudaError_t e = cudaMemsetAsync(p.c, 0, size_t(p.m) * p.n * pk::elem_bytes(p.out), stream);

@@ -43,6 +43,13 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
   p.out = out->untyped_data();
   p.aux = aux->untyped_data();
   p.m = int(dx[0]), p.k = int(dx[1]), p.n = int(dw[1]);
+  const int64_t g = p.group.size, out_rows = kind == tp::kAllGatherMatmul ? g * p.m
+                                             : kind == tp::kMatmulReduceScatter ? p.m / g : p.m;
+  const auto d_out = out->dimensions(), d_aux = aux->dimensions();
+  const bool aux_ok = d_aux.size() == 2 && (kind == tp::kAllGatherMatmul ? d_aux[0] == g * p.m && d_aux[1] == p.k
+                                                                          : d_aux[0] == p.m && d_aux[1] == p.n);
+  if (d_out.size() != 2 || d_out[0] != out_rows || d_out[1] != p.n || !aux_ok)
+    return ffi::Error::InvalidArgument("pk_jax fused GEMM: output shapes do not match the op");
   p.tile = tile;
   p.num_comm_sms = num_comm_sms;
   p.num_sms = me->num_sms;

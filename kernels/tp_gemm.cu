@@ -93,6 +93,7 @@ cudaError_t configure_type() {
 
 const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile) {
   if (group_size < 2 || group_size > kMaxGroup) return "group size must be 2..8";
+  if (m <= 0 || n <= 0 || k <= 0) return "empty matrices";
   if (k % 8 || n % 8) return "k and n must be multiples of 8";
   const int bm = rows_of_tile(tile), bn = cols_of_tile(tile);
   const int rows = kind == kAllGatherMatmul ? m : m / group_size;

@@ -88,7 +88,9 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[int], float], max_
             except Exception as e:  # noqa: BLE001 - a candidate that fails is not chosen
                 times[c] = float("inf")
                 print(f"pk_jax autotune: {op} num_comm_sms={c} failed: {e}")
-        best = min(times, key=times.get) if times and min(times.values()) < float("inf") else start
+        if not times or min(times.values()) == float("inf"):
+            return start  # nothing ran: keep the default and try again next time (no cache entry)
+        best = min(times, key=times.get)
         entries = _load()
         entries[cache_key] = {"num_comm_sms": best, "ms": {str(c): round(t, 5) for c, t in sorted(times.items())}}
         _store(entries)

@@ -4,8 +4,8 @@ written on the LCSC template that the fused multi-GPU kernels extend).
 Semantics are those of `jnp.dot(a, b, preferred_element_type=out_dtype)` for a (..., k) and b (k, n):
 bfloat16/float16 inputs, float32 accumulation, output in the input dtype or float32. Calls the GPU
 kernel cannot take (other dtypes, k or n not a multiple of 8, CPU) run `jnp.dot` itself, so results
-never depend on where the code runs. Differentiable (the backward GEMMs run on the same kernel) and
-vmappable.
+never depend on where the code runs. Reverse-mode differentiable (the backward GEMMs run on the same
+kernel, in the input dtype with float32 accumulation; forward mode is not defined) and vmappable.
 """
 
 from __future__ import annotations
@@ -88,9 +88,10 @@ def _fwd(a, b, out_dtype, tile):
 
 def _bwd(out_dtype, tile, res, g):
     a, b = res
-    g = g.astype(a.dtype)
-    # dA = g @ B^T and dB = A^T @ g, on the same kernel (the transposes are copies XLA makes).
-    return _matmul_2d(g, b.T, a.dtype, "auto"), _matmul_2d(a.T, g, b.dtype, "auto")
+    g = g.astype(a.dtype)  # the backward GEMMs take the input dtype (fp32 accumulation), like the forward
+    # dA = g @ B^T and dB = A^T @ g through `matmul`, so shapes the kernel cannot take (dB contracts
+    # over M, which need not be a multiple of 8) run jnp.dot. The transposes are copies XLA makes.
+    return matmul(g, b.T, out_dtype=a.dtype), matmul(a.T, g, out_dtype=b.dtype)
 
 
 _matmul_2d.defvjp(_fwd, _bwd)

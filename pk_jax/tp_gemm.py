@@ -54,7 +54,7 @@ class TpSpec:
     def lax_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The composition the kernel replaces (and its second output: gathered x / partial)."""
         name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
-        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(x.dtype)
+        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
         if self.op == "all_gather_matmul":
             gathered = jax.lax.all_gather(x, name, axis=0, tiled=True)
             return dot(gathered), gathered
@@ -72,7 +72,9 @@ pk_tp_gemm_p.def_impl(functools.partial(dispatch.apply_primitive, pk_tp_gemm_p))
 def _abstract_eval(x, w, *, spec: TpSpec):
     (m, k), n = x.shape, w.shape[1]
     out_shape, aux_shape = spec.out_shapes(m, n, k)
-    out, aux = x.update(shape=out_shape), x.update(shape=aux_shape)
+    product = jnp.result_type(x.dtype, w.dtype)  # as jnp.dot (the fused kernel needs x.dtype == w.dtype)
+    out = x.update(shape=out_shape, dtype=product)
+    aux = x.update(shape=aux_shape, dtype=x.dtype if spec.op == "all_gather_matmul" else product)
     if config._check_vma.value:
         varying = frozenset(x.mat.varying) | frozenset(w.mat.varying)
         group = set(spec.axis_name)

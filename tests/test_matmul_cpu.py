@@ -61,8 +61,21 @@ def test_vmap():
     shared = jax.vmap(pk_jax.matmul, in_axes=(0, None))(a, b[0])
     per = jax.vmap(pk_jax.matmul)(a, b)
     assert shared.shape == per.shape == (4, 16, 8)
-    np.testing.assert_array_equal(np.asarray(per[0].astype(jnp.float32)),
-                                  np.asarray(pk_jax.matmul(a[0], b[0]).astype(jnp.float32)))
+    for i in range(4):
+        np.testing.assert_array_equal(np.asarray(per[i].astype(jnp.float32)),
+                                      np.asarray(pk_jax.matmul(a[i], b[i]).astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(shared[i].astype(jnp.float32)),
+                                      np.asarray(pk_jax.matmul(a[i], b[0]).astype(jnp.float32)))
+
+
+def test_grad_with_rows_not_a_multiple_of_8():
+    # dB contracts over M: M = 5 (and a 1-D a, M = 1) must take the jnp.dot path, not the kernel.
+    for a_shape in [(5, 16), (16,)]:
+        a, b = rand(8, a_shape), rand(9, (16, 24))
+        ga, gb = jax.grad(lambda x, y: pk_jax.matmul(x, y, out_dtype=jnp.float32).sum(), argnums=(0, 1))(a, b)
+        ra, rb = jax.grad(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).sum(), argnums=(0, 1))(a, b)
+        np.testing.assert_allclose(np.asarray(ga, np.float32), np.asarray(ra, np.float32), rtol=2e-2, atol=2e-2)
+        np.testing.assert_allclose(np.asarray(gb, np.float32), np.asarray(rb, np.float32), rtol=2e-2, atol=2e-2)
 
 
 def test_inside_shard_map():

@@ -69,6 +69,7 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
     st.warpgroup = warpgroup - 1;
     for (int t : tasks) K::consumer(g, s, st, t);
   }
+  __syncwarp();  // lanes 1-31 of the loader / storer warps wait for lane 0 before any CTA-wide barrier
 }
 
 template <class K>

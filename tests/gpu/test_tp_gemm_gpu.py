@@ -100,18 +100,24 @@ def test_num_comm_sms(op, sms):
 def test_float16_and_reference(op):
     got, want, (x, w, _, _) = run(op, 2, 512, 256, 384, dtype=jnp.float16, num_comm_sms=8)
     assert_close(got, want)
+    # Globally every op computes x @ w: RS scatters its rows, AR replicates it, and AG leaves the whole
+    # product on each member (stacked G times by out_specs P("x")).
+    ref = np.asarray(x, np.float32) @ np.asarray(w, np.float32)
+    assert_close(got, np.tile(ref, (2, 1)) if op == "ag" else ref)
 
 
 @pytest.mark.parametrize("op", ["rs", "ar"])
 def test_deterministic_bits(op):
     ours, _, in_specs, out_spec = OPS[op]
     mesh = Mesh(np.array(gpus()[:2]), ("x",))
-    x, w = inputs(op, 2, 1024, 1024, 1024, mesh)
+    sets = [inputs(op, 2, 1024, 1024, 1024, mesh) for _ in range(2)]
     f = jax.jit(jax.shard_map(lambda a, b: ours(a, b, num_comm_sms=8), mesh=mesh, in_specs=in_specs,
                               out_specs=out_spec, check_vma=False))
-    first = np.asarray(f(x, w).view(jnp.uint16))
-    for _ in range(5):
-        assert np.array_equal(np.asarray(f(x, w).view(jnp.uint16)), first)
+    first = [np.asarray(f(*xw).view(jnp.uint16)) for xw in sets]
+    assert not np.array_equal(first[0], first[1])
+    for i in range(10):  # alternating inputs: a call that read the previous op's data would differ
+        assert np.array_equal(np.asarray(f(*sets[i % 2]).view(jnp.uint16)), first[i % 2])
+    x, w = sets[0]
     if op == "ar":  # every member holds the same bits
         shards = [np.asarray(s.data.view(jnp.uint16)) for s in f(x, w).addressable_shards]
         assert all(np.array_equal(s, shards[0]) for s in shards)
@@ -126,8 +132,7 @@ def test_autotuned(tmp_path, monkeypatch):
 
 def test_soak_alternating_ops():
     mesh = Mesh(np.array(gpus()[:2]), ("x",))
-    xa, wa = inputs("ag", 2, 256, 256, 256, mesh)
-    xr, wr = inputs("rs", 2, 512, 256, 256, mesh)
+    sets = [(*inputs("ag", 2, 256, 256, 256, mesh), *inputs("rs", 2, 512, 256, 256, mesh)) for _ in range(2)]
 
     def body(xa, wa, xr, wr):
         a = pk_jax.all_gather_matmul(xa, wa, "x", num_comm_sms=4)
@@ -137,13 +142,13 @@ def test_soak_alternating_ops():
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P(None, "x"), P("x")),
                               out_specs=(P("x"), P("x"), P()), check_vma=False))
-    first = [np.asarray(o.astype(jnp.float32)) for o in f(xa, wa, xr, wr)]
-    outs = None
-    for _ in range(667):  # 3 ops per call: 2,001 fused calls
-        outs = f(xa, wa, xr, wr)
+    refs = [[np.asarray(o.astype(jnp.float32)) for o in f(*args)] for args in sets]
+    for i in range(667):  # 3 ops per call: 2,001 fused calls; inputs alternate so stale data would show
+        outs = f(*sets[i % 2])
+        if i % 37 == 0 or i >= 665:
+            for o, r in zip(outs, refs[i % 2]):
+                assert np.array_equal(np.asarray(o.astype(jnp.float32)), r), f"call {i}"
     pk_jax.runtime.check()
-    for o, r in zip(outs, first):
-        assert np.array_equal(np.asarray(o.astype(jnp.float32)), r)
 
 
 def test_uses_the_kernel():
