@@ -13,11 +13,6 @@ namespace {
 constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
 constexpr int kMaxDevices = 64;
 
-struct TileShape {
-  int wgs, bn;
-  double efficiency;  // relative tensor-core efficiency of the tile (bigger tiles reuse more)
-};
-constexpr TileShape kShapes[kNumTiles] = {{2, 256, 1.0}, {2, 128, 0.87}, {1, 128, 0.62}};
 
 // As many pipeline stages as fit next to the output slots (at most 8).
 template <typename T, typename OutT, int WGS, int BN>
@@ -32,11 +27,11 @@ template <typename T, typename OutT, int WGS, int BN>
 using KernelFor = Kernel<T, OutT, WGS, BN, stages_for<T, OutT, WGS, BN>()>;
 
 template <typename T, typename OutT, int TILE>
-using KernelOf = KernelFor<T, OutT, kShapes[TILE].wgs, kShapes[TILE].bn>;
+using KernelOf = KernelFor<T, OutT, kTileShapes[TILE].rows / 64, kTileShapes[TILE].cols>;
 
 template <typename T, typename OutT, int TILE>
 constexpr bool built() {
-  return stages_for<T, OutT, kShapes[TILE].wgs, kShapes[TILE].bn>() >= 3;
+  return stages_for<T, OutT, kTileShapes[TILE].rows / 64, kTileShapes[TILE].cols>() >= 3;
 }
 
 template <typename T, typename OutT, int TILE>
@@ -50,9 +45,7 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   g.m = p.m, g.n = p.n, g.k = p.k;
   g.grid.tiles_m = (p.m + K::BM - 1) / K::BM;
   g.grid.tiles_n = (p.n + K::BN - 1) / K::BN;
-  // Square-ish L2 footprint of the CTAs in flight: group_m tile-rows by workers/group_m tile-columns.
-  const double balance = std::sqrt(double(compute_sms) * K::BN / K::BM);
-  g.grid.group_m = std::max(1, std::min(g.grid.tiles_m, int(std::lround(balance))));
+  g.grid.group_m = TileGrid::balanced_group_m(compute_sms, K::BM, K::BN, g.grid.tiles_m);
   g.num_comm_sms = 0;
   const cudaError_t e = lcsc::launch<K>(g, compute_sms, stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax matmul launch: ") + cudaGetErrorString(e));
@@ -99,10 +92,10 @@ int choose_tile(const Problem& p, int num_sms) {
   double best_cost = 0;
   for (int t = 0; t < kNumTiles; ++t) {
     if (!tile_available(t, p.in, p.out)) continue;
-    const int bm = 64 * kShapes[t].wgs, bn = kShapes[t].bn;
+    const int bm = kTileShapes[t].rows, bn = kTileShapes[t].cols;
     const double tiles = double((p.m + bm - 1) / bm) * double((p.n + bn - 1) / bn);
     const double waves = std::ceil(tiles / num_sms);
-    const double cost = waves * bm * bn / kShapes[t].efficiency;
+    const double cost = waves * bm * bn / kTileShapes[t].efficiency;
     if (t == 0 || best_cost == 0 || cost < best_cost) best = t, best_cost = cost;
   }
   return best;
@@ -116,29 +109,41 @@ cudaError_t configure() {
   return e;
 }
 
+namespace {
+
+// Per GPU, once: every kernel configured and the SM count read. After the first call a handler
+// pays only the once_flag check (no lock on the per-call path).
+struct DeviceSetup {
+  std::once_flag once;
+  cudaError_t status = cudaErrorInvalidDevice;
+  int sms = 0;
+};
+
+const DeviceSetup* setup(int ordinal) {
+  static DeviceSetup devices[kMaxDevices];
+  if (ordinal < 0 || ordinal >= kMaxDevices) return nullptr;
+  DeviceSetup& d = devices[ordinal];
+  std::call_once(d.once, [&] {
+    int prev = 0;
+    d.status = cudaGetDevice(&prev);
+    if (d.status == cudaSuccess) d.status = cudaSetDevice(ordinal);
+    if (d.status == cudaSuccess) d.status = configure();
+    if (d.status == cudaSuccess) d.status = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, ordinal);
+    cudaSetDevice(prev);
+  });
+  return &d;
+}
+
+}  // namespace
+
 cudaError_t configure_once(int ordinal) {
-  static std::mutex mu;
-  static bool done[kMaxDevices] = {};
-  if (ordinal < 0 || ordinal >= kMaxDevices) return cudaErrorInvalidDevice;
-  std::lock_guard<std::mutex> lock(mu);
-  if (done[ordinal]) return cudaSuccess;
-  int prev = 0;
-  cudaError_t e = cudaGetDevice(&prev);
-  if (e == cudaSuccess) e = cudaSetDevice(ordinal);
-  if (e == cudaSuccess) e = configure();
-  cudaSetDevice(prev);
-  done[ordinal] = e == cudaSuccess;
-  return e;
+  const DeviceSetup* d = setup(ordinal);
+  return d ? d->status : cudaErrorInvalidDevice;
 }
 
 int num_sms(int ordinal) {
-  static std::mutex mu;
-  static int cached[kMaxDevices] = {};
-  std::lock_guard<std::mutex> lock(mu);
-  if (ordinal < 0 || ordinal >= kMaxDevices) return 0;
-  if (!cached[ordinal] && cudaDeviceGetAttribute(&cached[ordinal], cudaDevAttrMultiProcessorCount, ordinal) != cudaSuccess)
-    cached[ordinal] = 0;
-  return cached[ordinal];
+  const DeviceSetup* d = setup(ordinal);
+  return d && d->status == cudaSuccess ? d->sms : 0;
 }
 
 int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {

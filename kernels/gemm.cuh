@@ -11,6 +11,12 @@ namespace pk::gemm {
 // Block tiles the GEMM can run with; kAuto picks one from the shape (choose_tile).
 enum Tile : int { kAuto = -1, k128x256 = 0, k128x128 = 1, k64x128 = 2, kNumTiles = 3 };
 
+struct TileShape {
+  int rows, cols;     // rows = 64 x consumer warpgroups
+  double efficiency;  // relative tensor-core efficiency (bigger tiles reuse more), for choose_tile
+};
+inline constexpr TileShape kTileShapes[kNumTiles] = {{128, 256, 1.0}, {128, 128, 0.87}, {64, 128, 0.62}};
+
 struct Problem {
   const void* a;  // M x K
   const void* b;  // K x N

@@ -2,7 +2,6 @@
 #include "tp_gemm.cuh"
 
 #include <algorithm>
-#include <cmath>
 #include <stdexcept>
 #include <string>
 
@@ -13,7 +12,7 @@ namespace pk::tp {
 namespace {
 
 template <int TILE>
-constexpr int kBN = TILE == gemm::k128x256 ? 256 : 128;
+constexpr int kBN = gemm::kTileShapes[TILE].cols;
 template <int TILE>
 constexpr int kStages = TILE == gemm::k128x256 ? 3 : 6;
 
@@ -23,8 +22,6 @@ using ExtFor = std::conditional_t<KIND == kAllGatherMatmul, AllGatherMatmul,
 template <typename T, int TILE, Kind KIND>
 using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStages<TILE>, ExtFor<T, TILE, KIND>>;
 
-int rows_of_tile(int) { return 128; }
-int cols_of_tile(int tile) { return tile == gemm::k128x256 ? 256 : 128; }
 
 template <typename T, int TILE, Kind KIND>
 void run(const Problem& p, cudaStream_t stream) {
@@ -45,8 +42,7 @@ void run(const Problem& p, cudaStream_t stream) {
   g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
   g.num_comm_sms = p.num_comm_sms;
   const int compute = p.num_sms - p.num_comm_sms;
-  const int group_m = int(std::lround(std::sqrt(double(compute) * K::BN / K::BM)));
-  g.per_rank.group_m = std::max(1, std::min(g.per_rank.tiles_m, group_m));
+  g.per_rank.group_m = TileGrid::balanced_group_m(compute, K::BM, K::BN, g.per_rank.tiles_m);
   g.grid = TileGrid{g.per_rank.tiles_m * G, g.per_rank.tiles_n, 1};  // only its count is used
   g.bm = K::BM, g.bn = K::BN;
   g.x = static_cast<const char*>(p.x);
@@ -95,7 +91,7 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (group_size < 2 || group_size > kMaxGroup) return "group size must be 2..8";
   if (m <= 0 || n <= 0 || k <= 0) return "empty matrices";
   if (k % 8 || n % 8) return "k and n must be multiples of 8";
-  const int bm = rows_of_tile(tile), bn = cols_of_tile(tile);
+  const int bm = gemm::kTileShapes[tile].rows, bn = gemm::kTileShapes[tile].cols;
   const int rows = kind == kAllGatherMatmul ? m : m / group_size;
   if (kind != kAllGatherMatmul && m % group_size) return "m must be divisible by the group size";
   if (rows % bm) return "the rows per member must be a multiple of 128";
@@ -108,7 +104,8 @@ int launch(const Problem& p, cudaStream_t stream) {
   int tile = p.tile;
   if (tile != gemm::k128x256 && tile != gemm::k128x128) {  // the 128x256 tile unless it leaves SMs idle
     const int rows = p.kind == kAllGatherMatmul ? p.m * p.group.size : p.m;
-    const double big = double(rows / 128) * ((p.n + 255) / 256);
+    const gemm::TileShape big_tile = gemm::kTileShapes[gemm::k128x256];
+    const double big = double(rows / big_tile.rows) * ((p.n + big_tile.cols - 1) / big_tile.cols);
     tile = big >= 2.0 * (p.num_sms - p.num_comm_sms) ? gemm::k128x256 : gemm::k128x128;
   }
   const std::string why = unsupported(p.kind, p.group.size, p.m, p.n, p.k, tile);

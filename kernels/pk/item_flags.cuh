@@ -9,9 +9,6 @@
 
 namespace pk {
 
-// This op's epoch with member r (r == rank included: a device also signals itself).
-__device__ __forceinline__ uint64_t op_epoch(const Group& g, int r) { return g.self()->seq[g.slot[r]] + 1; }
-
 // Release: everything this thread wrote (or observed) before is visible to whoever sees the flag.
 // Writes made by TMA (async proxy) must be complete (cp.async.bulk.wait_group 0) before the call.
 __device__ __forceinline__ void signal_item(const Group& g, int dst_rank, int item, uint64_t epoch) {

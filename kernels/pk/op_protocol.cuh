@@ -19,14 +19,16 @@
 
 namespace pk {
 
+// This op's epoch with member r (r == rank included: fused ops also signal items to themselves).
+__device__ __forceinline__ uint64_t op_epoch(const Group& g, int r) { return g.self()->seq[g.slot[r]] + 1; }
+
 struct OpProtocol {
   const Group& g;
   uint64_t epoch[kMaxGroup];  // this op's expected counter value for each peer (by rank)
 
   __device__ explicit OpProtocol(const Group& group) : g(group) {
-    const ControlBlock* me = g.self();
 #pragma unroll
-    for (int r = 0; r < kMaxGroup; ++r) epoch[r] = r < g.size ? me->seq[g.slot[r]] + 1 : 0;
+    for (int r = 0; r < kMaxGroup; ++r) epoch[r] = r < g.size ? op_epoch(g, r) : 0;
   }
 
   // CTA 0 only: publish `n` addresses to every peer. Thread r handles peer r.

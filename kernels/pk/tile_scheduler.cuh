@@ -2,11 +2,20 @@
 // tile-rows, column by column inside a group, so the CTAs running at once share A rows and B columns
 // in L2 instead of streaming the whole of B for every tile-row.
 #pragma once
+#include <algorithm>
+#include <cmath>
 
 namespace pk {
 
 struct TileGrid {
   int tiles_m, tiles_n, group_m;
+
+  // group_m for `workers` CTAs of bm x bn tiles: a square-ish L2 footprint of the tiles in flight
+  // (group_m tile-rows by workers / group_m tile-columns).
+  __host__ static int balanced_group_m(int workers, int bm, int bn, int tiles_m) {
+    const int g = int(std::lround(std::sqrt(double(workers) * bn / bm)));
+    return std::max(1, std::min(tiles_m, g));
+  }
 
   __host__ __device__ int count() const { return tiles_m * tiles_n; }
 
