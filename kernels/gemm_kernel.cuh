@@ -28,10 +28,26 @@ struct Globals {
 //   a_source(g, tile)      the tensor map and first row the tile's A rows are loaded from
 //   before_load(g, tile)   loader thread, before the tile's first TMA load (e.g. wait for its rows)
 //   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
+//   begin(g, ext)          every thread of a compute CTA, before the roles start (e.g. learn peer addresses)
+//   store_slot<K>(...)     storer thread: issue the stores of one consumer's output slot
+//   SlotLayout             how consumers lay out an output slot (TMA tensor boxes by default)
 //   communicator / finish  the comm SMs' work, and the end-of-kernel protocol of every CTA
 struct NoComm {
   using Globals = gemm::Globals;
   struct CommShared {};
+  struct SharedExt {};
+  template <typename OutT, int BN>
+  using SlotLayout = SwizzledBoxes<OutT>;
+  __device__ static void begin(const Globals&, SharedExt&) {}
+  // Output boxes of warpgroup w's slot to the tensor map C (clipped at the matrix edge by TMA).
+  template <class K>
+  __device__ static void store_slot(const Globals& g, const SharedExt&, const typename K::Out* slot, int2 tile,
+                                    int w) {
+#pragma unroll
+    for (int j = 0; j < K::BN / K::kOutBoxCols; ++j)
+      tma::store_tile_2d(&g.c, tile.y * K::BN + j * K::kOutBoxCols, tile.x * K::BM + w * 64,
+                         slot + j * 64 * K::kOutBoxCols);
+  }
   static constexpr bool kHasCommunicator = false;
   __device__ static int2 tile(const Globals& g, int task) { return g.grid.tile(task); }
   __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
@@ -48,6 +64,8 @@ template <typename T, typename OutT, int WGS_, int BN_, int STAGES_, class Ext =
 struct Kernel {
   using Globals = typename Ext::Globals;
   using CommShared = typename Ext::CommShared;
+  using Out = OutT;
+  using SlotLayout = typename Ext::template SlotLayout<OutT, BN_>;
   static constexpr int WGS = WGS_, BN = BN_, STAGES = STAGES_;
   static constexpr int BM = 64 * WGS, BK = 64;
   static constexpr int kConsumerWarpgroups = WGS;
@@ -66,9 +84,10 @@ struct Kernel {
   };
   struct Shared {
     Stage stage[STAGES];
-    alignas(1024) OutT c[WGS][64 * BN];  // per consumer warpgroup: BN/kOutBoxCols boxes of 64 rows
+    alignas(1024) OutT c[WGS][SlotLayout::slot_bytes(BN) / sizeof(OutT)];  // one output slot per consumer
     Ring<STAGES> ring;
     Handoff c_slot[WGS];
+    typename Ext::SharedExt ext;
   };
   struct LoaderState {
     RingPos<STAGES> pos;
@@ -140,7 +159,7 @@ struct Kernel {
   __device__ static void stage_output(Shared& s, ConsumerState& st, const float (&acc)[BN / 2]) {
     Handoff& slot = s.c_slot[st.warpgroup];
     tma::mbar_wait(&slot.empty, st.c_phase ^ 1);
-    store_acc_swizzled<OutT, BN>(s.c[st.warpgroup], acc);
+    store_acc<OutT, BN, SlotLayout>(s.c[st.warpgroup], acc);
     tma::fence_proxy_async_shared();  // the storer's TMA (async proxy) reads what we just wrote
     tma::mbar_arrive(&slot.full);
     st.c_phase ^= 1;
@@ -156,9 +175,7 @@ struct Kernel {
     const int2 tile = Ext::tile(g, task);
     for (int w = 0; w < WGS; ++w) {
       tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
-#pragma unroll
-      for (int j = 0; j < BN / kOutBoxCols; ++j)
-        tma::store_tile_2d(&g.c, tile.y * BN + j * kOutBoxCols, tile.x * BM + w * 64, s.c[w] + j * 64 * kOutBoxCols);
+      Ext::template store_slot<Kernel>(g, s.ext, s.c[w], tile, w);
       tma::commit_group();
     }
     tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
@@ -172,6 +189,7 @@ struct Kernel {
   __device__ static void communicator(const Globals& g, CommShared& s, lcsc::CommRole role) {
     Ext::communicator(g, s, role);
   }
+  __device__ static void begin(const Globals& g, Shared& s) { Ext::begin(g, s.ext); }
   __device__ static void finish(const Globals& g) { Ext::finish(g); }
 };
 

@@ -16,11 +16,18 @@ constexpr int kBN = gemm::kTileShapes[TILE].cols;
 template <int TILE>
 constexpr int kStages = TILE == gemm::k128x256 ? 3 : 6;
 
+constexpr bool store_add(Kind k) { return k == kMatmulReduceScatterAdd || k == kMatmulAllReduceAdd; }
+constexpr bool all_reduce(Kind k) { return k == kMatmulAllReduce || k == kMatmulAllReduceAdd; }
+
 template <typename T, int TILE, Kind KIND>
-using ExtFor = std::conditional_t<KIND == kAllGatherMatmul, AllGatherMatmul,
-                                  MatmulReduce<KIND == kMatmulAllReduce, T>>;
+using ExtFor = std::conditional_t<
+    KIND == kAllGatherMatmul, AllGatherMatmul,
+    std::conditional_t<store_add(KIND), MatmulStoreAdd<all_reduce(KIND), T>, MatmulReduce<all_reduce(KIND), T>>>;
+// Store-add slots are padded rows (64 x (BN + 8) per consumer): 128x128 then fits 5 stages, not 6.
+template <int TILE, Kind KIND>
+constexpr int kStagesFor = store_add(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
 template <typename T, int TILE, Kind KIND>
-using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStages<TILE>, ExtFor<T, TILE, KIND>>;
+using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStagesFor<TILE, KIND>, ExtFor<T, TILE, KIND>>;
 
 
 template <typename T, int TILE, Kind KIND>
@@ -34,14 +41,24 @@ void run(const Problem& p, cudaStream_t stream) {
   g.a = make_tensor_map_2d(ag ? p.aux : p.x, p.type, rows_a, p.k, p.k, K::BM, K::kBoxCols);
   g.a_own = make_tensor_map_2d(p.x, p.type, p.m, p.k, p.k, K::BM, K::kBoxCols);
   g.b = make_tensor_map_2d(p.w, p.type, p.k, p.n, p.n, K::BK, K::kBoxCols);
-  g.c = make_tensor_map_2d(ag ? p.out : p.aux, p.type, rows_a, p.n, p.n, 64, K::kOutBoxCols);
+  if constexpr (store_add(KIND)) {  // no partial product: C is never stored through the map (kept valid)
+    g.c = make_tensor_map_2d(p.out, p.type, KIND == kMatmulAllReduceAdd ? p.m : p.m / G, p.n, p.n, 64,
+                             K::kOutBoxCols);
+  } else {
+    g.c = make_tensor_map_2d(ag ? p.out : p.aux, p.type, rows_a, p.n, p.n, 64, K::kOutBoxCols);
+  }
   g.m = rows_a, g.n = p.n, g.k = p.k;
   g.group = p.group;
   g.rows_per_rank = ag ? p.m : p.m / G;
   g.per_rank.tiles_m = g.rows_per_rank / K::BM;
   g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
-  g.num_comm_sms = p.num_comm_sms;
-  const int compute = p.num_sms - p.num_comm_sms;
+  g.num_comm_sms = store_add(KIND) ? 0 : p.num_comm_sms;
+  const int compute = p.num_sms - g.num_comm_sms;
+  if constexpr (store_add(KIND)) {  // the adds land on zeros; published only after this (stream order)
+    const size_t out_rows = KIND == kMatmulAllReduceAdd ? size_t(p.m) : size_t(p.m / G);
+    const cudaError_t z = cudaMemsetAsync(p.out, 0, out_rows * p.n * elem_bytes(p.type), stream);
+    if (z != cudaSuccess) throw std::runtime_error(std::string("pk_jax fused GEMM: ") + cudaGetErrorString(z));
+  }
   g.per_rank.group_m = TileGrid::balanced_group_m(compute, K::BM, K::BN, g.per_rank.tiles_m);
   g.grid = TileGrid{g.per_rank.tiles_m * G, g.per_rank.tiles_n, 1};  // only its count is used
   g.bm = K::BM, g.bn = K::BN;
@@ -68,6 +85,8 @@ void dispatch(const Problem& p, int tile, cudaStream_t stream) {
     case kAllGatherMatmul: return dispatch_tile<T, kAllGatherMatmul>(p, tile, stream);
     case kMatmulReduceScatter: return dispatch_tile<T, kMatmulReduceScatter>(p, tile, stream);
     case kMatmulAllReduce: return dispatch_tile<T, kMatmulAllReduce>(p, tile, stream);
+    case kMatmulReduceScatterAdd: return dispatch_tile<T, kMatmulReduceScatterAdd>(p, tile, stream);
+    case kMatmulAllReduceAdd: return dispatch_tile<T, kMatmulAllReduceAdd>(p, tile, stream);
   }
   throw std::invalid_argument("pk_jax fused GEMM: unknown op");
 }
@@ -82,7 +101,9 @@ template <typename T>
 cudaError_t configure_type() {
   cudaError_t e = configure_kind<T, kAllGatherMatmul>();
   if (e == cudaSuccess) e = configure_kind<T, kMatmulReduceScatter>();
-  return e == cudaSuccess ? configure_kind<T, kMatmulAllReduce>() : e;
+  if (e == cudaSuccess) e = configure_kind<T, kMatmulAllReduce>();
+  if (e == cudaSuccess) e = configure_kind<T, kMatmulReduceScatterAdd>();
+  return e == cudaSuccess ? configure_kind<T, kMatmulAllReduceAdd>() : e;
 }
 
 }  // namespace
@@ -93,6 +114,7 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (k % 8 || n % 8) return "k and n must be multiples of 8";
   const int bm = gemm::kTileShapes[tile].rows, bn = gemm::kTileShapes[tile].cols;
   const int rows = kind == kAllGatherMatmul ? m : m / group_size;
+  if (kind < kAllGatherMatmul || kind > kMatmulAllReduceAdd) return "unknown op";
   if (kind != kAllGatherMatmul && m % group_size) return "m must be divisible by the group size";
   if (rows % bm) return "the rows per member must be a multiple of 128";
   if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
@@ -110,7 +132,7 @@ int launch(const Problem& p, cudaStream_t stream) {
   }
   const std::string why = unsupported(p.kind, p.group.size, p.m, p.n, p.k, tile);
   if (!why.empty()) throw std::invalid_argument("pk_jax fused GEMM: " + why);
-  if (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms)
+  if (!store_add(p.kind) && (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms))
     throw std::invalid_argument("pk_jax fused GEMM: num_comm_sms must be in 1.." + std::to_string(p.num_sms - 1));
   if (p.type == ElemType::kBF16) dispatch<__nv_bfloat16>(p, tile, stream);
   else dispatch<__half>(p, tile, stream);

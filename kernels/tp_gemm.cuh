@@ -7,7 +7,14 @@
 
 namespace pk::tp {
 
-enum Kind : int { kAllGatherMatmul = 0, kMatmulReduceScatter = 1, kMatmulAllReduce = 2 };
+// RS/AR come in two modes: pull (deterministic; comm SMs reduce) and store-add (no comm SMs).
+enum Kind : int {
+  kAllGatherMatmul = 0,
+  kMatmulReduceScatter = 1,
+  kMatmulAllReduce = 2,
+  kMatmulReduceScatterAdd = 3,
+  kMatmulAllReduceAdd = 4,
+};
 
 struct Problem {
   Kind kind;
@@ -19,7 +26,7 @@ struct Problem {
   int m, n, k;    // x is m x k
   ElemType type;  // bf16 or f16 everywhere
   int tile;       // gemm::Tile (128x256 or 128x128); kAuto picks
-  int num_comm_sms;
+  int num_comm_sms;  // ignored (0) by the store-add kinds
   int num_sms;    // of this GPU
 };
 

@@ -11,6 +11,11 @@
 //                        SMs sum the tile over all members in rank order (deterministic) and write it
 //                        to their own output (RS) or to every member's output (AR). Tiles of the
 //                        owners are interleaved so every member's comm SMs work from the start.
+//   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer adds each tile of
+//                        the product straight into its owner's output (RS) or into every member's (AR)
+//                        with bulk store-add copies; outputs are zeroed before the kernel, and the
+//                        finish protocol means every peer's adds have landed. Not bit-reproducible
+//                        (the order of the adds varies).
 #pragma once
 #include "gemm_kernel.cuh"
 #include "pk/bulk_broadcast.cuh"
@@ -160,6 +165,50 @@ struct MatmulReduce : gemm::NoComm {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u)
       out[u] = at[u] >= 0 ? __ldcg(reinterpret_cast<const uint4*>(base) + at[u]) : make_uint4(0, 0, 0, 0);
+  }
+
+  __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
+};
+
+template <bool ALL_REDUCE, typename T>
+struct MatmulStoreAdd : gemm::NoComm {
+  using Globals = tp::Globals;
+  static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
+  struct SharedExt {
+    char* out[kMaxGroup];  // every member's output, by rank
+  };
+  template <typename OutT, int BN>
+  using SlotLayout = PaddedRows<OutT, BN>;
+
+  __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
+
+  // Learn the members' output addresses (their outputs are zeroed: each was published after the
+  // member's memset, in stream order).
+  __device__ static void begin(const Globals& g, SharedExt& ext) {
+    OpProtocol op(g.group);
+    void* const local[1] = {g.out};
+    op.publish(local, 1);
+    pgl<char> out[1];
+    op.acquire(local, out);
+    if (threadIdx.x < kMaxGroup) ext.out[threadIdx.x] = out[0].ptr[threadIdx.x];
+    __syncthreads();
+  }
+
+  template <class K>
+  __device__ static void store_slot(const Globals& g, const SharedExt& ext, const typename K::Out* slot, int2 tile,
+                                    int w) {
+    const int row0 = tile.x * K::BM + w * 64, col0 = tile.y * K::BN;
+    const int rows = min(64, g.m - row0);
+    const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
+    const int owner = tile.x / g.per_rank.tiles_m;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
+    for (int d = 0; d < (ALL_REDUCE ? g.group.size : 1); ++d) {
+      const int member = ALL_REDUCE ? (g.group.rank + d) % g.group.size : owner;
+      const int64_t first_row = ALL_REDUCE ? row0 : row0 - int64_t(owner) * g.rows_per_rank;
+      T* dst = reinterpret_cast<T*>(ext.out[member]) + first_row * g.n + col0;
+      for (int r = 0; r < rows; ++r)
+        tma::store_add_async(dst + int64_t(r) * g.n, reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch), bytes);
+    }
   }
 
   __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }

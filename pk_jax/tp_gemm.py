@@ -43,13 +43,20 @@ class TpSpec:
     group: int
     num_comm_sms: int | None  # None: autotuned at lowering
     fused: bool               # False: the kernel cannot run this call; lower to the composition
+    store_add: bool = False   # RS/AR: adds land in the owners' outputs (no comm SMs, not bit-reproducible)
+
+    @property
+    def kind(self) -> int:
+        """The kernel kind (kernels/tp_gemm.cuh): store-add variants of RS/AR are 3 and 4."""
+        return OPS.index(self.op) + (2 if self.store_add else 0)
 
     def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.op == "all_gather_matmul":
             return (self.group * m, n), (self.group * m, k)
+        aux = (0, n) if self.store_add else (m, n)  # the store-add kernels keep no partial product
         if self.op == "matmul_reduce_scatter":
-            return (m // self.group, n), (m, n)
-        return (m, n), (m, n)
+            return (m // self.group, n), aux
+        return (m, n), aux
 
     def lax_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The composition the kernel replaces (and its second output: gathered x / partial)."""
@@ -59,9 +66,10 @@ class TpSpec:
             gathered = jax.lax.all_gather(x, name, axis=0, tiled=True)
             return dot(gathered), gathered
         partial = dot(x)
+        aux = partial[:0] if self.store_add else partial
         if self.op == "matmul_reduce_scatter":
-            return jax.lax.psum_scatter(partial, name, scatter_dimension=0, tiled=True), partial
-        return jax.lax.psum(partial, name), partial
+            return jax.lax.psum_scatter(partial, name, scatter_dimension=0, tiled=True), aux
+        return jax.lax.psum(partial, name), aux
 
 
 pk_tp_gemm_p = core.Primitive("pk_tp_gemm")
@@ -141,12 +149,15 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
             _warn_once(f"{spec.op} runs the XLA composition: {reason}")
         return _lax_lowering(ctx, x, w, spec=spec)
     x_aval, w_aval = ctx.avals_in
-    ncs = spec.num_comm_sms if spec.num_comm_sms is not None else _tuned_comm_sms(spec, table, x_aval, w_aval)
-    if ncs == 0:  # the autotuner (or the caller) found the unfused composition faster here
-        return _lax_lowering(ctx, x, w, spec=spec)
+    if spec.store_add:
+        ncs = 0  # no comm SMs
+    else:
+        ncs = spec.num_comm_sms if spec.num_comm_sms is not None else _tuned_comm_sms(spec, table, x_aval, w_aval)
+        if ncs == 0:  # the autotuner (or the caller) found the unfused composition faster here
+            return _lax_lowering(ctx, x, w, spec=spec)
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
-        kind=np.int32(OPS.index(spec.op)), tile=np.int32(-1), num_comm_sms=np.int32(ncs),
+        kind=np.int32(spec.kind), tile=np.int32(-1), num_comm_sms=np.int32(ncs),
         mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
         group_axes=np.asarray(table.group_axes, np.int64))
 
@@ -181,12 +192,15 @@ def _fusable(op: str, x: jax.Array, w: jax.Array, g: int) -> str | None:
     return why or None
 
 
-def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None):
+def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None,
+          deterministic: bool = True):
     x, w, g = _check(op, x, w, axis_name, num_comm_sms)
     why = _fusable(op, x, w, g)
     if why and jax.default_backend() == "gpu":
         _warn_once(f"{op} runs the XLA composition: {why}")
-    spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None)
+    # Store-add sends (G - 1) x the partial per device for an all-reduce (pull: 2 (G - 1) / G): only G = 2.
+    store_add = not deterministic and (op == "matmul_reduce_scatter" or g == 2)
+    spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None, store_add)
     return _fused(x, w, spec)
 
 
@@ -202,8 +216,11 @@ def _fused_fwd(x, w, spec):
 
 def _fused_bwd(spec, res, cts):
     x, w = res
-    _, vjp = jax.vjp(spec.lax_apply, x, w)
-    return vjp(cts)
+    if spec.op == "all_gather_matmul":  # the gathered x is a user-visible output: its cotangent counts
+        _, vjp = jax.vjp(spec.lax_apply, x, w)
+        return vjp(cts)
+    _, vjp = jax.vjp(lambda a, b: spec.lax_apply(a, b)[0], x, w)  # RS/AR: the second output is scratch
+    return vjp(cts[0])
 
 
 _fused.defvjp(_fused_fwd, _fused_bwd)
@@ -228,18 +245,22 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, scatter_dimension: int = 0,
-                          num_comm_sms: int | None = None) -> jax.Array:
+                          deterministic: bool = False, num_comm_sms: int | None = None) -> jax.Array:
     """psum_scatter(x @ w, scatter_dimension, tiled=True) in one kernel.
 
     Args:
       x: (m, k) with k this member's slice of the contraction.
       w: (k, n).
       scatter_dimension: 0 (rows; the fused kernel) or 1 (columns; runs the composition).
-      num_comm_sms: SMs that reduce the tiles this member owns (None: autotuned; 0: the unfused composition).
+      deterministic: False (default): each tile is added into its owner's output by TMA store-add as
+        soon as it is computed, using no extra SMs; the order of the adds varies, so the last bits can
+        differ between runs. True: tiles are summed by the owner in rank order in float32 on
+        `num_comm_sms` SMs: identical bits every run.
+      num_comm_sms: deterministic mode: SMs that reduce the tiles this member owns (None: autotuned;
+        0: the unfused composition).
 
     Returns:
-      (m / G, n) for scatter_dimension=0, (m, n / G) for 1. The sum is taken in rank order in float32,
-      so every run gives the same bits (the kernel has no non-deterministic mode).
+      (m / G, n) for scatter_dimension=0, (m, n / G) for 1.
     """
     if scatter_dimension not in (0, 1, -1, -2):
         raise ValueError(f"pk_jax.matmul_reduce_scatter: scatter_dimension={scatter_dimension}; use 0 or 1")
@@ -247,12 +268,14 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
         name = axis_name
         return jax.lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w)),
                                     name, scatter_dimension=1, tiled=True)
-    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms)[0]
+    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, deterministic)[0]
 
 
-def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *,
+def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *, deterministic: bool = False,
                       num_comm_sms: int | None = None) -> jax.Array:
     """psum(x @ w) in one kernel: x (m, k) with k this member's contraction slice, w (k, n);
-    returns (m, n), identical bits on every member. num_comm_sms: SMs that reduce and broadcast
-    (None: autotuned; 0: the unfused composition)."""
-    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms)[0]
+    returns (m, n). deterministic=False on 2 GPUs: every tile is store-added into both members'
+    outputs (no extra SMs; last bits may vary between runs); otherwise the owner of each tile sums it
+    in rank order on `num_comm_sms` SMs (None: autotuned; 0: the unfused composition) and writes it to
+    every member: identical bits on every member and every run."""
+    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms, deterministic)[0]

@@ -6,7 +6,8 @@
 //   K::storer(g, smem, StorerState&, task)        one thread: TMA stores (local or peer HBM)
 //   K::communicator(g, comm_smem, CommRole)       whole CTAs on the first num_comm_sms SMs
 // and K::Globals (with an int num_comm_sms), K::Shared (compute SMs), K::CommShared (comm SMs),
-// K::init(g, Shared&) (barriers, run by one thread), K::num_tasks(g), K::finish(g) (run by every
+// K::init(g, Shared&) (barriers, run by one thread), K::begin(g, Shared&) (every compute thread, before
+// the roles start), K::num_tasks(g), K::finish(g) (run by every
 // thread of every CTA at the end: the cross-GPU completion protocol), and the constants
 // kConsumerWarpgroups, kProducerRegs, kConsumerRegs, kHasCommunicator.
 //
@@ -50,6 +51,7 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
     tma::fence_barrier_init();
   }
   __syncthreads();
+  K::begin(g, s);
   const TaskRange tasks{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)};
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {

@@ -78,21 +78,26 @@ def assert_close(got, want):
 SHAPES = [(256, 256, 256), (1024, 1024, 1024), (512, 768, 1536), (2048, 4096, 512), (128, 64, 8192)]
 
 
-@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+MODES = {"ag": [{}], "rs": [{"deterministic": True}, {"deterministic": False}],
+         "ar": [{"deterministic": True}, {"deterministic": False}]}
+
+
+@pytest.mark.parametrize("op,mode", [(op, m) for op in OPS for m in MODES[op]], ids=str)
 @pytest.mark.parametrize("g", group_sizes())
 @pytest.mark.parametrize("mnk", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_matches_composition(op, g, mnk):
+def test_matches_composition(op, mode, g, mnk):
     m, n, k = mnk
     if op != "ag":
         m *= g  # the local rows of x must split into G row blocks of >= 128
-    got, want, _ = run(op, g, m, n, k, num_comm_sms=8)
+    got, want, _ = run(op, g, m, n, k, num_comm_sms=8, **mode)
     assert_close(got, want)
 
 
 @pytest.mark.parametrize("op", ["ag", "rs", "ar"])
 @pytest.mark.parametrize("sms", [1, 4, 16, 32])
 def test_num_comm_sms(op, sms):
-    got, want, _ = run(op, 2, 1024, 512, 768, num_comm_sms=sms)
+    kw = {} if op == "ag" else {"deterministic": True}
+    got, want, _ = run(op, 2, 1024, 512, 768, num_comm_sms=sms, **kw)
     assert_close(got, want)
 
 
@@ -111,8 +116,8 @@ def test_deterministic_bits(op):
     ours, _, in_specs, out_spec = OPS[op]
     mesh = Mesh(np.array(gpus()[:2]), ("x",))
     sets = [inputs(op, 2, 1024, 1024, 1024, mesh) for _ in range(2)]
-    f = jax.jit(jax.shard_map(lambda a, b: ours(a, b, num_comm_sms=8), mesh=mesh, in_specs=in_specs,
-                              out_specs=out_spec, check_vma=False))
+    f = jax.jit(jax.shard_map(lambda a, b: ours(a, b, num_comm_sms=8, deterministic=True), mesh=mesh,
+                              in_specs=in_specs, out_specs=out_spec, check_vma=False))
     first = [np.asarray(f(*xw).view(jnp.uint16)) for xw in sets]
     assert not np.array_equal(first[0], first[1])
     for i in range(10):  # alternating inputs: a call that read the previous op's data would differ
@@ -125,7 +130,7 @@ def test_deterministic_bits(op):
 
 def test_autotuned(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
-    got, want, _ = run("rs", 2, 2048, 1024, 512)
+    got, want, _ = run("rs", 2, 2048, 1024, 512, deterministic=True)
     assert_close(got, want)
     assert (tmp_path / "autotune.json").exists()
 
@@ -136,18 +141,24 @@ def test_soak_alternating_ops():
 
     def body(xa, wa, xr, wr):
         a = pk_jax.all_gather_matmul(xa, wa, "x", num_comm_sms=4)
-        b = pk_jax.matmul_reduce_scatter(xr, wr, "x", num_comm_sms=4)
-        c = pk_jax.matmul_all_reduce(xr, wr, "x", num_comm_sms=4)
-        return a, b, c
+        b = pk_jax.matmul_reduce_scatter(xr, wr, "x", num_comm_sms=4, deterministic=True)
+        c = pk_jax.matmul_all_reduce(xr, wr, "x", num_comm_sms=4, deterministic=True)
+        d = pk_jax.matmul_reduce_scatter(xr, wr, "x")  # store-add
+        e = pk_jax.matmul_all_reduce(xr, wr, "x")
+        return a, b, c, d, e
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P(None, "x"), P("x")),
-                              out_specs=(P("x"), P("x"), P()), check_vma=False))
+                              out_specs=(P("x"), P("x"), P(), P("x"), P()), check_vma=False))
     refs = [[np.asarray(o.astype(jnp.float32)) for o in f(*args)] for args in sets]
-    for i in range(667):  # 3 ops per call: 2,001 fused calls; inputs alternate so stale data would show
+    for i in range(401):  # 5 ops per call: 2,005 fused calls; inputs alternate so stale data would show
         outs = f(*sets[i % 2])
-        if i % 37 == 0 or i >= 665:
-            for o, r in zip(outs, refs[i % 2]):
-                assert np.array_equal(np.asarray(o.astype(jnp.float32)), r), f"call {i}"
+        if i % 37 == 0 or i >= 399:
+            for j, (o, r) in enumerate(zip(outs, refs[i % 2])):
+                o = np.asarray(o.astype(jnp.float32))
+                if j < 3:  # deterministic modes: the same bits every call
+                    assert np.array_equal(o, r), f"call {i} op {j}"
+                else:  # store-add: the same values up to the order of the bf16 adds
+                    assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2, f"call {i} op {j}"
     pk_jax.runtime.check()
 
 
