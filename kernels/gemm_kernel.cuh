@@ -184,7 +184,11 @@ struct Kernel {
     Ext::after_store(g, tile);
   }
 
-  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+  // Every store complete, and ordered (async -> generic proxy) before the finish protocol's signals.
+  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) {
+    tma::wait_group<0>();
+    asm volatile("fence.proxy.async.global;" ::: "memory");
+  }
 
   __device__ static void communicator(const Globals& g, CommShared& s, lcsc::CommRole role) {
     Ext::communicator(g, s, role);

@@ -176,6 +176,7 @@ struct MatmulStoreAdd : gemm::NoComm {
   static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
   struct SharedExt {
     char* out[kMaxGroup];  // every member's output, by rank
+    int ok;                // 0 after a timed-out handshake: nothing is sent (the error is reported)
   };
   template <typename OutT, int BN>
   using SlotLayout = PaddedRows<OutT, BN>;
@@ -189,8 +190,9 @@ struct MatmulStoreAdd : gemm::NoComm {
     void* const local[1] = {g.out};
     op.publish(local, 1);
     pgl<char> out[1];
-    op.acquire(local, out);
+    const bool ok = op.acquire(local, out);
     if (threadIdx.x < kMaxGroup) ext.out[threadIdx.x] = out[0].ptr[threadIdx.x];
+    if (threadIdx.x == 0) ext.ok = ok;
     __syncthreads();
   }
 
@@ -198,7 +200,7 @@ struct MatmulStoreAdd : gemm::NoComm {
   __device__ static void store_slot(const Globals& g, const SharedExt& ext, const typename K::Out* slot, int2 tile,
                                     int w) {
     const int row0 = tile.x * K::BM + w * 64, col0 = tile.y * K::BN;
-    const int rows = min(64, g.m - row0);
+    const int rows = ext.ok ? min(64, g.m - row0) : 0;
     const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
     const int owner = tile.x / g.per_rank.tiles_m;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
