@@ -38,6 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(jax.devices()) < 2:
             print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
             return 2
-        rows = tp_gemm.run(quick=args.quick, reps=reps, only=args.op, out_dir=out_dir)
+        rows = tp_gemm.run(quick=args.quick, reps=reps, only=args.op, out_dir=out_dir, sizes=args.sizes)
         results.write(out, args.suite, rows)
         print()
         results.print_tp_table(rows)

@@ -92,12 +92,13 @@ def _num_comm_sms(op, m, n, k, dtype, g) -> int | None:
     return None if hit is None else hit["num_comm_sms"]
 
 
-def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, out_dir: str = ".") -> list[dict]:
+def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, out_dir: str = ".",
+        sizes: list[int] | None = None) -> list[dict]:
     devices = jax.devices()
     g = len(devices)
     on_gpu = devices[0].platform == "gpu"
     mesh = Mesh(np.array(devices), (AX,))
-    sizes = [512, 1024] if quick or not on_gpu else [4096, 8192, 16384, 32768]
+    sizes = sizes or ([512, 1024] if quick or not on_gpu else [4096, 8192, 16384, 32768])
     rows = []
     todo = [(op, n) for op in OPS if not only or op == only for n in sizes]
     bar = Progress(len(todo), "tp_gemm")
