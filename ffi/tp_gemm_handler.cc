@@ -44,11 +44,13 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
   p.out = out->untyped_data();
   p.aux = aux->untyped_data();
   p.m = int(dx[0]), p.k = int(dx[1]), p.n = int(dw[1]);
-  const int64_t g = p.group.size, out_rows = kind == tp::kAllGatherMatmul ? g * p.m
-                                             : kind == tp::kMatmulReduceScatter ? p.m / g : p.m;
+  // out: AG (G m, n), RS (m / G, n), AR (m, n). aux: AG gathered x (G m, k); RS/AR the partial product
+  // (m, n), or (0, n) in store-add mode (no partial is kept).
+  const int64_t g = p.group.size, op = kOpOfKind[kind];
+  const int64_t out_rows = op == kOpAllGatherMatmul ? g * p.m : op == kOpMatmulReduceScatter ? p.m / g : p.m;
+  const int64_t aux_rows = op == kOpAllGatherMatmul ? g * p.m : tp::is_store_add(p.kind) ? 0 : p.m;
   const auto d_out = out->dimensions(), d_aux = aux->dimensions();
-  const bool aux_ok = d_aux.size() == 2 && (kind == tp::kAllGatherMatmul ? d_aux[0] == g * p.m && d_aux[1] == p.k
-                                                                          : d_aux[0] == p.m && d_aux[1] == p.n);
+  const bool aux_ok = d_aux.size() == 2 && d_aux[0] == aux_rows && d_aux[1] == (op == kOpAllGatherMatmul ? p.k : p.n);
   if (d_out.size() != 2 || d_out[0] != out_rows || d_out[1] != p.n || !aux_ok)
     return ffi::Error::InvalidArgument("pk_jax fused GEMM: output shapes do not match the op");
   p.tile = tile;

@@ -16,16 +16,13 @@ constexpr int kBN = gemm::kTileShapes[TILE].cols;
 template <int TILE>
 constexpr int kStages = TILE == gemm::k128x256 ? 3 : 6;
 
-constexpr bool store_add(Kind k) { return k == kMatmulReduceScatterAdd || k == kMatmulAllReduceAdd; }
-constexpr bool all_reduce(Kind k) { return k == kMatmulAllReduce || k == kMatmulAllReduceAdd; }
-
 template <typename T, int TILE, Kind KIND>
 using ExtFor = std::conditional_t<
     KIND == kAllGatherMatmul, AllGatherMatmul,
-    std::conditional_t<store_add(KIND), MatmulStoreAdd<all_reduce(KIND), T>, MatmulReduce<all_reduce(KIND), T>>>;
+    std::conditional_t<is_store_add(KIND), MatmulStoreAdd<is_all_reduce(KIND), T>, MatmulReduce<is_all_reduce(KIND), T>>>;
 // Store-add slots are padded rows (64 x (BN + 8) per consumer): 128x128 then fits 5 stages, not 6.
 template <int TILE, Kind KIND>
-constexpr int kStagesFor = store_add(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
+constexpr int kStagesFor = is_store_add(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
 template <typename T, int TILE, Kind KIND>
 using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStagesFor<TILE, KIND>, ExtFor<T, TILE, KIND>>;
 
@@ -41,7 +38,7 @@ void run(const Problem& p, cudaStream_t stream) {
   g.a = make_tensor_map_2d(ag ? p.aux : p.x, p.type, rows_a, p.k, p.k, K::BM, K::kBoxCols);
   g.a_own = make_tensor_map_2d(p.x, p.type, p.m, p.k, p.k, K::BM, K::kBoxCols);
   g.b = make_tensor_map_2d(p.w, p.type, p.k, p.n, p.n, K::BK, K::kBoxCols);
-  if constexpr (store_add(KIND)) {  // no partial product: C is never stored through the map (kept valid)
+  if constexpr (is_store_add(KIND)) {  // no partial product: C is never stored through the map (kept valid)
     g.c = make_tensor_map_2d(p.out, p.type, KIND == kMatmulAllReduceAdd ? p.m : p.m / G, p.n, p.n, 64,
                              K::kOutBoxCols);
   } else {
@@ -52,9 +49,9 @@ void run(const Problem& p, cudaStream_t stream) {
   g.rows_per_rank = ag ? p.m : p.m / G;
   g.per_rank.tiles_m = g.rows_per_rank / K::BM;
   g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
-  g.num_comm_sms = store_add(KIND) ? 0 : p.num_comm_sms;
+  g.num_comm_sms = is_store_add(KIND) ? 0 : p.num_comm_sms;
   const int compute = p.num_sms - g.num_comm_sms;
-  if constexpr (store_add(KIND)) {  // the adds land on zeros; published only after this (stream order)
+  if constexpr (is_store_add(KIND)) {  // the adds land on zeros; published only after this (stream order)
     const size_t out_rows = KIND == kMatmulAllReduceAdd ? size_t(p.m) : size_t(p.m / G);
     const cudaError_t z = cudaMemsetAsync(p.out, 0, out_rows * p.n * elem_bytes(p.type), stream);
     if (z != cudaSuccess) throw std::runtime_error(std::string("pk_jax fused GEMM: ") + cudaGetErrorString(z));
@@ -132,7 +129,7 @@ int launch(const Problem& p, cudaStream_t stream) {
   }
   const std::string why = unsupported(p.kind, p.group.size, p.m, p.n, p.k, tile);
   if (!why.empty()) throw std::invalid_argument("pk_jax fused GEMM: " + why);
-  if (!store_add(p.kind) && (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms))
+  if (!is_store_add(p.kind) && (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms))
     throw std::invalid_argument("pk_jax fused GEMM: num_comm_sms must be in 1.." + std::to_string(p.num_sms - 1));
   if (p.type == ElemType::kBF16) dispatch<__nv_bfloat16>(p, tile, stream);
   else dispatch<__half>(p, tile, stream);

@@ -15,6 +15,8 @@ enum Kind : int {
   kMatmulReduceScatterAdd = 3,
   kMatmulAllReduceAdd = 4,
 };
+constexpr bool is_store_add(Kind k) { return k == kMatmulReduceScatterAdd || k == kMatmulAllReduceAdd; }
+constexpr bool is_all_reduce(Kind k) { return k == kMatmulAllReduce || k == kMatmulAllReduceAdd; }
 
 struct Problem {
   Kind kind;
@@ -22,7 +24,7 @@ struct Problem {
   const void* x;  // AG: (m, k) rows of this member; RS/AR: (m, k) with k the local contraction slice
   const void* w;  // (k, n)
   void* out;      // AG: (G m, n); RS: (m / G, n); AR: (m, n)
-  void* aux;      // AG: gathered x (G m, k); RS/AR: partial product (m, n)
+  void* aux;      // AG: gathered x (G m, k); RS/AR: partial product (m, n), unused in store-add mode
   int m, n, k;    // x is m x k
   ElemType type;  // bf16 or f16 everywhere
   int tile;       // gemm::Tile (128x256 or 128x128); kAuto picks
