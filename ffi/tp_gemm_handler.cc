@@ -45,12 +45,13 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
   p.aux = aux->untyped_data();
   p.m = int(dx[0]), p.k = int(dx[1]), p.n = int(dw[1]);
   // out: AG (G m, n), RS (m / G, n), AR (m, n). aux: AG gathered x (G m, k); RS/AR the partial product
-  // (m, n), or (0, n) in store-add mode (no partial is kept).
+  // (m, n), which store-add kernels leave untouched (then (0, n) where store-add was fixed at trace time).
   const int64_t g = p.group.size, op = kOpOfKind[kind];
   const int64_t out_rows = op == kOpAllGatherMatmul ? g * p.m : op == kOpMatmulReduceScatter ? p.m / g : p.m;
-  const int64_t aux_rows = op == kOpAllGatherMatmul ? g * p.m : tp::is_store_add(p.kind) ? 0 : p.m;
+  const int64_t aux_rows = op == kOpAllGatherMatmul ? g * p.m : p.m;
   const auto d_out = out->dimensions(), d_aux = aux->dimensions();
-  const bool aux_ok = d_aux.size() == 2 && d_aux[0] == aux_rows && d_aux[1] == (op == kOpAllGatherMatmul ? p.k : p.n);
+  const bool aux_ok = d_aux.size() == 2 && d_aux[1] == (op == kOpAllGatherMatmul ? p.k : p.n) &&
+                      (d_aux[0] == aux_rows || (tp::is_store_add(p.kind) && d_aux[0] == 0));
   if (d_out.size() != 2 || d_out[0] != out_rows || d_out[1] != p.n || !aux_ok)
     return ffi::Error::InvalidArgument("pk_jax fused GEMM: output shapes do not match the op");
   p.tile = tile;

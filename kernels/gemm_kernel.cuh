@@ -49,6 +49,8 @@ struct NoComm {
                          slot + j * 64 * K::kOutBoxCols);
   }
   static constexpr bool kHasCommunicator = false;
+  static constexpr bool kTaskCounter = false;  // true: tasks claimed at run time (pk/task_queue.cuh)
+  __device__ static uint32_t* task_counter(const Globals&) { return nullptr; }
   __device__ static int2 tile(const Globals& g, int task) { return g.grid.tile(task); }
   __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
     row = tile.x * bm;
@@ -73,6 +75,7 @@ struct Kernel {
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
+  static constexpr bool kTaskCounter = Ext::kTaskCounter;
   static constexpr int kBoxCols = 128 / int(sizeof(T));       // 64 elements per 128-byte TMA box row
   static constexpr int kOutBoxCols = 128 / int(sizeof(OutT));  // output boxes: 64 rows x 128 bytes
   static constexpr uint32_t kStageBytes = uint32_t(BM * BK + BK * BN) * sizeof(T);
@@ -194,6 +197,7 @@ struct Kernel {
     Ext::communicator(g, s, role);
   }
   __device__ static void begin(const Globals& g, Shared& s) { Ext::begin(g, s.ext); }
+  __device__ static uint32_t* task_counter(const Globals& g) { return Ext::task_counter(g); }
   __device__ static void finish(const Globals& g) { Ext::finish(g); }
 };
 

@@ -51,7 +51,9 @@ __device__ __forceinline__ int2 owner_interleaved_tile(const Globals& g, int tas
 struct AllGatherMatmul : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;
+  static constexpr bool kTaskCounter = true;  // comm SMs compute too once their pushes are done
   using CommShared = BulkRing<6, 32 * 1024>;
+  __device__ static uint32_t* task_counter(const Globals& g) { return &g.group.self()->next_task; }
 
   __device__ static int2 tile(const Globals& g, int task) { return member_major_tile(g, task, g.group.rank); }
 
@@ -90,6 +92,7 @@ struct AllGatherMatmul : gemm::NoComm {
       char* own = gathered[0][grp.rank] + my_rows + c * chunk_bytes;
       ring.broadcast(g.x + c * chunk_bytes, &own, 1, chunk_bytes);
     }
+    ring.inval();  // this CTA computes next, over the same shared memory
   }
 
   __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }

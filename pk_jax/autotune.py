@@ -5,6 +5,9 @@ Cache: $PK_JAX_CACHE_DIR, else $XDG_CACHE_HOME/pk_jax, else ~/.cache/pk_jax; fil
 Entries carry the package version and are ignored after an upgrade. PK_JAX_AUTOTUNE=0 skips the
 timing and uses the starting point below.
 
+For GEMM+RS / GEMM+AR without `deterministic=True` the store-add kernel (STORE_ADD: no comm SMs, each
+tile added into its owner's output by TMA) is a candidate too, timed first.
+
 Candidate 0 is the unfused XLA composition itself: where no split of the SMs beats it (small shapes,
 where the fixed cost of the fused kernel's handshakes dominates), the op lowers to the composition,
 so a fused op is never slower than what it replaces by more than the timing noise.
@@ -26,6 +29,7 @@ from pathlib import Path
 
 START = {"all_gather_matmul": 8, "matmul_reduce_scatter": 16, "matmul_all_reduce": 16}
 CANDIDATES = (4, 8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion)
+STORE_ADD = -1  # RS/AR: the store-add kernel (no comm SMs)
 
 _lock = threading.Lock()
 
@@ -62,25 +66,29 @@ def _store(entries: dict) -> None:
         pass  # an unwritable cache only costs re-tuning
 
 
-def key(op: str, m: int, n: int, k: int, dtype: str, group: int, gpu: str) -> str:
-    return f"{op}|{m}x{n}x{k}|{dtype}|g{group}|{gpu}"
+def key(op: str, m: int, n: int, k: int, dtype: str, group: int, gpu: str, choices: str = "") -> str:
+    """The cache key; `choices` names a candidate set other than the default (e.g. "store_add")."""
+    return f"{op}|{m}x{n}x{k}|{dtype}|g{group}|{gpu}" + (f"|{choices}" if choices else "")
 
 
 def enabled() -> bool:
     return os.environ.get("PK_JAX_AUTOTUNE", "1") != "0"
 
 
-def choose(op: str, cache_key: str, time_candidate: Callable[[int], float], max_sms: int) -> int:
-    """The cached choice, or the fastest candidate by `time_candidate(num_comm_sms) -> ms`."""
+def choose(op: str, cache_key: str, time_candidate: Callable[[int], float], max_sms: int,
+           store_add: bool = False, composition: bool = True) -> int:
+    """The cached choice, or the fastest candidate by `time_candidate(num_comm_sms) -> ms`
+    (num_comm_sms: SMs of the comm role, 0 the composition, STORE_ADD the store-add kernel, which is
+    tried first and is the fallback when timing is off; `composition=False` leaves candidate 0 out)."""
     with _lock:
         hit = _load().get(cache_key)
         if hit is not None:
             return int(hit["num_comm_sms"])
-        start = START[op]
+        start = STORE_ADD if store_add else START[op]
         if not enabled():
             return start
-        fused = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - start), c))
-        order = fused + [0]
+        fused = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))
+        order = ([STORE_ADD] if store_add else []) + fused + ([0] if composition else [])
         times = {}
         for c in order:
             try:

@@ -6,11 +6,13 @@ tuple of axes), like the jax.lax composition each replaces:
   matmul_reduce_scatter(x, w, axis)   == lax.psum_scatter(jnp.dot(x, w), axis, tiled=True)
   matmul_all_reduce(x, w, axis)       == lax.psum(jnp.dot(x, w), axis)
 
-(jnp.dot with float32 accumulation, output in the input dtype.) `num_comm_sms`, the SMs given to
-communication, is autotuned once per shape and GPU and cached on disk (pk_jax/autotune.py); pass it
-to override (0 runs the unfused composition, which the autotuner also picks where it is faster). Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple
-of 128, ...) the composition itself runs, with a one-time warning on GPUs. Gradients are those of
-the composition (the backward pass runs the XLA ops).
+(jnp.dot with float32 accumulation, output in the input dtype.) The schedule (the SMs given to
+communication; for RS/AR also store-add vs deterministic pull) is autotuned once per shape and GPU
+and cached on disk (pk_jax/autotune.py); keyword arguments override it (num_comm_sms=0 or
+schedule="xla" runs the unfused composition, which the autotuner also picks where it is faster).
+Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple of 128, ...)
+the composition itself runs, with a one-time warning on GPUs. Gradients are those of the
+composition (the backward pass runs the XLA ops).
 """
 
 from __future__ import annotations
@@ -44,16 +46,17 @@ class TpSpec:
     num_comm_sms: int | None  # None: autotuned at lowering
     fused: bool               # False: the kernel cannot run this call; lower to the composition
     store_add: bool = False   # RS/AR: adds land in the owners' outputs (no comm SMs, not bit-reproducible)
+    may_store_add: bool = False  # RS/AR autotuned: the store-add kernel is a candidate
+    composition: bool = True     # autotuned: the unfused composition is a candidate
 
-    @property
-    def kind(self) -> int:
+    def kind(self, store_add: bool) -> int:
         """The kernel kind (kernels/tp_gemm.cuh): store-add variants of RS/AR are 3 and 4."""
-        return OPS.index(self.op) + (2 if self.store_add else 0)
+        return OPS.index(self.op) + (2 if store_add else 0)
 
     def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.op == "all_gather_matmul":
             return (self.group * m, n), (self.group * m, k)
-        aux = (0, n) if self.store_add else (m, n)  # the store-add kernels keep no partial product
+        aux = (0, n) if self.store_add else (m, n)  # the partial product (a pull kernel may be chosen)
         if self.op == "matmul_reduce_scatter":
             return (m // self.group, n), aux
         return (m, n), aux
@@ -113,7 +116,8 @@ def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
     member_ids, _ = table.members(table.mesh_ids[0])
     group_devs = [devices[i] for i in member_ids]
     gpu = group_devs[0].device_kind
-    cache_key = autotune.key(spec.op, m, n, k, jnp.dtype(x_aval.dtype).name, spec.group, gpu)
+    choices = "+".join(c for c, on in (("store_add", spec.may_store_add), ("no_xla", not spec.composition)) if on)
+    cache_key = autotune.key(spec.op, m, n, k, jnp.dtype(x_aval.dtype).name, spec.group, gpu, choices)
     mesh = jax.sharding.Mesh(np.array(group_devs), ("pk_tune",))
     P = jax.sharding.PartitionSpec
     x_spec = P("pk_tune")  # local x blocks stacked on rows
@@ -128,7 +132,9 @@ def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
                 [make(jax.random.key(10 + i), w_global) for i in range(2)])
 
     def time_candidate(c: int) -> float:
-        tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=c)
+        store_add = c == autotune.STORE_ADD
+        tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=0 if store_add else c,
+                                    store_add=store_add, may_store_add=False)
         body = lambda xs, ws: [pk_tp_gemm_p.bind(a, b, spec=tuned)[0] for a, b in zip(xs, ws)]
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([x_spec] * 2, [P("pk_tune")] * 2),
                                   out_specs=[P("pk_tune")] * 2, check_vma=False))
@@ -139,7 +145,8 @@ def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
 
     # Lowering runs inside the user's shard_map context; the tuning program has its own mesh.
     with mesh_lib.use_abstract_mesh(mesh_lib.AbstractMesh((), ())):
-        return autotune.choose(spec.op, cache_key, time_candidate, max_sms=group_devs[0].core_count or 132)
+        return autotune.choose(spec.op, cache_key, time_candidate, max_sms=group_devs[0].core_count or 132,
+                               store_add=spec.may_store_add, composition=spec.composition)
 
 
 def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
@@ -150,14 +157,15 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
         return _lax_lowering(ctx, x, w, spec=spec)
     x_aval, w_aval = ctx.avals_in
     if spec.store_add:
-        ncs = 0  # no comm SMs
+        ncs = autotune.STORE_ADD
     else:
         ncs = spec.num_comm_sms if spec.num_comm_sms is not None else _tuned_comm_sms(spec, table, x_aval, w_aval)
         if ncs == 0:  # the autotuner (or the caller) found the unfused composition faster here
             return _lax_lowering(ctx, x, w, spec=spec)
+    store_add = ncs == autotune.STORE_ADD
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
-        kind=np.int32(spec.kind), tile=np.int32(-1), num_comm_sms=np.int32(ncs),
+        kind=np.int32(spec.kind(store_add)), tile=np.int32(-1), num_comm_sms=np.int32(0 if store_add else ncs),
         mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
         group_axes=np.asarray(table.group_axes, np.int64))
 
@@ -192,15 +200,26 @@ def _fusable(op: str, x: jax.Array, w: jax.Array, g: int) -> str | None:
     return why or None
 
 
+SCHEDULES = (None, "store_add", "pull", "xla")
+
+
 def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None,
-          deterministic: bool = True):
+          deterministic: bool = True, schedule: str | None = None):
     x, w, g = _check(op, x, w, axis_name, num_comm_sms)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pk_jax.{op}: schedule={schedule!r}; use one of {SCHEDULES}")
+    if schedule == "store_add" and (deterministic or num_comm_sms):
+        raise ValueError(f"pk_jax.{op}: schedule='store_add' adds tiles in a varying order (no comm SMs); "
+                         f"pass deterministic=False and no num_comm_sms, or schedule='pull' for identical bits")
+    if schedule == "xla":
+        num_comm_sms = 0
     why = _fusable(op, x, w, g)
     if why and jax.default_backend() == "gpu":
         _warn_once(f"{op} runs the XLA composition: {why}")
-    # Store-add sends (G - 1) x the partial per device for an all-reduce (pull: 2 (G - 1) / G): only G = 2.
-    store_add = not deterministic and (op == "matmul_reduce_scatter" or g == 2)
-    spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None, store_add)
+    spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None,
+                  store_add=schedule == "store_add",
+                  may_store_add=schedule is None and not deterministic and num_comm_sms is None,
+                  composition=schedule != "pull")
     return _fused(x, w, spec)
 
 
@@ -245,18 +264,23 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, scatter_dimension: int = 0,
-                          deterministic: bool = False, num_comm_sms: int | None = None) -> jax.Array:
+                          deterministic: bool = False, schedule: str | None = None,
+                          num_comm_sms: int | None = None) -> jax.Array:
     """psum_scatter(x @ w, scatter_dimension, tiled=True) in one kernel.
 
     Args:
       x: (m, k) with k this member's slice of the contraction.
       w: (k, n).
       scatter_dimension: 0 (rows; the fused kernel) or 1 (columns; runs the composition).
-      deterministic: False (default): each tile is added into its owner's output by TMA store-add as
-        soon as it is computed, using no extra SMs; the order of the adds varies, so the last bits can
-        differ between runs. True: tiles are summed by the owner in rank order in float32 on
-        `num_comm_sms` SMs: identical bits every run.
-      num_comm_sms: deterministic mode: SMs that reduce the tiles this member owns (None: autotuned;
+      deterministic: False (default): the fastest schedule, measured (see `schedule`); with the
+        store-add schedule the order of the adds varies, so the last bits can differ between runs
+        at more than 2 members. True: only schedules that give identical bits every run.
+      schedule: None (default: autotuned once per shape and GPU among those `deterministic` allows),
+        "store_add" (each tile is added into its owner's output by TMA store-add as soon as it is
+        computed; no extra SMs; needs deterministic=False), "pull" (the owner sums each tile over
+        the members in rank order in float32 on `num_comm_sms` SMs: deterministic) or "xla" (the
+        unfused composition).
+      num_comm_sms: pull schedule: SMs that reduce the tiles this member owns (None: autotuned;
         0: the unfused composition).
 
     Returns:
@@ -268,14 +292,16 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
         name = axis_name
         return jax.lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w)),
                                     name, scatter_dimension=1, tiled=True)
-    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, deterministic)[0]
+    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, deterministic, schedule)[0]
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *, deterministic: bool = False,
-                      num_comm_sms: int | None = None) -> jax.Array:
+                      schedule: str | None = None, num_comm_sms: int | None = None) -> jax.Array:
     """psum(x @ w) in one kernel: x (m, k) with k this member's contraction slice, w (k, n);
-    returns (m, n). deterministic=False on 2 GPUs: every tile is store-added into both members'
-    outputs (no extra SMs; last bits may vary between runs); otherwise the owner of each tile sums it
-    in rank order on `num_comm_sms` SMs (None: autotuned; 0: the unfused composition) and writes it to
-    every member: identical bits on every member and every run."""
-    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms, deterministic)[0]
+    returns (m, n).
+
+    `deterministic`, `schedule` and `num_comm_sms` as in `matmul_reduce_scatter`; here "store_add"
+    adds every tile into every member's output (G - 1 copies of the partial cross NVLink, as many as
+    the pull schedule's 2 (G - 1) / G at G = 2), and "pull" has the owner of each tile sum it in rank
+    order and write it to every member: identical bits on every member and every run."""
+    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms, deterministic, schedule)[0]

@@ -156,3 +156,47 @@ def test_autotune_does_not_cache_when_every_candidate_fails(tmp_path, monkeypatc
     key = autotune.key("all_gather_matmul", 4, 4, 4, "bfloat16", 2, "GPU X")
     assert autotune.choose("all_gather_matmul", key, lambda c: 1 / 0, max_sms=132) == autotune.START["all_gather_matmul"]
     assert key not in autotune.entries()
+
+
+def test_autotune_store_add_is_timed_first_and_can_win(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    key = autotune.key("matmul_all_reduce", 8, 8, 8, "bfloat16", 2, "GPU X", "store_add")
+    timed = []
+    choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c < 0 else 1.0), 132,
+                             store_add=True)
+    assert choice == autotune.STORE_ADD and timed[0] == autotune.STORE_ADD and timed[-1] == 0
+
+
+def test_autotune_without_composition(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    key = autotune.key("matmul_reduce_scatter", 8, 8, 8, "bfloat16", 2, "GPU X", "no_xla")
+    timed = []
+    autotune.choose("matmul_reduce_scatter", key, lambda c: timed.append(c) or 1.0, 132, composition=False)
+    assert 0 not in timed and autotune.STORE_ADD not in timed
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"schedule": "fast"}, "schedule='fast'"),
+    ({"schedule": "store_add", "deterministic": True}, "deterministic=False"),
+    ({"schedule": "store_add", "num_comm_sms": 8}, "no num_comm_sms"),
+])
+def test_schedule_errors(kw, match):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, w = rand(9, (64, 32)), rand(10, (32, 48))
+    with pytest.raises(ValueError, match=match):
+        jax.shard_map(lambda a, b: pk_jax.matmul_all_reduce(a, b, "x", **kw), mesh=mesh, in_specs=(P(), P()),
+                      out_specs=P(), check_vma=False)(x, w)
+
+
+@pytest.mark.parametrize("schedule", [None, "store_add", "pull", "xla"])
+def test_every_schedule_has_the_composition_semantics(schedule):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x, w = rand(11, (256, 4 * 64)), rand(12, (4 * 64, 96))
+    for op, ref in (("matmul_reduce_scatter", lambda a, b: jax.lax.psum_scatter(a @ b, "x", tiled=True)),
+                    ("matmul_all_reduce", lambda a, b: jax.lax.psum(a @ b, "x"))):
+        fn = getattr(pk_jax, op)
+        out_spec = P("x") if op == "matmul_reduce_scatter" else P()
+        run = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P(None, "x"), P("x")), out_specs=out_spec,
+                                      check_vma=False)(x, w)
+        got = run(lambda a, b: fn(a, b, "x", deterministic=False, schedule=schedule))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(run(ref)), rtol=1e-5, atol=1e-5)

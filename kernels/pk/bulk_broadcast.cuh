@@ -21,6 +21,10 @@ struct BulkRing {
     loads = 0;
     tma::fence_barrier_init();
   }
+  // After the last broadcast (which waited for every copy): the stages' memory may be reused.
+  __device__ void inval() {
+    for (int s = 0; s < STAGES; ++s) tma::mbar_inval(&bar[s]);
+  }
 
   // bytes: a multiple of 16; src and every dst 16-byte aligned.
   __device__ void broadcast(const char* src, char* const* dst, int ndst, uint64_t bytes) {

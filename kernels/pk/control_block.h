@@ -38,6 +38,7 @@ struct alignas(128) ControlBlock {
   alignas(128) uint64_t seq[kMaxSlots];        // local: ops completed with each peer slot
   uint32_t arrived;                            // local: CTAs of the running launch that finished
   uint32_t aborted;                            // local: set after a timeout, later waits fail fast
+  uint32_t next_task;                          // local: fused kernels' task counter (task_queue.cuh)
   // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device
   // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
   alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];

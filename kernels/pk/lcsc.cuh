@@ -9,17 +9,21 @@
 // K::init(g, Shared&) (barriers, run by one thread), K::begin(g, Shared&) (every compute thread, before
 // the roles start), K::num_tasks(g), K::finish(g) (run by every
 // thread of every CTA at the end: the cross-GPU completion protocol), and the constants
-// kConsumerWarpgroups, kProducerRegs, kConsumerRegs, kHasCommunicator.
+// kConsumerWarpgroups, kProducerRegs, kConsumerRegs, kHasCommunicator, kTaskCounter. A communicator
+// that joins compute (kTaskCounter) leaves no TMA in flight and no live mbarrier in CommShared.
 //
-// The template owns the persistent grid (compute SMs take tasks worker, worker + workers, ...), the
-// warpgroup specialization and the setmaxnreg register split: warpgroup 0 produces (loader in warp 0,
-// storer in warp 1), warpgroups 1.. consume. Every role walks the same task list in the same order,
-// so the rings between them stay in step without further coordination.
+// The template owns the persistent grid, the warpgroup specialization and the setmaxnreg register
+// split: warpgroup 0 produces (loader in warp 0, storer in warp 1), warpgroups 1.. consume. Every role
+// of a CTA walks the same task list in the same order, so the rings between them stay in step.
+// Tasks are assigned statically (compute SM i takes i, i + workers, ...) unless K::kTaskCounter: then
+// the loader claims tasks from a device-wide counter (task_queue.cuh) and the comm CTAs, once their
+// communication is done, join the compute SMs and take what is left (no idle SMs in the last wave).
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "task_queue.cuh"
 #include "tile_scheduler.cuh"
 #include "tma.cuh"
 #include "wgmma.cuh"
@@ -42,34 +46,54 @@ constexpr size_t smem_bytes() {
   return s + 1024;  // slack to align the base to 1024 bytes (the 128-byte swizzle's period)
 }
 
+constexpr int kQueueDepth = 4;
+// Only kernels that claim tasks at run time instantiate (and so allocate) the queue.
+template <class K>
+__device__ __forceinline__ TaskQueue<kQueueDepth>& task_queue() {
+  __shared__ TaskQueue<kQueueDepth> queue;
+  return queue;
+}
+
 // The compute SMs: warpgroup-specialized loader / consumers / storer over this CTA's tasks.
 template <class K>
 __device__ __forceinline__ void compute(const typename K::Globals& g, typename K::Shared& s) {
   const int comm = g.num_comm_sms;
   if (threadIdx.x == 0) {
     K::init(g, s);
+    if constexpr (K::kTaskCounter) task_queue<K>().init(4 * K::kConsumerWarpgroups + 1);  // consumer warps + storer
     tma::fence_barrier_init();
   }
   __syncthreads();
   K::begin(g, s);
-  const TaskRange tasks{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)};
+  // One walk over this CTA's tasks for each role; `claims` marks the loader (the one that claims).
+  auto each_task = [&](bool claims, bool whole_warp, auto&& body) {
+    if constexpr (K::kTaskCounter) {
+      TaskQueue<kQueueDepth>& queue = task_queue<K>();
+      RingPos<kQueueDepth> pos;
+      for (int t; (t = claims ? queue.claim(pos, K::task_counter(g), K::num_tasks(g))
+                              : queue.take(pos, whole_warp)) >= 0;)
+        body(t);
+    } else {
+      for (int t : TaskRange{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)}) body(t);
+    }
+  };
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
     wgmma::setmaxnreg_dec<K::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     if (warp == 0 && lane == 0) {
       typename K::LoaderState st{};
-      for (int t : tasks) K::loader(g, s, st, t);
+      each_task(true, false, [&](int t) { K::loader(g, s, st, t); });
     } else if (warp == 1 && lane == 0) {
       typename K::StorerState st{};
-      for (int t : tasks) K::storer(g, s, st, t);
+      each_task(false, false, [&](int t) { K::storer(g, s, st, t); });
       K::storer_finish(g, s, st);
     }
   } else {
     wgmma::setmaxnreg_inc<K::kConsumerRegs>();
     typename K::ConsumerState st{};
     st.warpgroup = warpgroup - 1;
-    for (int t : tasks) K::consumer(g, s, st, t);
+    each_task(false, true, [&](int t) { K::consumer(g, s, st, t); });
   }
   __syncwarp();  // lanes 1-31 of the loader / storer warps wait for lane 0 before any CTA-wide barrier
 }
@@ -82,6 +106,10 @@ __global__ void __launch_bounds__(threads<K>(), 1) kernel(const __grid_constant_
   if (int(blockIdx.x) < comm) {
     if constexpr (K::kHasCommunicator) {
       K::communicator(g, *reinterpret_cast<typename K::CommShared*>(base), CommRole{int(blockIdx.x), comm});
+      if constexpr (K::kTaskCounter) {  // communication done: compute what the other SMs have not claimed
+        __syncthreads();
+        compute<K>(g, *reinterpret_cast<typename K::Shared*>(base));
+      }
       K::finish(g);
     }
     return;

@@ -89,7 +89,10 @@ struct OpProtocol {
     }
     __syncthreads();
     if (r < g.size) me->seq[g.slot[r]] = epoch[r];  // own slot too: fused ops signal items to themselves
-    if (r == 0) me->arrived = 0;
+    if (r == 0) {
+      me->arrived = 0;
+      me->next_task = 0;  // every CTA claimed its last task before arriving
+    }
   }
 };
 

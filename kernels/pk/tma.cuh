@@ -116,6 +116,10 @@ __device__ __forceinline__ void prefetch_tensor_map(const void* tmap) {
 __device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
 }
+// Before the barrier's memory is used for anything else (e.g. a comm CTA turning to compute).
+__device__ __forceinline__ void mbar_inval(uint64_t* bar) {
+  asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(bar)) : "memory");
+}
 
 // Order generic-proxy shared-memory writes before async-proxy (TMA) reads of them.
 __device__ __forceinline__ void fence_proxy_async_shared() {

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from pk_jax import autotune
 
 from .poison import poison_allocator
 
@@ -78,8 +79,8 @@ def assert_close(got, want):
 SHAPES = [(256, 256, 256), (1024, 1024, 1024), (512, 768, 1536), (2048, 4096, 512), (128, 64, 8192)]
 
 
-MODES = {"ag": [{}], "rs": [{"deterministic": True}, {"deterministic": False}],
-         "ar": [{"deterministic": True}, {"deterministic": False}]}
+MODES = {"ag": [{}], "rs": [{"deterministic": True}, {"deterministic": False, "schedule": "store_add"}],
+         "ar": [{"deterministic": True}, {"deterministic": False, "schedule": "store_add"}]}
 
 
 @pytest.mark.parametrize("op,mode", [(op, m) for op in OPS for m in MODES[op]], ids=str)
@@ -89,7 +90,8 @@ def test_matches_composition(op, mode, g, mnk):
     m, n, k = mnk
     if op != "ag":
         m *= g  # the local rows of x must split into G row blocks of >= 128
-    got, want, _ = run(op, g, m, n, k, num_comm_sms=8, **mode)
+    sms = {} if mode.get("schedule") == "store_add" else {"num_comm_sms": 8}
+    got, want, _ = run(op, g, m, n, k, **sms, **mode)
     assert_close(got, want)
 
 
@@ -111,12 +113,16 @@ def test_float16_and_reference(op):
     assert_close(got, np.tile(ref, (2, 1)) if op == "ag" else ref)
 
 
-@pytest.mark.parametrize("op", ["rs", "ar"])
-def test_deterministic_bits(op):
+# Pull: bits fixed by the rank-order sum. Store-add at 2 members: each element is 0 + a + b in either
+# order, and bf16 addition commutes, so the bits are fixed there too.
+@pytest.mark.parametrize("op,kw", [(op, kw) for op in ("rs", "ar") for kw in
+                                   ({"num_comm_sms": 8, "deterministic": True},
+                                    {"schedule": "store_add", "deterministic": False})], ids=str)
+def test_deterministic_bits(op, kw):
     ours, _, in_specs, out_spec = OPS[op]
     mesh = Mesh(np.array(gpus()[:2]), ("x",))
     sets = [inputs(op, 2, 1024, 1024, 1024, mesh) for _ in range(2)]
-    f = jax.jit(jax.shard_map(lambda a, b: ours(a, b, num_comm_sms=8, deterministic=True), mesh=mesh,
+    f = jax.jit(jax.shard_map(lambda a, b: ours(a, b, **kw), mesh=mesh,
                               in_specs=in_specs, out_specs=out_spec, check_vma=False))
     first = [np.asarray(f(*xw).view(jnp.uint16)) for xw in sets]
     assert not np.array_equal(first[0], first[1])
@@ -128,11 +134,14 @@ def test_deterministic_bits(op):
         assert all(np.array_equal(s, shards[0]) for s in shards)
 
 
-def test_autotuned(tmp_path, monkeypatch):
+@pytest.mark.parametrize("op,kw", [("ag", {}), ("rs", {"deterministic": True}), ("rs", {}), ("ar", {})], ids=str)
+def test_autotuned(tmp_path, monkeypatch, op, kw):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
-    got, want, _ = run("rs", 2, 2048, 1024, 512, deterministic=True)
+    got, want, _ = run(op, 2, 2048, 1024, 512, **kw)
     assert_close(got, want)
-    assert (tmp_path / "autotune.json").exists()
+    (key, entry), = autotune.entries().items()  # one shape tuned, its candidate times on disk
+    assert key.endswith("|store_add") == (op != "ag" and not kw)  # store-add competes unless deterministic
+    assert entry["ms"] and all(t > 0 for t in entry["ms"].values())
 
 
 def test_soak_alternating_ops():
@@ -143,8 +152,8 @@ def test_soak_alternating_ops():
         a = pk_jax.all_gather_matmul(xa, wa, "x", num_comm_sms=4)
         b = pk_jax.matmul_reduce_scatter(xr, wr, "x", num_comm_sms=4, deterministic=True)
         c = pk_jax.matmul_all_reduce(xr, wr, "x", num_comm_sms=4, deterministic=True)
-        d = pk_jax.matmul_reduce_scatter(xr, wr, "x")  # store-add
-        e = pk_jax.matmul_all_reduce(xr, wr, "x")
+        d = pk_jax.matmul_reduce_scatter(xr, wr, "x", deterministic=False, schedule="store_add")
+        e = pk_jax.matmul_all_reduce(xr, wr, "x", deterministic=False, schedule="store_add")
         return a, b, c, d, e
 
     f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P("x"), P(), P(None, "x"), P("x")),

@@ -1,0 +1,45 @@
+// Tasks claimed at run time. The loader thread of a CTA takes the next task from a device-wide
+// counter and hands it to the CTA's other roles (consumer warps, storer) through a small ring, so
+// every role of the CTA walks the same tasks in the same order. CTAs that start late (comm SMs
+// after their communication) simply claim what is left: the last wave has no idle SMs.
+//
+// The counter lives in device memory and is reset to 0 by the launch's last CTA (op_protocol.cuh
+// finish), so no host state is needed and CUDA graph replays stay correct.
+#pragma once
+#include <cstdint>
+
+#include "pipeline.cuh"
+
+namespace pk {
+
+template <int D>
+struct TaskQueue {
+  int id[D];
+  Ring<D> ring;
+
+  // One thread: `takers` arrivals release a slot (one per taking warp or thread).
+  __device__ void init(uint32_t takers) { ring.init(1, takers); }
+
+  // Loader thread: claim the next task (-1 once all `total` are claimed) and publish it.
+  __device__ int claim(RingPos<D>& pos, uint32_t* counter, int total) {
+    int t = int(atomicAdd(counter, 1u));
+    if (t >= total) t = -1;
+    pos.wait_empty(ring);
+    id[pos.stage] = t;
+    tma::mbar_arrive(&ring.full[pos.stage]);  // release: the id is visible to whoever sees the phase
+    pos.advance();
+    return t;
+  }
+
+  // A whole warp (whole_warp) or a single thread: the next task the loader published.
+  __device__ int take(RingPos<D>& pos, bool whole_warp) {
+    pos.wait_full(ring);
+    const int t = id[pos.stage];
+    if (whole_warp) __syncwarp();  // every lane has read the id before lane 0 frees the slot
+    if (!whole_warp || threadIdx.x % 32 == 0) tma::mbar_arrive(&ring.empty[pos.stage]);
+    pos.advance();
+    return t;
+  }
+};
+
+}  // namespace pk
