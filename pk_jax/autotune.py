@@ -1,5 +1,6 @@
-"""Chooses `num_comm_sms` for the fused GEMMs by timing candidates once per (op, shape, dtype, group
-size, GPU model) and caching the choice on disk, so no user ever tunes by hand.
+"""Chooses the fused GEMMs' schedule (num_comm_sms, the block tile, and for RS/AR store-add or pull)
+by timing candidates once per (op, shape, dtype, group size, GPU model) and caching the choice on
+disk, so no user ever tunes by hand.
 
 Cache: $PK_JAX_CACHE_DIR, else $XDG_CACHE_HOME/pk_jax, else ~/.cache/pk_jax; file autotune.json.
 Entries carry the package version and are ignored after an upgrade. PK_JAX_AUTOTUNE=0 skips the
@@ -11,6 +12,9 @@ tile added into its owner's output by TMA) is a candidate too, timed first.
 Candidate 0 is the unfused XLA composition itself: where no split of the SMs beats it (small shapes,
 where the fixed cost of the fused kernel's handshakes dominates), the op lowers to the composition,
 so a fused op is never slower than what it replaces by more than the timing noise.
+
+Both block tiles are tried: the SM count left to compute decides how evenly the tiles fill the last
+wave (e.g. 512 tiles of 128x256 on 116 SMs take 5 waves; 1,024 of 128x128 take 9 half-waves).
 
 The search starts at the SM counts that saturate NVLink in the transfer microbenchmark
 (benchmarks/results/2026-11-22-transfer-nvidia-h200-x2.json: TMA stores reach 90% of their best
@@ -24,12 +28,15 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 START = {"all_gather_matmul": 8, "matmul_reduce_scatter": 16, "matmul_all_reduce": 16}
-CANDIDATES = (4, 8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion)
+CANDIDATES = (8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion); 4 never won a measurement
 STORE_ADD = -1  # RS/AR: the store-add kernel (no comm SMs)
+AUTO_TILE = -1
+TILE_NAMES = ("128x256", "128x128")  # the fused kernels' block tiles, by kernels/gemm.cuh Tile
 
 _lock = threading.Lock()
 
@@ -75,32 +82,44 @@ def enabled() -> bool:
     return os.environ.get("PK_JAX_AUTOTUNE", "1") != "0"
 
 
-def choose(op: str, cache_key: str, time_candidate: Callable[[int], float], max_sms: int,
-           store_add: bool = False, composition: bool = True) -> int:
-    """The cached choice, or the fastest candidate by `time_candidate(num_comm_sms) -> ms`
-    (num_comm_sms: SMs of the comm role, 0 the composition, STORE_ADD the store-add kernel, which is
-    tried first and is the fallback when timing is off; `composition=False` leaves candidate 0 out)."""
+class Choice(NamedTuple):
+    num_comm_sms: int  # SMs of the comm role; 0: the composition; STORE_ADD: the store-add kernel
+    tile: int = AUTO_TILE  # the block tile (kernels/gemm.cuh Tile); AUTO_TILE: the kernel picks
+
+
+def _label(c: Choice) -> str:
+    return f"{c.num_comm_sms}" + ("" if c.tile == AUTO_TILE else f"@{TILE_NAMES[c.tile]}")
+
+
+def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], max_sms: int,
+           store_add: bool = False, composition: bool = True, tiles: Sequence[int] = (AUTO_TILE,)) -> Choice:
+    """The cached choice, or the fastest candidate by `time_candidate(choice) -> ms`: every SM count
+    of CANDIDATES (nearest START first) with every tile of `tiles`; the store-add kernel with each
+    tile, tried first, when `store_add`; the composition last unless `composition=False`.
+    With timing off (PK_JAX_AUTOTUNE=0): store-add if allowed, else START, with the kernel's tile."""
     with _lock:
         hit = _load().get(cache_key)
         if hit is not None:
-            return int(hit["num_comm_sms"])
-        start = STORE_ADD if store_add else START[op]
+            return Choice(int(hit["num_comm_sms"]), int(hit.get("tile", AUTO_TILE)))
+        start = Choice(STORE_ADD if store_add else START[op])
         if not enabled():
             return start
-        fused = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))
-        order = ([STORE_ADD] if store_add else []) + fused + ([0] if composition else [])
+        sms = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))
+        order = [Choice(c, t) for c in ([STORE_ADD] if store_add else []) + sms for t in tiles]
+        order += [Choice(0)] if composition else []
         times = {}
         for c in order:
             try:
                 times[c] = time_candidate(c)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is not chosen
                 times[c] = float("inf")
-                print(f"pk_jax autotune: {op} num_comm_sms={c} failed: {e}")
+                print(f"pk_jax autotune: {op} {_label(c)} failed: {e}")
         if not times or min(times.values()) == float("inf"):
             return start  # nothing ran: keep the default and try again next time (no cache entry)
         best = min(times, key=times.get)
         entries = _load()
-        entries[cache_key] = {"num_comm_sms": best, "ms": {str(c): round(t, 5) for c, t in sorted(times.items())}}
+        entries[cache_key] = {"num_comm_sms": best.num_comm_sms, "tile": best.tile,
+                              "ms": {_label(c): round(t, 5) for c, t in times.items()}}
         _store(entries)
         return best
 

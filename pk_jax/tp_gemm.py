@@ -48,6 +48,7 @@ class TpSpec:
     store_add: bool = False   # RS/AR: adds land in the owners' outputs (no comm SMs, not bit-reproducible)
     may_store_add: bool = False  # RS/AR autotuned: the store-add kernel is a candidate
     composition: bool = True     # autotuned: the unfused composition is a candidate
+    tile: int = autotune.AUTO_TILE  # the block tile (set by the autotuner; AUTO_TILE: the kernel picks)
 
     def kind(self, store_add: bool) -> int:
         """The kernel kind (kernels/tp_gemm.cuh): store-add variants of RS/AR are 3 and 4."""
@@ -107,8 +108,8 @@ def _warn_once(msg: str) -> None:
     warnings.warn(f"pk_jax: {msg}", stacklevel=4)
 
 
-def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
-    """Autotunes num_comm_sms over the first group of the mesh (every group has the same shape)."""
+def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
+    """Autotunes the schedule over the first group of the mesh (every group has the same shape)."""
     from pk_jax.bench import timing
 
     (m, k), n = x_aval.shape, w_aval.shape[1]
@@ -131,22 +132,25 @@ def _tuned_comm_sms(spec: TpSpec, table, x_aval, w_aval) -> int:
         return ([make(jax.random.key(i), (spec.group * m, k)) for i in range(2)],
                 [make(jax.random.key(10 + i), w_global) for i in range(2)])
 
-    def time_candidate(c: int) -> float:
-        store_add = c == autotune.STORE_ADD
-        tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=0 if store_add else c,
-                                    store_add=store_add, may_store_add=False)
-        body = lambda xs, ws: [pk_tp_gemm_p.bind(a, b, spec=tuned)[0] for a, b in zip(xs, ws)]
+    calls = 4  # ops per timed call, on the two input sets in turn
+
+    def time_candidate(c: autotune.Choice) -> float:
+        store_add = c.num_comm_sms == autotune.STORE_ADD
+        tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=0 if store_add else c.num_comm_sms,
+                                    store_add=store_add, may_store_add=False, tile=c.tile)
+        body = lambda xs, ws: [pk_tp_gemm_p.bind(xs[i % 2], ws[i % 2], spec=tuned)[0] for i in range(calls)]
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([x_spec] * 2, [P("pk_tune")] * 2),
-                                  out_specs=[P("pk_tune")] * 2, check_vma=False))
+                                  out_specs=[P("pk_tune")] * calls, check_vma=False))
         if not inputs:
             inputs.extend(make_inputs())
-        (ms,) = timing.time_interleaved([lambda pair: f(*pair)], inputs, warmup=2, reps=5, ops_per_call=2)
+        (ms,) = timing.time_interleaved([lambda pair: f(*pair)], inputs, warmup=2, reps=7, ops_per_call=calls)
         return ms
 
     # Lowering runs inside the user's shard_map context; the tuning program has its own mesh.
     with mesh_lib.use_abstract_mesh(mesh_lib.AbstractMesh((), ())):
         return autotune.choose(spec.op, cache_key, time_candidate, max_sms=group_devs[0].core_count or 132,
-                               store_add=spec.may_store_add, composition=spec.composition)
+                               store_add=spec.may_store_add, composition=spec.composition,
+                               tiles=range(len(autotune.TILE_NAMES)))
 
 
 def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
@@ -157,15 +161,18 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
         return _lax_lowering(ctx, x, w, spec=spec)
     x_aval, w_aval = ctx.avals_in
     if spec.store_add:
-        ncs = autotune.STORE_ADD
+        choice = autotune.Choice(autotune.STORE_ADD, spec.tile)
+    elif spec.num_comm_sms is not None:
+        choice = autotune.Choice(spec.num_comm_sms, spec.tile)
     else:
-        ncs = spec.num_comm_sms if spec.num_comm_sms is not None else _tuned_comm_sms(spec, table, x_aval, w_aval)
-        if ncs == 0:  # the autotuner (or the caller) found the unfused composition faster here
-            return _lax_lowering(ctx, x, w, spec=spec)
-    store_add = ncs == autotune.STORE_ADD
+        choice = _tuned_schedule(spec, table, x_aval, w_aval)
+    if choice.num_comm_sms == 0:  # the autotuner (or the caller) found the unfused composition faster here
+        return _lax_lowering(ctx, x, w, spec=spec)
+    store_add = choice.num_comm_sms == autotune.STORE_ADD
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
-        kind=np.int32(spec.kind(store_add)), tile=np.int32(-1), num_comm_sms=np.int32(0 if store_add else ncs),
+        kind=np.int32(spec.kind(store_add)), tile=np.int32(choice.tile),
+        num_comm_sms=np.int32(0 if store_add else choice.num_comm_sms),
         mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
         group_axes=np.asarray(table.group_axes, np.int64))
 

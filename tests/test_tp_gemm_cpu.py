@@ -114,16 +114,18 @@ def test_autotune_times_once_and_caches(tmp_path, monkeypatch):
 
     def fake_time(c):
         calls.append(c)
-        return abs(c - 12) + 1.0  # fastest at 12
+        return abs(c.num_comm_sms - 12) + c.tile + 2.0  # fastest at 12 SMs with tile 0
 
     key = autotune.key("matmul_all_reduce", 1, 2, 3, "bfloat16", 4, "GPU X")
-    assert autotune.choose("matmul_all_reduce", key, fake_time, max_sms=132) == 12
-    assert calls[0] == autotune.START["matmul_all_reduce"]  # the search starts at the saturation point
+    want = autotune.Choice(12, 0)
+    assert autotune.choose("matmul_all_reduce", key, fake_time, max_sms=132, tiles=(1, 0)) == want
+    assert calls[0] == (autotune.START["matmul_all_reduce"], 1)  # the search starts at the saturation point
+    assert {c.tile for c in calls if c.num_comm_sms} == {0, 1}  # every SM count with every tile
     n = len(calls)
-    assert autotune.choose("matmul_all_reduce", key, fake_time, max_sms=132) == 12
+    assert autotune.choose("matmul_all_reduce", key, fake_time, max_sms=132) == want
     assert len(calls) == n  # cached: not timed again
     doc = json.loads((tmp_path / "autotune.json").read_text())
-    assert doc["entries"][key]["num_comm_sms"] == 12
+    assert (doc["entries"][key]["num_comm_sms"], doc["entries"][key]["tile"]) == want
 
 
 def test_autotune_cache_is_invalidated_by_version(tmp_path, monkeypatch):
@@ -132,7 +134,8 @@ def test_autotune_cache_is_invalidated_by_version(tmp_path, monkeypatch):
     (tmp_path / "autotune.json").write_text(json.dumps({"version": "0.0.0-old", "entries": {key: {"num_comm_sms": 99}}}))
     timed = []
     # The stale entry (99) is ignored: the candidates are timed again and the fastest (16) wins.
-    assert autotune.choose("all_gather_matmul", key, lambda c: timed.append(c) or abs(c - 16) + 1.0, 132) == 16
+    choice = autotune.choose("all_gather_matmul", key, lambda c: timed.append(c) or abs(c.num_comm_sms - 16) + 1.0, 132)
+    assert choice.num_comm_sms == 16
     assert timed
 
 
@@ -140,21 +143,23 @@ def test_autotune_disabled_uses_start(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("PK_JAX_AUTOTUNE", "0")
     key = autotune.key("matmul_reduce_scatter", 1, 2, 3, "bfloat16", 2, "GPU X")
-    assert autotune.choose("matmul_reduce_scatter", key, lambda c: 1 / 0, max_sms=132) == 16
+    assert autotune.choose("matmul_reduce_scatter", key, lambda c: 1 / 0, max_sms=132).num_comm_sms == 16
 
 
 def test_autotune_picks_the_composition_when_it_is_faster(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
     key = autotune.key("matmul_all_reduce", 8, 8, 8, "bfloat16", 2, "GPU X")
     timed = []
-    choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c == 0 else 1.0), 132)
-    assert choice == 0 and timed[-1] == 0  # every fused split is tried first, the composition last
+    choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c.num_comm_sms == 0 else 1.0),
+                             132)
+    assert choice.num_comm_sms == 0 and timed[-1].num_comm_sms == 0  # every fused split is tried first, the composition last
 
 
 def test_autotune_does_not_cache_when_every_candidate_fails(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
     key = autotune.key("all_gather_matmul", 4, 4, 4, "bfloat16", 2, "GPU X")
-    assert autotune.choose("all_gather_matmul", key, lambda c: 1 / 0, max_sms=132) == autotune.START["all_gather_matmul"]
+    choice = autotune.choose("all_gather_matmul", key, lambda c: 1 / 0, max_sms=132)
+    assert choice.num_comm_sms == autotune.START["all_gather_matmul"]
     assert key not in autotune.entries()
 
 
@@ -162,9 +167,10 @@ def test_autotune_store_add_is_timed_first_and_can_win(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
     key = autotune.key("matmul_all_reduce", 8, 8, 8, "bfloat16", 2, "GPU X", "store_add")
     timed = []
-    choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c < 0 else 1.0), 132,
-                             store_add=True)
-    assert choice == autotune.STORE_ADD and timed[0] == autotune.STORE_ADD and timed[-1] == 0
+    choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c.num_comm_sms < 0 else 1.0),
+                             132, store_add=True)
+    assert choice.num_comm_sms == autotune.STORE_ADD
+    assert timed[0].num_comm_sms == autotune.STORE_ADD and timed[-1].num_comm_sms == 0
 
 
 def test_autotune_without_composition(tmp_path, monkeypatch):
@@ -172,7 +178,7 @@ def test_autotune_without_composition(tmp_path, monkeypatch):
     key = autotune.key("matmul_reduce_scatter", 8, 8, 8, "bfloat16", 2, "GPU X", "no_xla")
     timed = []
     autotune.choose("matmul_reduce_scatter", key, lambda c: timed.append(c) or 1.0, 132, composition=False)
-    assert 0 not in timed and autotune.STORE_ADD not in timed
+    assert not {0, autotune.STORE_ADD} & {c.num_comm_sms for c in timed}
 
 
 @pytest.mark.parametrize("kw,match", [

@@ -86,12 +86,15 @@ def _rel_err(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def _num_comm_sms(op, m, n, k, dtype, g) -> int | None:
-    """The default call's autotuned choice (autotune.STORE_ADD: the store-add kernel)."""
+def _tuned(op, m, n, k, dtype, g) -> dict:
+    """The default call's autotuned choice: num_comm_sms (autotune.STORE_ADD: the store-add kernel),
+    tile, and every candidate's time."""
     choices = "" if op == "all_gather_matmul" else "store_add"
     key = autotune.key(op, m, n, k, jnp.dtype(dtype).name, g, jax.devices()[0].device_kind, choices)
-    hit = autotune.entries().get(key)
-    return None if hit is None else hit["num_comm_sms"]
+    hit = autotune.entries().get(key, {})
+    tile = hit.get("tile", autotune.AUTO_TILE)
+    return {"num_comm_sms": hit.get("num_comm_sms"), "tile": autotune.TILE_NAMES[tile] if tile >= 0 else "auto",
+            "autotune_ms": hit.get("ms")}
 
 
 def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, out_dir: str = ".",
@@ -154,7 +157,7 @@ def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, out
                       "bound_speedup": round(bound_speedup, 4), "gemm_ms_cublas": round(dot_ms, 5),
                       "gemm_ms_pk": round(pkg_ms, 5), "coll_ms_lax": round(lax_c_ms, 5),
                       "coll_ms_pk": round(pk_c_ms, 5), "non_overlapped_fraction": round(non_overlap, 4),
-                      "num_comm_sms": _num_comm_sms(op, m_ if not ag else n // g, n_, k_, dtype, g),
+                      **_tuned(op, m_ if not ag else n // g, n_, k_, dtype, g),
                       **{f"{name}_ms": round(t, 5) for name, t in fixed_ms.items()},
                       "target": goal, "meets_target": bool(ratio >= goal), "rel_err": float(f"{err:.2e}"),
                       "calls_per_measure": count, "reps": reps, "check": "ok" if err < 1e-2 else "MISMATCH"},
