@@ -152,7 +152,8 @@ def test_autotune_picks_the_composition_when_it_is_faster(tmp_path, monkeypatch)
     timed = []
     choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c.num_comm_sms == 0 else 1.0),
                              132)
-    assert choice.num_comm_sms == 0 and timed[-1].num_comm_sms == 0  # every fused split is tried first, the composition last
+    first_pass = list(dict.fromkeys(timed))  # in order of first timing
+    assert choice.num_comm_sms == 0 and first_pass[-1].num_comm_sms == 0  # every fused split is tried first, the composition last
 
 
 def test_autotune_does_not_cache_when_every_candidate_fails(tmp_path, monkeypatch):
@@ -170,7 +171,8 @@ def test_autotune_store_add_is_timed_first_and_can_win(tmp_path, monkeypatch):
     choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c.num_comm_sms < 0 else 1.0),
                              132, store_add=True)
     assert choice.num_comm_sms == autotune.STORE_ADD
-    assert timed[0].num_comm_sms == autotune.STORE_ADD and timed[-1].num_comm_sms == 0
+    first_pass = list(dict.fromkeys(timed))
+    assert first_pass[0].num_comm_sms == autotune.STORE_ADD and first_pass[-1].num_comm_sms == 0
 
 
 def test_autotune_without_composition(tmp_path, monkeypatch):
@@ -206,3 +208,18 @@ def test_every_schedule_has_the_composition_semantics(schedule):
                                       check_vma=False)(x, w)
         got = run(lambda a, b: fn(a, b, "x", deterministic=False, schedule=schedule))
         np.testing.assert_allclose(np.asarray(got), np.asarray(run(ref)), rtol=1e-5, atol=1e-5)
+
+
+def test_autotune_retimes_the_closest_contenders(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    key = autotune.key("all_gather_matmul", 8, 8, 8, "bfloat16", 2, "GPU X")
+    first = {}
+
+    def noisy(c):  # 16 SMs looks best once, then is slow: the median must reject it
+        first.setdefault(c, 0)
+        first[c] += 1
+        if c.num_comm_sms == 16:
+            return 0.5 if first[c] == 1 else 2.0
+        return 1.0 + c.num_comm_sms / 100 if c.num_comm_sms else 5.0
+    choice = autotune.choose("all_gather_matmul", key, noisy, 132)
+    assert choice.num_comm_sms == 8 and first[autotune.Choice(16)] == 3
