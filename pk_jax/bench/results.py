@@ -97,7 +97,7 @@ def _tp_line(r: dict) -> str:
     return (f"{r['op']:<23}{r['shape'][0]:>7}{r['group']:>3}{r['ours_ms']:>10.4f}{r['baseline_ms']:>10.4f}"
             f"{r['ratio']:>7.3f}{e['target']:>7.2f}{'' if e['meets_target'] else '!'}{e['bound_ms']:>10.4f}"
             f"{min(e['gemm_ms_cublas'], e['gemm_ms_pk']):>9.4f}{min(e['coll_ms_lax'], e['coll_ms_pk']):>9.4f}"
-            f"{e['non_overlapped_fraction']:>8.2f}{_sms(e['num_comm_sms']):>5}{_ms(e.get('store_add_ms')):>9}"
+            f"{e['non_overlapped_fraction']:>8.2f}{schedule_label(e['num_comm_sms']):>5}{_ms(e.get('store_add_ms')):>9}"
             f"{_ms(e.get('deterministic_ms')):>9}  {e['check']} rel={e['rel_err']:.1e}")
 
 
@@ -105,6 +105,6 @@ def _ms(t: float | None) -> str:
     return "-" if t is None else f"{t:.4f}"
 
 
-def _sms(n: int | None) -> str:
+def schedule_label(n: int | None) -> str:
     """num_comm_sms as chosen: '-' unknown, 'xla' the unfused composition (0), 'add' store-add (-1)."""
     return "-" if n is None else {0: "xla", -1: "add"}.get(n, str(n))

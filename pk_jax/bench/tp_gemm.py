@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax import autotune
-from pk_jax.bench import timing
+from pk_jax.bench import results, timing
 from pk_jax.bench.progress import Progress
 
 AX = "tp"
@@ -164,7 +164,8 @@ def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, out
         })
         print(f"  {op:<22} N={n:<6} ours {ours_ms:8.4f} ms ({flops / ours_ms / 1e9:5.0f} TF/s)  XLA {comp_ms:8.4f} ms  "
               f"x{ratio:5.2f} (target {goal})  bound {bound:8.4f} ms [gemm {gemm_ms:.4f}, comm {coll_ms:.4f}]  "
-              f"non-overlap {non_overlap:.2f}  sms {rows[-1]['extra']['num_comm_sms']}  err {err:.1e}", flush=True)
+              f"non-overlap {non_overlap:.2f}  schedule {results.schedule_label(rows[-1]['extra']['num_comm_sms'])}"
+              f"@{rows[-1]['extra']['tile']}  err {err:.1e}", flush=True)
         bar.step(f"{op} {n}")
         with open(os.path.join(out_dir, "tp_gemm.partial.json"), "w") as f:  # survives a cut-off run
             json.dump(rows, f, indent=1)
