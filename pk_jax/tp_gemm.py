@@ -124,6 +124,7 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
     x_spec = P("pk_tune")  # local x blocks stacked on rows
     w_global = (spec.group * k, n)
 
+    calls = 4  # ops per timed call, each on its own inputs (identical calls would be merged by XLA)
     inputs: list = []  # made on the first timed candidate (never on a cache hit), shared by all
 
     def make_inputs() -> tuple[list, list]:
@@ -131,8 +132,6 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
                        static_argnums=1, out_shardings=jax.sharding.NamedSharding(mesh, x_spec))
         return ([make(jax.random.key(i), (spec.group * m, k)) for i in range(calls)],
                 [make(jax.random.key(10 + i), w_global) for i in range(calls)])
-
-    calls = 4  # ops per timed call, each on its own inputs (identical calls would be merged by XLA)
 
     compiled: dict = {}  # a candidate is timed again when it is among the best (autotune.choose)
 
