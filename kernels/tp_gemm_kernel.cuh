@@ -11,13 +11,15 @@
 //                        SMs sum the tile over all members in rank order (deterministic) and write it
 //                        to their own output (RS) or to every member's output (AR). Tiles of the
 //                        owners are interleaved so every member's comm SMs work from the start.
-//   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer adds each tile of
+//   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer sends each tile of
 //                        the product straight into its owner's output (RS) or into every member's (AR)
-//                        with bulk store-add copies; outputs are zeroed before the kernel, and the
-//                        finish protocol means every peer's adds have landed. Not bit-reproducible
-//                        (the order of the adds varies).
+//                        with bulk copies: the first member to claim a 64-row block stores it, the
+//                        others add to it once it landed (pk/block_claim.cuh: no memset first); the
+//                        finish protocol means every peer's writes have landed. At more than 2
+//                        members not bit-reproducible (the order of the adds varies).
 #pragma once
 #include "gemm_kernel.cuh"
+#include "pk/block_claim.cuh"
 #include "pk/bulk_broadcast.cuh"
 #include "pk/item_flags.cuh"
 #include "pk/op_protocol.cuh"
@@ -186,8 +188,7 @@ struct MatmulStoreAdd : gemm::NoComm {
 
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
 
-  // Learn the members' output addresses (their outputs are zeroed: each was published after the
-  // member's memset, in stream order).
+  // Learn the members' output addresses.
   __device__ static void begin(const Globals& g, SharedExt& ext) {
     OpProtocol op(g.group);
     void* const local[1] = {g.out};
@@ -199,24 +200,43 @@ struct MatmulStoreAdd : gemm::NoComm {
     __syncthreads();
   }
 
+  // Output blocks of 64 rows x BN columns, numbered over the member's output (m / G or m rows).
+  __device__ static int blocks(const Globals& g) {
+    return (ALL_REDUCE ? g.m : g.rows_per_rank) / 64 * g.per_rank.tiles_n;
+  }
+
   template <class K>
   __device__ static void store_slot(const Globals& g, const SharedExt& ext, const typename K::Out* slot, int2 tile,
                                     int w) {
+    if (!ext.ok) return;  // timed-out handshake: nothing is sent (the error is reported)
     const int row0 = tile.x * K::BM + w * 64, col0 = tile.y * K::BN;
-    const int rows = ext.ok ? min(64, g.m - row0) : 0;
+    const int rows = min(64, g.m - row0);
     const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
     const int owner = tile.x / g.per_rank.tiles_m;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
+    auto row = [src](int r) { return reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch); };
+#pragma unroll 1
     for (int d = 0; d < (ALL_REDUCE ? g.group.size : 1); ++d) {
       const int member = ALL_REDUCE ? (g.group.rank + d) % g.group.size : owner;
       const int64_t first_row = ALL_REDUCE ? row0 : row0 - int64_t(owner) * g.rows_per_rank;
       T* dst = reinterpret_cast<T*>(ext.out[member]) + first_row * g.n + col0;
-      for (int r = 0; r < rows; ++r)
-        tma::store_add_async(dst + int64_t(r) * g.n, reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch), bytes);
+      uint32_t* state = &g.group.ctrl[member]->block_state[first_row / 64 * g.per_rank.tiles_n + tile.y];
+      if (claim_block(state)) {  // first: store, and let the others add once it has landed
+#pragma unroll 1
+        for (int r = 0; r < rows; ++r) tma::store_async(dst + int64_t(r) * g.n, row(r), bytes);
+        tma::commit_group();
+        tma::wait_group<0>();
+        publish_block(state);
+      } else if (wait_block_stored(g.group, member, state)) {
+#pragma unroll 1
+        for (int r = 0; r < rows; ++r) tma::store_add_async(dst + int64_t(r) * g.n, row(r), bytes);
+      }
     }
   }
 
-  __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
+  __device__ static void finish(const Globals& g) {
+    if (OpProtocol(g.group).finish()) reset_blocks(g.group.self()->block_state, blocks(g));
+  }
 };
 
 }  // namespace pk::tp

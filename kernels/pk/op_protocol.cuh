@@ -68,8 +68,9 @@ struct OpProtocol {
     return ok;
   }
 
-  // All CTAs, after their last access to peer memory.
-  __device__ void finish() const {
+  // All CTAs, after their last access to peer memory. Returns true in the last CTA to finish (after
+  // every peer reported done: no peer touches this device's memory for this op any more).
+  __device__ bool finish() const {
     __shared__ int last;
     ControlBlock* me = g.self();
     __syncthreads();
@@ -80,7 +81,7 @@ struct OpProtocol {
       last = atomicAdd(&me->arrived, 1u) == gridDim.x - 1;
     }
     __syncthreads();
-    if (!last) return;
+    if (!last) return false;
     const int r = threadIdx.x;
     if (r < g.size && r != g.rank) {
       __threadfence_system();  // every CTA's writes (seen through `arrived`) before done
@@ -93,6 +94,7 @@ struct OpProtocol {
       me->arrived = 0;
       me->next_task = 0;  // every CTA claimed its last task before arriving
     }
+    return true;
   }
 };
 
