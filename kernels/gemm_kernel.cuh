@@ -29,6 +29,7 @@ struct Globals {
 //   before_load(g, tile)   loader thread, before the tile's first TMA load (e.g. wait for its rows)
 //   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
 //   begin(g, ext)          every thread of a compute CTA, before the roles start (e.g. learn peer addresses)
+//   before_store(g, ext, tile)  storer thread, before waiting for the tile's output slots
 //   store_slot<K>(...)     storer thread: issue the stores of one consumer's output slot
 //   SlotLayout             how consumers lay out an output slot (TMA tensor boxes by default)
 //   communicator / finish  the comm SMs' work, and the end-of-kernel protocol of every CTA
@@ -39,9 +40,10 @@ struct NoComm {
   template <typename OutT, int BN>
   using SlotLayout = SwizzledBoxes<OutT>;
   __device__ static void begin(const Globals&, SharedExt&) {}
+  __device__ static void before_store(const Globals&, SharedExt&, int2) {}
   // Output boxes of warpgroup w's slot to the tensor map C (clipped at the matrix edge by TMA).
   template <class K>
-  __device__ static void store_slot(const Globals& g, const SharedExt&, const typename K::Out* slot, int2 tile,
+  __device__ static void store_slot(const Globals& g, SharedExt&, const typename K::Out* slot, int2 tile,
                                     int w) {
 #pragma unroll
     for (int j = 0; j < K::BN / K::kOutBoxCols; ++j)
@@ -176,6 +178,7 @@ struct Kernel {
 
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     const int2 tile = Ext::tile(g, task);
+    Ext::before_store(g, s.ext, tile);
     for (int w = 0; w < WGS; ++w) {
       tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
       Ext::template store_slot<Kernel>(g, s.ext, s.c[w], tile, w);

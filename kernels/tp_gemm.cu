@@ -110,8 +110,8 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (kind != kAllGatherMatmul && m % group_size) return "m must be divisible by the group size";
   if (rows % bm) return "the rows per member must be a multiple of 128";
   if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
-  const int out_rows = kind == kMatmulAllReduceAdd ? m : rows;  // store-add: one state per 64-row output block
-  if (is_store_add(kind) && int64_t(out_rows / 64) * ((n + bn - 1) / bn) > kMaxBlocks) return "output too large for store-add";
+  const int out_rows = kind == kMatmulAllReduceAdd ? m : rows;  // store-add: one claim state per output tile
+  if (is_store_add(kind) && int64_t(out_rows / bm) * ((n + bn - 1) / bn) > kMaxBlocks) return "output too large for store-add";
   return "";
 }
 

@@ -1,7 +1,7 @@
-// Output blocks that several members write (store-add reductions) without zeroing them first: the
-// first member to claim a block stores its part, the others wait until that has landed and add
-// theirs. So the sum needs no memset of the output before the kernel and no ordering between
-// members beyond one flag per block.
+// Output tiles ("blocks") that several members write (store-add reductions), without zeroing the
+// output first: the first member to claim a block stores its part, the others wait until that has
+// landed and add theirs. One CAS and one flag per block replace a memset of the whole output.
+// A member publishes every block it claimed before it waits for any other (no wait cycles).
 //
 // block_state[i] in the owning member's control block: 0 free, 1 claimed, 2 stored. The owner's last
 // CTA resets the states it used to 0 at the end of the op, after every peer reported done (so no

@@ -9,7 +9,7 @@ constexpr int kMaxGroup = 8;      // largest communication group (paper: 8 GPUs 
 constexpr int kMaxSlots = 8;      // device slots with a control block (local devices in one process)
 constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
 constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
-constexpr int kMaxBlocks = 131072;  // store-add fused ops: 64-row output blocks of one device's output
+constexpr int kMaxBlocks = 65536;  // store-add fused ops: output tiles of one device's output
 
 // Error codes written by device code into a host-mapped ErrorRecord.
 enum ErrorCode : int32_t {
@@ -43,7 +43,7 @@ struct alignas(128) ControlBlock {
   // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device
   // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
   alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];
-  // block_state[i]: who has written output block i of a store-add op (pk/block_claim.cuh). Peers
+  // block_state[i]: who has written output tile i of a store-add op (pk/block_claim.cuh). Peers
   // write it (CAS, release store); the owner resets it at the end of the op.
   alignas(128) uint32_t block_state[kMaxBlocks];
 };
