@@ -13,7 +13,7 @@
 //                        owners are interleaved so every member's comm SMs work from the start.
 //   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer sends each tile of
 //                        the product straight into its owner's output (RS) or into every member's (AR)
-//                        with bulk copies: the first member to claim a 64-row block stores it, the
+//                        with bulk copies: the first member to claim an output tile stores it, the
 //                        others add to it once it landed (pk/block_claim.cuh: no memset first); the
 //                        finish protocol means every peer's writes have landed. At more than 2
 //                        members not bit-reproducible (the order of the adds varies).
@@ -221,7 +221,11 @@ struct MatmulStoreAdd : gemm::NoComm {
   // Claim the tile at every destination while the consumers still finish it (hides the CAS round trip).
   __device__ static void before_store(const Globals& g, SharedExt& ext, int2 tile) {
     if (!ext.ok) return;
-    for (int d = 0; d < destinations(g); ++d) ext.role[d] = claim_block(state(g, tile, d)) ? kStore : kAdd;
+    bool first[kMaxGroup];  // all CASes in flight before the first result is used
+#pragma unroll
+    for (int d = 0; d < kMaxGroup; ++d) first[d] = d < destinations(g) && claim_block(state(g, tile, d));
+#pragma unroll
+    for (int d = 0; d < kMaxGroup; ++d) ext.role[d] = first[d] ? kStore : kAdd;
   }
 
   // Where the tile's first writer claimed a destination it stores each half as its slot fills; after
@@ -231,6 +235,7 @@ struct MatmulStoreAdd : gemm::NoComm {
   __device__ static void store_slot(const Globals& g, SharedExt& ext, const typename K::Out* slot, int2 tile, int w) {
     if (!ext.ok) return;  // timed-out handshake: nothing is sent
     constexpr uint32_t kSlotBytes = K::SlotLayout::slot_bytes(K::BN);
+    static_assert(sizeof(K::Shared::c[0]) == kSlotBytes, "slot w - w slots is slot 0 (the storer passes s.c[w])");
     const int col0 = tile.y * K::BN;
     const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
     const unsigned char* slot0 = reinterpret_cast<const unsigned char*>(slot) - w * kSlotBytes;
@@ -249,11 +254,15 @@ struct MatmulStoreAdd : gemm::NoComm {
     for (int d = 0; d < destinations(g); ++d)
       if (ext.role[d] == kStore) send_half(d, w, false);
     if (w != K::WGS - 1) return;
-    tma::commit_group();
-    tma::wait_group<0>();
+    bool stored = false;
+    for (int d = 0; d < destinations(g); ++d) stored |= ext.role[d] == kStore;
+    if (stored) {
+      tma::commit_group();
+      tma::wait_group<0>();
 #pragma unroll 1
-    for (int d = 0; d < destinations(g); ++d)
-      if (ext.role[d] == kStore) publish_block(state(g, tile, d));
+      for (int d = 0; d < destinations(g); ++d)
+        if (ext.role[d] == kStore) publish_block(state(g, tile, d));
+    }
 #pragma unroll 1
     for (int d = 0; d < destinations(g); ++d) {
       if (ext.role[d] != kAdd || !wait_block_stored(g.group, member(g, tile, d), state(g, tile, d))) continue;

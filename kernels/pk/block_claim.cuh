@@ -6,6 +6,8 @@
 // block_state[i] in the owning member's control block: 0 free, 1 claimed, 2 stored. The owner's last
 // CTA resets the states it used to 0 at the end of the op, after every peer reported done (so no
 // peer touches them any more, and the next op's writers start only after its new handshake).
+// After a timed-out `done` a late peer may still claim a reset state; like the rest of the op
+// protocol, the device is then unusable until pk_jax.runtime.reset() (the error is sticky).
 #pragma once
 #include <cstdint>
 
