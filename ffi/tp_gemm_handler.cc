@@ -17,14 +17,14 @@ namespace ffi = xla::ffi;
 namespace pk {
 namespace {
 
-constexpr int32_t kOpOfKind[5] = {kOpAllGatherMatmul, kOpMatmulReduceScatter, kOpMatmulAllReduce,
-                                  kOpMatmulReduceScatter, kOpMatmulAllReduce};
+constexpr int32_t kOpOfKind[6] = {kOpAllGatherMatmul,     kOpMatmulReduceScatter, kOpMatmulAllReduce,
+                                  kOpMatmulReduceScatter, kOpMatmulAllReduce,     kOpAllGatherMatmul};
 
 ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> aux, int32_t kind, int32_t tile,
                    int32_t num_comm_sms, ffi::Span<const int64_t> mesh_ids, ffi::Span<const int64_t> mesh_shape,
                    ffi::Span<const int64_t> group_axes) {
-  if (kind < 0 || kind > 4) return ffi::Error::InvalidArgument("pk_jax fused GEMM: unknown kind");
+  if (kind < 0 || kind > 5) return ffi::Error::InvalidArgument("pk_jax fused GEMM: unknown kind");
   tp::Problem p{};
   p.kind = tp::Kind(kind);
   const LocalDevice* me = nullptr;

@@ -30,6 +30,7 @@ struct Globals {
 //   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
 //   begin(g, ext)          every thread of a compute CTA, before the roles start (e.g. learn peer addresses)
 //   before_store(g, ext, tile)  storer thread, before waiting for the tile's output slots
+//   pusher(g, ext)         one more producer thread, beside the roles (with kHasPusher)
 //   store_slot<K>(...)     storer thread: issue the stores of one consumer's output slot
 //   SlotLayout             how consumers lay out an output slot (TMA tensor boxes by default)
 //   communicator / finish  the comm SMs' work, and the end-of-kernel protocol of every CTA
@@ -39,11 +40,14 @@ struct NoComm {
   struct SharedExt {};
   template <typename OutT, int BN>
   using SlotLayout = SwizzledBoxes<OutT>;
-  __device__ static void begin(const Globals&, SharedExt&) {}
-  __device__ static void before_store(const Globals&, SharedExt&, int2) {}
+  // (The defaults take any SharedExt, so an extension may replace the struct and keep the hooks.)
+  template <class E>
+  __device__ static void begin(const Globals&, E&) {}
+  template <class E>
+  __device__ static void before_store(const Globals&, E&, int2) {}
   // Output boxes of warpgroup w's slot to the tensor map C (clipped at the matrix edge by TMA).
-  template <class K>
-  __device__ static void store_slot(const Globals& g, SharedExt&, const typename K::Out* slot, int2 tile,
+  template <class K, class E>
+  __device__ static void store_slot(const Globals& g, E&, const typename K::Out* slot, int2 tile,
                                     int w) {
 #pragma unroll
     for (int j = 0; j < K::BN / K::kOutBoxCols; ++j)
@@ -52,6 +56,9 @@ struct NoComm {
   }
   static constexpr bool kHasCommunicator = false;
   static constexpr bool kTaskCounter = false;  // true: tasks claimed at run time (pk/task_queue.cuh)
+  static constexpr bool kHasPusher = false;    // true: pusher(g, ext) runs beside the roles (lcsc.cuh)
+  template <class E>
+  __device__ static void pusher(const Globals&, E&) {}
   __device__ static uint32_t* task_counter(const Globals&) { return nullptr; }
   __device__ static int2 tile(const Globals& g, int task) { return g.grid.tile(task); }
   __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
@@ -78,6 +85,7 @@ struct Kernel {
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
   static constexpr bool kTaskCounter = Ext::kTaskCounter;
+  static constexpr bool kHasPusher = Ext::kHasPusher;
   static constexpr int kBoxCols = 128 / int(sizeof(T));       // 64 elements per 128-byte TMA box row
   static constexpr int kOutBoxCols = 128 / int(sizeof(OutT));  // output boxes: 64 rows x 128 bytes
   static constexpr uint32_t kStageBytes = uint32_t(BM * BK + BK * BN) * sizeof(T);
@@ -201,6 +209,7 @@ struct Kernel {
   }
   __device__ static void begin(const Globals& g, Shared& s) { Ext::begin(g, s.ext); }
   __device__ static uint32_t* task_counter(const Globals& g) { return Ext::task_counter(g); }
+  __device__ static void pusher(const Globals& g, Shared& s) { Ext::pusher(g, s.ext); }
   __device__ static void finish(const Globals& g) { Ext::finish(g); }
 };
 

@@ -19,10 +19,13 @@ constexpr int kStages = TILE == gemm::k128x256 ? 3 : 6;
 template <typename T, int TILE, Kind KIND>
 using ExtFor = std::conditional_t<
     KIND == kAllGatherMatmul, AllGatherMatmul,
-    std::conditional_t<is_store_add(KIND), MatmulStoreAdd<is_all_reduce(KIND), T>, MatmulReduce<is_all_reduce(KIND), T>>>;
-// Store-add slots are padded rows (64 x (BN + 8) per consumer): 128x128 then fits 5 stages, not 6.
+    std::conditional_t<KIND == kAllGatherMatmulIntraSM, AllGatherMatmulIntraSM,
+                       std::conditional_t<is_store_add(KIND), MatmulStoreAdd<is_all_reduce(KIND), T>,
+                                          MatmulReduce<is_all_reduce(KIND), T>>>>;
+// Store-add slots are padded rows (64 x (BN + 8) per consumer) and the AG pushers keep a 16 KB ring:
+// with either, 128x128 fits 5 stages, not 6.
 template <int TILE, Kind KIND>
-constexpr int kStagesFor = is_store_add(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
+constexpr int kStagesFor = is_intra_sm(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
 template <typename T, int TILE, Kind KIND>
 using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStagesFor<TILE, KIND>, ExtFor<T, TILE, KIND>>;
 
@@ -33,7 +36,7 @@ void run(const Problem& p, cudaStream_t stream) {
   static_assert(lcsc::smem_bytes<K>() <= 227 * 1024, "shared memory");
   const int G = p.group.size;
   Globals g{};
-  const bool ag = KIND == kAllGatherMatmul;
+  const bool ag = is_all_gather(KIND);
   const int rows_a = ag ? G * p.m : p.m;  // rows of the GEMM's A and C
   g.a = make_tensor_map_2d(ag ? p.aux : p.x, p.type, rows_a, p.k, p.k, K::BM, K::kBoxCols);
   g.a_own = make_tensor_map_2d(p.x, p.type, p.m, p.k, p.k, K::BM, K::kBoxCols);
@@ -49,7 +52,7 @@ void run(const Problem& p, cudaStream_t stream) {
   g.rows_per_rank = ag ? p.m : p.m / G;
   g.per_rank.tiles_m = g.rows_per_rank / K::BM;
   g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
-  g.num_comm_sms = is_store_add(KIND) ? 0 : p.num_comm_sms;
+  g.num_comm_sms = is_intra_sm(KIND) ? 0 : p.num_comm_sms;
   const int compute = p.num_sms - g.num_comm_sms;
   g.per_rank.group_m = TileGrid::balanced_group_m(compute, K::BM, K::BN, g.per_rank.tiles_m);
   g.grid = TileGrid{g.per_rank.tiles_m * G, g.per_rank.tiles_n, 1};  // only its count is used
@@ -79,6 +82,7 @@ void dispatch(const Problem& p, int tile, cudaStream_t stream) {
     case kMatmulAllReduce: return dispatch_tile<T, kMatmulAllReduce>(p, tile, stream);
     case kMatmulReduceScatterAdd: return dispatch_tile<T, kMatmulReduceScatterAdd>(p, tile, stream);
     case kMatmulAllReduceAdd: return dispatch_tile<T, kMatmulAllReduceAdd>(p, tile, stream);
+    case kAllGatherMatmulIntraSM: return dispatch_tile<T, kAllGatherMatmulIntraSM>(p, tile, stream);
   }
   throw std::invalid_argument("pk_jax fused GEMM: unknown op");
 }
@@ -95,7 +99,8 @@ cudaError_t configure_type() {
   if (e == cudaSuccess) e = configure_kind<T, kMatmulReduceScatter>();
   if (e == cudaSuccess) e = configure_kind<T, kMatmulAllReduce>();
   if (e == cudaSuccess) e = configure_kind<T, kMatmulReduceScatterAdd>();
-  return e == cudaSuccess ? configure_kind<T, kMatmulAllReduceAdd>() : e;
+  if (e == cudaSuccess) e = configure_kind<T, kMatmulAllReduceAdd>();
+  return e == cudaSuccess ? configure_kind<T, kAllGatherMatmulIntraSM>() : e;
 }
 
 }  // namespace
@@ -105,13 +110,14 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (m <= 0 || n <= 0 || k <= 0) return "empty matrices";
   if (k % 8 || n % 8) return "k and n must be multiples of 8";
   const int bm = gemm::kTileShapes[tile].rows, bn = gemm::kTileShapes[tile].cols;
-  const int rows = kind == kAllGatherMatmul ? m : m / group_size;
-  if (kind < kAllGatherMatmul || kind > kMatmulAllReduceAdd) return "unknown op";
-  if (kind != kAllGatherMatmul && m % group_size) return "m must be divisible by the group size";
+  const int rows = is_all_gather(kind) ? m : m / group_size;
+  if (kind < kAllGatherMatmul || kind > kAllGatherMatmulIntraSM) return "unknown op";
+  if (!is_all_gather(kind) && m % group_size) return "m must be divisible by the group size";
   if (rows % bm) return "the rows per member must be a multiple of 128";
   if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
   const int out_rows = kind == kMatmulAllReduceAdd ? m : rows;  // store-add: one claim state per output tile
   if (is_store_add(kind) && int64_t(out_rows / bm) * ((n + bn - 1) / bn) > kMaxBlocks) return "output too large for store-add";
+  if (kind == kAllGatherMatmulIntraSM && rows / bm > kMaxChunks) return "too many row chunks per member";
   return "";
 }
 
@@ -119,14 +125,14 @@ int launch(const Problem& p, cudaStream_t stream) {
   if (p.type == ElemType::kF32) throw std::invalid_argument("pk_jax fused GEMM: bfloat16 or float16 inputs");
   int tile = p.tile;
   if (tile != gemm::k128x256 && tile != gemm::k128x128) {  // the 128x256 tile unless it leaves SMs idle
-    const int rows = p.kind == kAllGatherMatmul ? p.m * p.group.size : p.m;
+    const int rows = is_all_gather(p.kind) ? p.m * p.group.size : p.m;
     const gemm::TileShape big_tile = gemm::kTileShapes[gemm::k128x256];
     const double big = double(rows / big_tile.rows) * ((p.n + big_tile.cols - 1) / big_tile.cols);
     tile = big >= 2.0 * (p.num_sms - p.num_comm_sms) ? gemm::k128x256 : gemm::k128x128;
   }
   const std::string why = unsupported(p.kind, p.group.size, p.m, p.n, p.k, tile);
   if (!why.empty()) throw std::invalid_argument("pk_jax fused GEMM: " + why);
-  if (!is_store_add(p.kind) && (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms))
+  if (!is_intra_sm(p.kind) && (p.num_comm_sms < 1 || p.num_comm_sms >= p.num_sms))
     throw std::invalid_argument("pk_jax fused GEMM: num_comm_sms must be in 1.." + std::to_string(p.num_sms - 1));
   if (p.type == ElemType::kBF16) dispatch<__nv_bfloat16>(p, tile, stream);
   else dispatch<__half>(p, tile, stream);

@@ -7,16 +7,20 @@
 
 namespace pk::tp {
 
-// RS/AR come in two modes: pull (deterministic; comm SMs reduce) and store-add (no comm SMs).
+// Every op comes with comm SMs (AG push, RS/AR deterministic pull) and without (intra-SM: AG pushers
+// on every compute SM, RS/AR store-add).
 enum Kind : int {
   kAllGatherMatmul = 0,
   kMatmulReduceScatter = 1,
   kMatmulAllReduce = 2,
   kMatmulReduceScatterAdd = 3,
   kMatmulAllReduceAdd = 4,
+  kAllGatherMatmulIntraSM = 5,
 };
 constexpr bool is_store_add(Kind k) { return k == kMatmulReduceScatterAdd || k == kMatmulAllReduceAdd; }
 constexpr bool is_all_reduce(Kind k) { return k == kMatmulAllReduce || k == kMatmulAllReduceAdd; }
+constexpr bool is_all_gather(Kind k) { return k == kAllGatherMatmul || k == kAllGatherMatmulIntraSM; }
+constexpr bool is_intra_sm(Kind k) { return is_store_add(k) || k == kAllGatherMatmulIntraSM; }
 
 struct Problem {
   Kind kind;
@@ -28,7 +32,7 @@ struct Problem {
   int m, n, k;    // x is m x k
   ElemType type;  // bf16 or f16 everywhere
   int tile;       // gemm::Tile (128x256 or 128x128); kAuto picks
-  int num_comm_sms;  // ignored (0) by the store-add kinds
+  int num_comm_sms;  // ignored (0) by the intra-SM kinds
   int num_sms;    // of this GPU
 };
 

@@ -6,6 +6,8 @@
 //                        `gathered` buffer (TMA bulk copies) and signal each chunk; the loader waits
 //                        for a chunk's signal before loading its rows. Own rows are computed first,
 //                        straight from x; the own copy into `gathered` goes last.
+//   AllGatherMatmulIntraSM  the same without comm SMs: a pusher thread of every compute CTA sends
+//                        pieces of the chunks while its SM computes; receivers count the pieces.
 //   MatmulReduceScatter  out = psum_scatter(x @ w) (rows). Compute SMs write the partial product
 //   MatmulAllReduce      locally and signal each tile to its owner (row block m/G); the owner's comm
 //                        SMs sum the tile over all members in rank order (deterministic) and write it
@@ -21,6 +23,7 @@
 #include "gemm_kernel.cuh"
 #include "pk/block_claim.cuh"
 #include "pk/bulk_broadcast.cuh"
+#include "pk/chunk_counts.cuh"
 #include "pk/item_flags.cuh"
 #include "pk/op_protocol.cuh"
 #include "pk/vec.cuh"
@@ -50,6 +53,13 @@ __device__ __forceinline__ int2 owner_interleaved_tile(const Globals& g, int tas
   return make_int2((task % g.group.size) * g.per_rank.tiles_m + t.x, t.y);
 }
 
+// AG: own rows straight from x, the other members' rows from the gathered buffer.
+__device__ __forceinline__ const CUtensorMap* gathered_a_source(const Globals& g, int2 tile, int bm, int& row) {
+  const bool own = tile.x / g.per_rank.tiles_m == g.group.rank;
+  row = (own ? tile.x % g.per_rank.tiles_m : tile.x) * bm;
+  return own ? &g.a_own : &g.a;
+}
+
 struct AllGatherMatmul : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;
@@ -60,9 +70,7 @@ struct AllGatherMatmul : gemm::NoComm {
   __device__ static int2 tile(const Globals& g, int task) { return member_major_tile(g, task, g.group.rank); }
 
   __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
-    const bool own = tile.x / g.per_rank.tiles_m == g.group.rank;
-    row = (own ? tile.x % g.per_rank.tiles_m : tile.x) * bm;
-    return own ? &g.a_own : &g.a;
+    return gathered_a_source(g, tile, bm, row);
   }
 
   __device__ static void before_load(const Globals& g, int2 tile) {
@@ -98,6 +106,59 @@ struct AllGatherMatmul : gemm::NoComm {
   }
 
   __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
+};
+
+// AG without comm SMs (intra-SM): a pusher thread in every compute CTA sends pieces of x's row chunks
+// to every member's `gathered` buffer (own copy included) while its SM computes, and counts each piece
+// at the receivers (chunk_counts.cuh); the loader waits for a chunk's full count before its rows.
+// Pieces go chunk-major over the CTAs, so the first chunks complete first.
+struct AllGatherMatmulIntraSM : gemm::NoComm {
+  using Globals = tp::Globals;
+  static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
+  static constexpr bool kHasPusher = true;
+  static constexpr uint32_t kPiece = 32 * 1024;  // bytes of x per piece (one count each)
+  struct SharedExt {
+    BulkRing<2, 8 * 1024> ring;  // what fits beside the GEMM's stages
+  };
+
+  __device__ static uint64_t chunk_bytes(const Globals& g) { return uint64_t(g.bm) * g.k * g.elem_bytes; }
+  __device__ static uint32_t pieces(const Globals& g) { return uint32_t((chunk_bytes(g) + kPiece - 1) / kPiece); }
+
+  __device__ static int2 tile(const Globals& g, int task) { return member_major_tile(g, task, g.group.rank); }
+  __device__ static const CUtensorMap* a_source(const Globals& g, int2 tile, int bm, int& row) {
+    return gathered_a_source(g, tile, bm, row);
+  }
+  __device__ static void before_load(const Globals& g, int2 tile) {
+    const int src = tile.x / g.per_rank.tiles_m;
+    if (src != g.group.rank) wait_chunk(g.group, src, tile.x % g.per_rank.tiles_m, pieces(g));
+  }
+
+  __device__ static void begin(const Globals& g, SharedExt&) {
+    void* const local[1] = {g.aux};
+    OpProtocol(g.group).publish(local, 1);  // CTA 0; every pusher acquires on its own
+  }
+
+  __device__ static void pusher(const Globals& g, SharedExt& ext) {
+    const Group& grp = g.group;
+    char* gathered[kMaxGroup];
+    if (!OpProtocol(grp).acquire_thread(g.aux, gathered)) return;
+    ext.ring.init();
+    const uint64_t bytes = chunk_bytes(g), mine = uint64_t(grp.rank) * g.rows_per_rank * g.k * g.elem_bytes;
+    const uint32_t per_chunk = pieces(g), total = per_chunk * g.per_rank.tiles_m;
+    for (uint32_t q = blockIdx.x; q < total; q += gridDim.x) {
+      const uint32_t c = q / per_chunk, p = q % per_chunk;
+      const uint64_t at = c * bytes + uint64_t(p) * kPiece;
+      char* dst[kMaxGroup];
+      for (int i = 0; i < grp.size; ++i) dst[i] = gathered[(grp.rank + 1 + i) % grp.size] + mine + at;  // own last
+      ext.ring.broadcast(g.x + at, dst, grp.size, min(uint64_t(kPiece), bytes - uint64_t(p) * kPiece));
+      for (int i = 1; i < grp.size; ++i) signal_piece(grp, (grp.rank + i) % grp.size, c);
+    }
+    ext.ring.inval();
+  }
+
+  __device__ static void finish(const Globals& g) {
+    if (OpProtocol(g.group).finish()) reset_chunks(g.group, g.per_rank.tiles_m);
+  }
 };
 
 // RS and AR share everything but where the summed tile goes.

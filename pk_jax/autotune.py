@@ -6,8 +6,9 @@ Cache: $PK_JAX_CACHE_DIR, else $XDG_CACHE_HOME/pk_jax, else ~/.cache/pk_jax; fil
 Entries carry the package version and are ignored after an upgrade. PK_JAX_AUTOTUNE=0 skips the
 timing and uses the starting point below.
 
-For GEMM+RS / GEMM+AR without `deterministic=True` the store-add kernel (STORE_ADD: no comm SMs, each
-tile added into its owner's output by TMA) is a candidate too, timed first.
+The intra-SM kernels (INTRA_SM: no comm SMs; AG: a pusher thread on every compute SM, RS/AR without
+`deterministic=True`: each tile added into its owner's output by TMA store-add) are candidates too,
+timed first.
 
 Candidate 0 is the unfused XLA composition itself: where no split of the SMs beats it (small shapes,
 where the fixed cost of the fused kernel's handshakes dominates), the op lowers to the composition,
@@ -35,7 +36,7 @@ from typing import NamedTuple
 
 START = {"all_gather_matmul": 8, "matmul_reduce_scatter": 16, "matmul_all_reduce": 16}
 CANDIDATES = (8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion); 4 never won a measurement
-STORE_ADD = -1  # RS/AR: the store-add kernel (no comm SMs)
+INTRA_SM = -1  # the kernel without comm SMs (AG: pushers on every compute SM; RS/AR: store-add)
 AUTO_TILE = -1
 FINALISTS = 3
 TILE_NAMES = ("128x256", "128x128")  # the fused kernels' block tiles, by kernels/gemm.cuh Tile
@@ -76,7 +77,7 @@ def _store(entries: dict) -> None:
 
 
 def key(op: str, m: int, n: int, k: int, dtype: str, group: int, gpu: str, choices: str = "") -> str:
-    """The cache key; `choices` names a candidate set other than the default (e.g. "store_add")."""
+    """The cache key; `choices` names a candidate set other than the default (e.g. "intra_sm")."""
     return f"{op}|{m}x{n}x{k}|{dtype}|g{group}|{gpu}" + (f"|{choices}" if choices else "")
 
 
@@ -85,7 +86,7 @@ def enabled() -> bool:
 
 
 class Choice(NamedTuple):
-    num_comm_sms: int  # SMs of the comm role; 0: the composition; STORE_ADD: the store-add kernel
+    num_comm_sms: int  # SMs of the comm role; 0: the composition; INTRA_SM: the kernel without comm SMs
     tile: int = AUTO_TILE  # the block tile (kernels/gemm.cuh Tile); AUTO_TILE: the kernel picks
 
 
@@ -94,20 +95,20 @@ def _label(c: Choice) -> str:
 
 
 def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], max_sms: int,
-           store_add: bool = False, composition: bool = True, tiles: Sequence[int] = (AUTO_TILE,)) -> Choice:
+           intra_sm: bool = False, composition: bool = True, tiles: Sequence[int] = (AUTO_TILE,)) -> Choice:
     """The cached choice, or the fastest candidate by `time_candidate(choice) -> ms`: every SM count
     of CANDIDATES (nearest START first) with every tile of `tiles`; the store-add kernel with each
-    tile, tried first, when `store_add`; the composition last unless `composition=False`.
-    With timing off (PK_JAX_AUTOTUNE=0): store-add if allowed, else START, with the kernel's tile."""
+    tile, tried first, when `intra_sm`; the composition last unless `composition=False`.
+    With timing off (PK_JAX_AUTOTUNE=0): the intra-SM kernel if allowed, else START, with the kernel's tile."""
     with _lock:
         hit = _load().get(cache_key)
         if hit is not None:
             return Choice(int(hit["num_comm_sms"]), int(hit.get("tile", AUTO_TILE)))
-        start = Choice(STORE_ADD if store_add else START[op])
+        start = Choice(INTRA_SM if intra_sm else START[op])
         if not enabled():
             return start
         sms = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))
-        order = [Choice(c, t) for c in ([STORE_ADD] if store_add else []) + sms for t in tiles]
+        order = [Choice(c, t) for c in ([INTRA_SM] if intra_sm else []) + sms for t in tiles]
         order += [Choice(0)] if composition else []
         times = {}
         for c in order:

@@ -45,19 +45,21 @@ class TpSpec:
     group: int
     num_comm_sms: int | None  # None: autotuned at lowering
     fused: bool               # False: the kernel cannot run this call; lower to the composition
-    store_add: bool = False   # RS/AR: adds land in the owners' outputs (no comm SMs, not bit-reproducible)
-    may_store_add: bool = False  # RS/AR autotuned: the store-add kernel is a candidate
+    intra_sm: bool = False    # the kernel without comm SMs (AG: pushers on every SM; RS/AR: store-add)
+    may_intra_sm: bool = False   # autotuned: the intra-SM kernel is a candidate
     composition: bool = True     # autotuned: the unfused composition is a candidate
     tile: int = autotune.AUTO_TILE  # the block tile (set by the autotuner; AUTO_TILE: the kernel picks)
 
-    def kind(self, store_add: bool) -> int:
-        """The kernel kind (kernels/tp_gemm.cuh): store-add variants of RS/AR are 3 and 4."""
-        return OPS.index(self.op) + (2 if store_add else 0)
+    def kind(self, intra_sm: bool) -> int:
+        """The kernel kind (kernels/tp_gemm.cuh): the intra-SM AG is 5, the store-add RS/AR 3 and 4."""
+        if not intra_sm:
+            return OPS.index(self.op)
+        return 5 if self.op == "all_gather_matmul" else OPS.index(self.op) + 2
 
     def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.op == "all_gather_matmul":
             return (self.group * m, n), (self.group * m, k)
-        aux = (0, n) if self.store_add else (m, n)  # the partial product (a pull kernel may be chosen)
+        aux = (0, n) if self.intra_sm else (m, n)  # the partial product (a pull kernel may be chosen)
         if self.op == "matmul_reduce_scatter":
             return (m // self.group, n), aux
         return (m, n), aux
@@ -70,7 +72,7 @@ class TpSpec:
             gathered = jax.lax.all_gather(x, name, axis=0, tiled=True)
             return dot(gathered), gathered
         partial = dot(x)
-        aux = partial[:0] if self.store_add else partial
+        aux = partial[:0] if self.intra_sm else partial
         if self.op == "matmul_reduce_scatter":
             return jax.lax.psum_scatter(partial, name, scatter_dimension=0, tiled=True), aux
         return jax.lax.psum(partial, name), aux
@@ -117,7 +119,7 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
     member_ids, _ = table.members(table.mesh_ids[0])
     group_devs = [devices[i] for i in member_ids]
     gpu = group_devs[0].device_kind
-    choices = "+".join(c for c, on in (("store_add", spec.may_store_add), ("no_xla", not spec.composition)) if on)
+    choices = "+".join(c for c, on in (("intra_sm", spec.may_intra_sm), ("no_xla", not spec.composition)) if on)
     cache_key = autotune.key(spec.op, m, n, k, jnp.dtype(x_aval.dtype).name, spec.group, gpu, choices)
     mesh = jax.sharding.Mesh(np.array(group_devs), ("pk_tune",))
     P = jax.sharding.PartitionSpec
@@ -137,9 +139,9 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
 
     def time_candidate(c: autotune.Choice) -> float:
         if c not in compiled:
-            store_add = c.num_comm_sms == autotune.STORE_ADD
-            tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=0 if store_add else c.num_comm_sms,
-                                        store_add=store_add, may_store_add=False, tile=c.tile)
+            intra = c.num_comm_sms == autotune.INTRA_SM
+            tuned = dataclasses.replace(spec, axis_name=("pk_tune",), num_comm_sms=0 if intra else c.num_comm_sms,
+                                        intra_sm=intra, may_intra_sm=False, tile=c.tile)
             body = lambda xs, ws: [pk_tp_gemm_p.bind(a, b, spec=tuned)[0] for a, b in zip(xs, ws)]
             compiled[c] = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=([x_spec] * calls, [P("pk_tune")] * calls),
                                                 out_specs=[P("pk_tune")] * calls, check_vma=False))
@@ -152,7 +154,7 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
     # Lowering runs inside the user's shard_map context; the tuning program has its own mesh.
     with mesh_lib.use_abstract_mesh(mesh_lib.AbstractMesh((), ())):
         return autotune.choose(spec.op, cache_key, time_candidate, max_sms=group_devs[0].core_count or 132,
-                               store_add=spec.may_store_add, composition=spec.composition,
+                               intra_sm=spec.may_intra_sm, composition=spec.composition,
                                tiles=range(len(autotune.TILE_NAMES)))
 
 
@@ -163,19 +165,19 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
             _warn_once(f"{spec.op} runs the XLA composition: {reason}")
         return _lax_lowering(ctx, x, w, spec=spec)
     x_aval, w_aval = ctx.avals_in
-    if spec.store_add:
-        choice = autotune.Choice(autotune.STORE_ADD, spec.tile)
+    if spec.intra_sm:
+        choice = autotune.Choice(autotune.INTRA_SM, spec.tile)
     elif spec.num_comm_sms is not None:
         choice = autotune.Choice(spec.num_comm_sms, spec.tile)
     else:
         choice = _tuned_schedule(spec, table, x_aval, w_aval)
     if choice.num_comm_sms == 0:  # the autotuner (or the caller) found the unfused composition faster here
         return _lax_lowering(ctx, x, w, spec=spec)
-    store_add = choice.num_comm_sms == autotune.STORE_ADD
+    intra = choice.num_comm_sms == autotune.INTRA_SM
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
-        kind=np.int32(spec.kind(store_add)), tile=np.int32(choice.tile),
-        num_comm_sms=np.int32(0 if store_add else choice.num_comm_sms),
+        kind=np.int32(spec.kind(intra)), tile=np.int32(choice.tile),
+        num_comm_sms=np.int32(0 if intra else choice.num_comm_sms),
         mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
         group_axes=np.asarray(table.group_axes, np.int64))
 
@@ -210,26 +212,34 @@ def _fusable(op: str, x: jax.Array, w: jax.Array, g: int) -> str | None:
     return why or None
 
 
-SCHEDULES = (None, "store_add", "pull", "xla")
+# schedule= names per op: (the kernel without comm SMs, the kernel with comm SMs). "xla": the composition.
+SCHEDULES = {"all_gather_matmul": ("intra_sm", "comm_sms"), "matmul_reduce_scatter": ("store_add", "pull"),
+             "matmul_all_reduce": ("store_add", "pull")}
 
 
 def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None,
           deterministic: bool = True, schedule: str | None = None):
     x, w, g = _check(op, x, w, axis_name, num_comm_sms)
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pk_jax.{op}: schedule={schedule!r}; use one of {SCHEDULES}")
-    if schedule == "store_add" and (deterministic or num_comm_sms):
-        raise ValueError(f"pk_jax.{op}: schedule='store_add' adds tiles in a varying order (no comm SMs); "
-                         f"pass deterministic=False and no num_comm_sms, or schedule='pull' for identical bits")
+    intra_name, comm_name = SCHEDULES[op]
+    if schedule not in (None, intra_name, comm_name, "xla"):
+        raise ValueError(f"pk_jax.{op}: schedule={schedule!r}; use None (autotuned), {intra_name!r}, "
+                         f"{comm_name!r} or 'xla'")
+    if schedule == intra_name and num_comm_sms:
+        raise ValueError(f"pk_jax.{op}: schedule={intra_name!r} uses no comm SMs; pass no num_comm_sms")
+    if schedule == "store_add" and deterministic:
+        raise ValueError(f"pk_jax.{op}: schedule='store_add' adds tiles in a varying order; pass "
+                         f"deterministic=False, or schedule='pull' for identical bits")
     if schedule == "xla":
         num_comm_sms = 0
     why = _fusable(op, x, w, g)
     if why and jax.default_backend() == "gpu":
         _warn_once(f"{op} runs the XLA composition: {why}")
+    # The intra-SM AG is as deterministic as the other (no sums); store-add only with deterministic=False.
+    intra_allowed = op == "all_gather_matmul" or not deterministic
     spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None,
-                  store_add=schedule == "store_add",
-                  may_store_add=schedule is None and not deterministic and num_comm_sms is None,
-                  composition=schedule != "pull")
+                  intra_sm=schedule == intra_name,
+                  may_intra_sm=schedule is None and intra_allowed and num_comm_sms is None,
+                  composition=schedule != comm_name)
     return _fused(x, w, spec)
 
 
@@ -256,7 +266,7 @@ _fused.defvjp(_fused_fwd, _fused_bwd)
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return_gathered: bool = False,
-                      num_comm_sms: int | None = None):
+                      schedule: str | None = None, num_comm_sms: int | None = None):
     """all_gather(x) @ w in one kernel.
 
     Args:
@@ -264,12 +274,15 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
       w: (k, n) local weights.
       axis_name: the mesh axis (or tuple of axes) of the group, size G.
       return_gathered: also return the gathered x, (G m, k) (the backward pass of a layer needs it).
-      num_comm_sms: SMs that push x to the peers (None: autotuned; 0: the unfused composition).
+      schedule: None (default: autotuned once per shape and GPU), "comm_sms" (`num_comm_sms` whole SMs
+        push x to the peers, then compute; the paper's schedule), "intra_sm" (one producer thread of
+        every compute SM pushes pieces of x while the SM computes) or "xla" (the composition).
+      num_comm_sms: "comm_sms" schedule: SMs that push x (None: autotuned; 0: the composition).
 
     Returns:
       (G m, n), or ((G m, n), (G m, k)) with return_gathered.
     """
-    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms)
+    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms, schedule=schedule)
     return (out, gathered) if return_gathered else out
 
 

@@ -164,15 +164,15 @@ def test_autotune_does_not_cache_when_every_candidate_fails(tmp_path, monkeypatc
     assert key not in autotune.entries()
 
 
-def test_autotune_store_add_is_timed_first_and_can_win(tmp_path, monkeypatch):
+def test_autotune_intra_sm_is_timed_first_and_can_win(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
-    key = autotune.key("matmul_all_reduce", 8, 8, 8, "bfloat16", 2, "GPU X", "store_add")
+    key = autotune.key("matmul_all_reduce", 8, 8, 8, "bfloat16", 2, "GPU X", "intra_sm")
     timed = []
     choice = autotune.choose("matmul_all_reduce", key, lambda c: timed.append(c) or (0.5 if c.num_comm_sms < 0 else 1.0),
-                             132, store_add=True)
-    assert choice.num_comm_sms == autotune.STORE_ADD
+                             132, intra_sm=True)
+    assert choice.num_comm_sms == autotune.INTRA_SM
     first_pass = list(dict.fromkeys(timed))
-    assert first_pass[0].num_comm_sms == autotune.STORE_ADD and first_pass[-1].num_comm_sms == 0
+    assert first_pass[0].num_comm_sms == autotune.INTRA_SM and first_pass[-1].num_comm_sms == 0
 
 
 def test_autotune_without_composition(tmp_path, monkeypatch):
@@ -180,20 +180,33 @@ def test_autotune_without_composition(tmp_path, monkeypatch):
     key = autotune.key("matmul_reduce_scatter", 8, 8, 8, "bfloat16", 2, "GPU X", "no_xla")
     timed = []
     autotune.choose("matmul_reduce_scatter", key, lambda c: timed.append(c) or 1.0, 132, composition=False)
-    assert not {0, autotune.STORE_ADD} & {c.num_comm_sms for c in timed}
+    assert not {0, autotune.INTRA_SM} & {c.num_comm_sms for c in timed}
 
 
-@pytest.mark.parametrize("kw,match", [
-    ({"schedule": "fast"}, "schedule='fast'"),
-    ({"schedule": "store_add", "deterministic": True}, "deterministic=False"),
-    ({"schedule": "store_add", "num_comm_sms": 8}, "no num_comm_sms"),
-])
-def test_schedule_errors(kw, match):
+@pytest.mark.parametrize("fn,kw,match", [
+    (pk_jax.matmul_all_reduce, {"schedule": "fast"}, "schedule='fast'"),
+    (pk_jax.matmul_all_reduce, {"schedule": "intra_sm"}, "'store_add', 'pull' or 'xla'"),
+    (pk_jax.matmul_all_reduce, {"schedule": "store_add", "deterministic": True}, "deterministic=False"),
+    (pk_jax.matmul_all_reduce, {"schedule": "store_add", "num_comm_sms": 8}, "no num_comm_sms"),
+    (pk_jax.all_gather_matmul, {"schedule": "store_add"}, "'intra_sm', 'comm_sms' or 'xla'"),
+    (pk_jax.all_gather_matmul, {"schedule": "intra_sm", "num_comm_sms": 4}, "no num_comm_sms"),
+], ids=str)
+def test_schedule_errors(fn, kw, match):
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     x, w = rand(9, (64, 32)), rand(10, (32, 48))
     with pytest.raises(ValueError, match=match):
-        jax.shard_map(lambda a, b: pk_jax.matmul_all_reduce(a, b, "x", **kw), mesh=mesh, in_specs=(P(), P()),
+        jax.shard_map(lambda a, b: fn(a, b, "x", **kw), mesh=mesh, in_specs=(P(), P()),
                       out_specs=P(), check_vma=False)(x, w)
+
+
+@pytest.mark.parametrize("schedule", [None, "intra_sm", "comm_sms", "xla"])
+def test_ag_schedules_have_the_composition_semantics(schedule):
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x, w = rand(13, (4 * 64, 96)), rand(14, (96, 80))
+    run = lambda f: jax.shard_map(f, mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x"), check_vma=False)(x, w)
+    got = run(lambda a, b: pk_jax.all_gather_matmul(a, b, "x", schedule=schedule))
+    want = run(lambda a, b: jax.lax.all_gather(a, "x", tiled=True) @ b)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("schedule", [None, "store_add", "pull", "xla"])

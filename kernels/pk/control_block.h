@@ -10,6 +10,7 @@ constexpr int kMaxSlots = 8;      // device slots with a control block (local de
 constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
 constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
 constexpr int kMaxBlocks = 65536;  // store-add fused ops: output tiles of one device's output
+constexpr int kMaxChunks = 4096;   // AG with pushers on every SM: row chunks of one member's x
 
 // Error codes written by device code into a host-mapped ErrorRecord.
 enum ErrorCode : int32_t {
@@ -46,6 +47,9 @@ struct alignas(128) ControlBlock {
   // block_state[i]: who has written output tile i of a store-add op (pk/block_claim.cuh). Peers
   // write it (CAS, release store); the owner resets it at the end of the op.
   alignas(128) uint32_t block_state[kMaxBlocks];
+  // chunk_count[src][c]: pieces of src's row chunk c that have landed here (pk/chunk_counts.cuh).
+  // Peers add to it; the owner resets it at the end of the op.
+  alignas(128) uint32_t chunk_count[kMaxSlots][kMaxChunks];
 };
 
 }  // namespace pk

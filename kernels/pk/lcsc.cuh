@@ -5,15 +5,18 @@
 //   K::consumer(g, smem, ConsumerState&, task)    one warpgroup each: tensor-core work
 //   K::storer(g, smem, StorerState&, task)        one thread: TMA stores (local or peer HBM)
 //   K::communicator(g, comm_smem, CommRole)       whole CTAs on the first num_comm_sms SMs
+//   K::pusher(g, smem)                            one thread of every compute CTA (with kHasPusher):
+//                                                 communication issued beside the GEMM (intra-SM)
 // and K::Globals (with an int num_comm_sms), K::Shared (compute SMs), K::CommShared (comm SMs),
 // K::init(g, Shared&) (barriers, run by one thread), K::begin(g, Shared&) (every compute thread, before
 // the roles start), K::num_tasks(g), K::finish(g) (run by every
 // thread of every CTA at the end: the cross-GPU completion protocol), and the constants
-// kConsumerWarpgroups, kProducerRegs, kConsumerRegs, kHasCommunicator, kTaskCounter. A communicator
+// kConsumerWarpgroups, kProducerRegs, kConsumerRegs, kHasCommunicator, kHasPusher, kTaskCounter. A communicator
 // that joins compute (kTaskCounter) leaves no TMA in flight and no live mbarrier in CommShared.
 //
 // The template owns the persistent grid, the warpgroup specialization and the setmaxnreg register
-// split: warpgroup 0 produces (loader in warp 0, storer in warp 1), warpgroups 1.. consume. Every role
+// split: warpgroup 0 produces (loader in warp 0, storer in warp 1, pusher in warp 2), warpgroups 1..
+// consume. Every role
 // of a CTA walks the same task list in the same order, so the rings between them stay in step.
 // Tasks are assigned statically (compute SM i takes i, i + workers, ...) unless K::kTaskCounter: then
 // the loader claims tasks from a device-wide counter (task_queue.cuh) and the comm CTAs, once their
@@ -88,6 +91,8 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
       typename K::StorerState st{};
       each_task(false, false, [&](int t) { K::storer(g, s, st, t); });
       K::storer_finish(g, s, st);
+    } else if (warp == 2 && lane == 0) {
+      if constexpr (K::kHasPusher) K::pusher(g, s);  // intra-SM communication beside the GEMM
     }
   } else {
     wgmma::setmaxnreg_inc<K::kConsumerRegs>();

@@ -68,6 +68,23 @@ struct OpProtocol {
     return ok;
   }
 
+  // One thread (a role of a warp-specialized CTA, where CTA barriers are not available): wait until
+  // every peer published, then out[r] = member r's first published address. False after a timeout.
+  __device__ bool acquire_thread(void* local, char* (&out)[kMaxGroup]) const {
+    bool ok = true;
+    for (int r = 0; r < g.size; ++r) {
+      if (r == g.rank) {
+        out[r] = static_cast<char*>(local);
+      } else if (wait(&g.self()->ready[g.slot[r]], epoch[r], g, r, kTimeoutReady)) {
+        out[r] = reinterpret_cast<char*>(g.self()->mailbox[g.slot[r]][0]);
+      } else {
+        out[r] = nullptr;
+        ok = false;
+      }
+    }
+    return ok;
+  }
+
   // All CTAs, after their last access to peer memory. Returns true in the last CTA to finish (after
   // every peer reported done: no peer touches this device's memory for this op any more).
   __device__ bool finish() const {

@@ -88,7 +88,7 @@ def _gemm_line(r: dict) -> str:
 
 def print_tp_table(rows: Sequence[dict]) -> None:
     head = (f"{'op':<23}{'N':>7}{'G':>3}{'ours ms':>10}{'XLA ms':>10}{'ratio':>7}{'target':>8}{'bound ms':>10}"
-            f"{'gemm ms':>9}{'comm ms':>9}{'non-ovl':>8}{'sms':>5}{'add ms':>9}{'det ms':>9}  check")
+            f"{'gemm ms':>9}{'comm ms':>9}{'non-ovl':>8}{'sms':>6}{'intra ms':>9}{'det ms':>9}  check")
     _print_ruled(head, (_tp_line(r) for r in rows))
 
 
@@ -97,7 +97,7 @@ def _tp_line(r: dict) -> str:
     return (f"{r['op']:<23}{r['shape'][0]:>7}{r['group']:>3}{r['ours_ms']:>10.4f}{r['baseline_ms']:>10.4f}"
             f"{r['ratio']:>7.3f}{e['target']:>7.2f}{'' if e['meets_target'] else '!'}{e['bound_ms']:>10.4f}"
             f"{min(e['gemm_ms_cublas'], e['gemm_ms_pk']):>9.4f}{min(e['coll_ms_lax'], e['coll_ms_pk']):>9.4f}"
-            f"{e['non_overlapped_fraction']:>8.2f}{schedule_label(e['num_comm_sms']):>5}{_ms(e.get('store_add_ms')):>9}"
+            f"{e['non_overlapped_fraction']:>8.2f}{schedule_label(e['num_comm_sms']):>6}{_ms(e.get('intra_sm_ms')):>9}"
             f"{_ms(e.get('deterministic_ms')):>9}  {e['check']} rel={e['rel_err']:.1e}")
 
 
@@ -106,5 +106,5 @@ def _ms(t: float | None) -> str:
 
 
 def schedule_label(n: int | None) -> str:
-    """num_comm_sms as chosen: '-' unknown, 'xla' the unfused composition (0), 'add' store-add (-1)."""
-    return "-" if n is None else {0: "xla", -1: "add"}.get(n, str(n))
+    """num_comm_sms as chosen: '-' unknown, 'xla' the unfused composition (0), 'intra' no comm SMs (-1)."""
+    return "-" if n is None else {0: "xla", -1: "intra"}.get(n, str(n))

@@ -40,11 +40,12 @@ def _dot(a, b):
 
 
 def _fixed_schedules(op: str) -> dict:
-    """RS/AR: the store-add schedule and the deterministic mode, timed beside the autotuned default."""
-    if op == "all_gather_matmul":
-        return {}
+    """Timed beside the autotuned default: the intra-SM schedule (AG pushers on every SM, RS/AR
+    store-add) and, for RS/AR, the deterministic mode."""
     fn = getattr(pk_jax, op)
-    return {"store_add": lambda x, w: fn(x, w, AX, deterministic=False, schedule="store_add"),
+    if op == "all_gather_matmul":
+        return {"intra_sm": lambda x, w: fn(x, w, AX, schedule="intra_sm")}
+    return {"intra_sm": lambda x, w: fn(x, w, AX, deterministic=False, schedule="store_add"),
             "deterministic": lambda x, w: fn(x, w, AX, deterministic=True)}
 
 
@@ -87,9 +88,9 @@ def _rel_err(a, b) -> float:
 
 
 def _tuned(op, m, n, k, dtype, g) -> dict:
-    """The default call's autotuned choice: num_comm_sms (autotune.STORE_ADD: the store-add kernel),
-    tile, and every candidate's time."""
-    choices = "" if op == "all_gather_matmul" else "store_add"
+    """The default call's autotuned choice: num_comm_sms (autotune.INTRA_SM: the kernel without comm
+    SMs), tile, and every candidate's time."""
+    choices = "intra_sm"
     key = autotune.key(op, m, n, k, jnp.dtype(dtype).name, g, jax.devices()[0].device_kind, choices)
     hit = autotune.entries().get(key, {})
     tile = hit.get("tile", autotune.AUTO_TILE)
