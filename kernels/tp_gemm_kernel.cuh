@@ -111,7 +111,8 @@ struct AllGatherMatmul : gemm::NoComm {
 // AG without comm SMs (intra-SM): a pusher thread in every compute CTA sends pieces of x's row chunks
 // to every member's `gathered` buffer (own copy included) while its SM computes, and counts each piece
 // at the receivers (chunk_counts.cuh); the loader waits for a chunk's full count before its rows.
-// Pieces go chunk-major over the CTAs, so the first chunks complete first.
+// Pushers claim pieces in chunk order from a device-wide counter, so the first chunks complete first
+// and every piece is sent by a CTA that is running (no CTA waits on one that has not started).
 struct AllGatherMatmulIntraSM : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
@@ -145,7 +146,8 @@ struct AllGatherMatmulIntraSM : gemm::NoComm {
     ext.ring.init();
     const uint64_t bytes = chunk_bytes(g), mine = uint64_t(grp.rank) * g.rows_per_rank * g.k * g.elem_bytes;
     const uint32_t per_chunk = pieces(g), total = per_chunk * g.per_rank.tiles_m;
-    for (uint32_t q = blockIdx.x; q < total; q += gridDim.x) {
+    uint32_t* next = &grp.self()->next_piece;  // reset by the launch's last CTA (op_protocol.cuh finish)
+    for (uint32_t q = atomicAdd(next, 1u); q < total; q = atomicAdd(next, 1u)) {
       const uint32_t c = q / per_chunk, p = q % per_chunk;
       const uint64_t at = c * bytes + uint64_t(p) * kPiece;
       char* dst[kMaxGroup];

@@ -35,6 +35,9 @@ from pathlib import Path
 from typing import NamedTuple
 
 START = {"all_gather_matmul": 8, "matmul_reduce_scatter": 16, "matmul_all_reduce": 16}
+# With timing off, the intra-SM kernel is the start where it was measured the faster one (store-add RS/AR
+# at N >= 8192 on 2 H200s); AG's intra-SM kernel starts as a candidate only.
+START_INTRA_SM = {"all_gather_matmul": False, "matmul_reduce_scatter": True, "matmul_all_reduce": True}
 CANDIDATES = (8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion); 4 never won a measurement
 INTRA_SM = -1  # the kernel without comm SMs (AG: pushers on every compute SM; RS/AR: store-add)
 AUTO_TILE = -1
@@ -99,12 +102,12 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], m
     """The cached choice, or the fastest candidate by `time_candidate(choice) -> ms`: every SM count
     of CANDIDATES (nearest START first) with every tile of `tiles`; the store-add kernel with each
     tile, tried first, when `intra_sm`; the composition last unless `composition=False`.
-    With timing off (PK_JAX_AUTOTUNE=0): the intra-SM kernel if allowed, else START, with the kernel's tile."""
+    With timing off (PK_JAX_AUTOTUNE=0): the intra-SM kernel if allowed and START_INTRA_SM, else START."""
     with _lock:
         hit = _load().get(cache_key)
         if hit is not None:
             return Choice(int(hit["num_comm_sms"]), int(hit.get("tile", AUTO_TILE)))
-        start = Choice(INTRA_SM if intra_sm else START[op])
+        start = Choice(INTRA_SM if intra_sm and START_INTRA_SM[op] else START[op])
         if not enabled():
             return start
         sms = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))

@@ -38,6 +38,13 @@ OPS = ("all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce")  # ind
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+def kernel_kind(op: str, intra_sm: bool) -> int:
+    """The kernel kind (kernels/tp_gemm.cuh): 0-2 with comm SMs; intra-SM AG 5, store-add RS/AR 3 and 4."""
+    if not intra_sm:
+        return OPS.index(op)
+    return 5 if op == "all_gather_matmul" else OPS.index(op) + 2
+
+
 @dataclasses.dataclass(frozen=True)
 class TpSpec:
     op: str
@@ -49,12 +56,6 @@ class TpSpec:
     may_intra_sm: bool = False   # autotuned: the intra-SM kernel is a candidate
     composition: bool = True     # autotuned: the unfused composition is a candidate
     tile: int = autotune.AUTO_TILE  # the block tile (set by the autotuner; AUTO_TILE: the kernel picks)
-
-    def kind(self, intra_sm: bool) -> int:
-        """The kernel kind (kernels/tp_gemm.cuh): the intra-SM AG is 5, the store-add RS/AR 3 and 4."""
-        if not intra_sm:
-            return OPS.index(self.op)
-        return 5 if self.op == "all_gather_matmul" else OPS.index(self.op) + 2
 
     def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.op == "all_gather_matmul":
@@ -176,7 +177,7 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
     intra = choice.num_comm_sms == autotune.INTRA_SM
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
-        kind=np.int32(spec.kind(intra)), tile=np.int32(choice.tile),
+        kind=np.int32(kernel_kind(spec.op, intra)), tile=np.int32(choice.tile),
         num_comm_sms=np.int32(0 if intra else choice.num_comm_sms),
         mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
         group_axes=np.asarray(table.group_axes, np.int64))
@@ -201,14 +202,14 @@ def _check(fn: str, x, w, axis_name: AxisName, num_comm_sms: int | None) -> tupl
     return x, w, group_size(axis_name)
 
 
-def _fusable(op: str, x: jax.Array, w: jax.Array, g: int) -> str | None:
-    """Why the fused kernel cannot run this call (None: it can)."""
+def _fusable(op: str, x: jax.Array, w: jax.Array, g: int, intra_sm: bool) -> str | None:
+    """Why the fused kernel (with or without comm SMs) cannot run this call (None: it can)."""
     if x.dtype != w.dtype or x.dtype not in KERNEL_DTYPES:
         return f"x and w are {x.dtype} and {w.dtype} (the kernel takes two bfloat16 or two float16 arrays)"
     if _ext.ext is None:
         return None  # CPU-only install: lowers to the composition anyway, silently
     (m, k), n = x.shape, w.shape[1]
-    why = _ext.ext.tp_gemm_unsupported(OPS.index(op), g, m, n, k, 1)
+    why = _ext.ext.tp_gemm_unsupported(kernel_kind(op, intra_sm), g, m, n, k, 1)
     return why or None
 
 
@@ -231,11 +232,12 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
                          f"deterministic=False, or schedule='pull' for identical bits")
     if schedule == "xla":
         num_comm_sms = 0
-    why = _fusable(op, x, w, g)
+    why_intra = _fusable(op, x, w, g, intra_sm=True)
+    why = why_intra if schedule == intra_name else _fusable(op, x, w, g, intra_sm=False)
     if why and jax.default_backend() == "gpu":
         _warn_once(f"{op} runs the XLA composition: {why}")
     # The intra-SM AG is as deterministic as the other (no sums); store-add only with deterministic=False.
-    intra_allowed = op == "all_gather_matmul" or not deterministic
+    intra_allowed = (op == "all_gather_matmul" or not deterministic) and why_intra is None
     spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None,
                   intra_sm=schedule == intra_name,
                   may_intra_sm=schedule is None and intra_allowed and num_comm_sms is None,

@@ -236,3 +236,12 @@ def test_autotune_retimes_the_closest_contenders(tmp_path, monkeypatch):
         return 1.0 + c.num_comm_sms / 100 if c.num_comm_sms else 5.0
     choice = autotune.choose("all_gather_matmul", key, noisy, 132)
     assert choice.num_comm_sms == 8 and first[autotune.Choice(16)] == 3
+
+
+def test_autotune_off_starts_ag_with_comm_sms(tmp_path, monkeypatch):
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PK_JAX_AUTOTUNE", "0")
+    for op, want in (("all_gather_matmul", autotune.START["all_gather_matmul"]),
+                     ("matmul_reduce_scatter", autotune.INTRA_SM)):
+        key = autotune.key(op, 1, 2, 3, "bfloat16", 2, "GPU X", "intra_sm")
+        assert autotune.choose(op, key, lambda c: 1 / 0, 132, intra_sm=True).num_comm_sms == want

@@ -41,6 +41,7 @@ struct alignas(128) ControlBlock {
   uint32_t arrived;                            // local: CTAs of the running launch that finished
   uint32_t aborted;                            // local: set after a timeout, later waits fail fast
   uint32_t next_task;                          // local: fused kernels' task counter (task_queue.cuh)
+  uint32_t next_piece;                         // local: AG pushers' piece counter (tp_gemm_kernel.cuh)
   // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device
   // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
   alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];

@@ -109,7 +109,8 @@ struct OpProtocol {
     if (r < g.size) me->seq[g.slot[r]] = epoch[r];  // own slot too: fused ops signal items to themselves
     if (r == 0) {
       me->arrived = 0;
-      me->next_task = 0;  // every CTA claimed its last task before arriving
+      me->next_task = 0;  // every CTA claimed its last task (and piece) before arriving
+      me->next_piece = 0;
     }
     return true;
   }

@@ -76,7 +76,8 @@ def assert_close(got, want):
     assert err < 1e-2, f"relative error {err:.2e}"
 
 
-SHAPES = [(256, 256, 256), (1024, 1024, 1024), (512, 768, 1536), (2048, 4096, 512), (128, 64, 8192)]
+# (256, 256, 520): a row chunk is not a whole number of the AG pushers' 32 KiB pieces (nor 8 KiB stages).
+SHAPES = [(256, 256, 256), (1024, 1024, 1024), (512, 768, 1536), (2048, 4096, 512), (128, 64, 8192), (256, 256, 520)]
 
 
 MODES = {"ag": [{}, {"schedule": "intra_sm"}],
@@ -133,6 +134,24 @@ def test_deterministic_bits(op, kw):
     if op == "ar":  # every member holds the same bits
         shards = [np.asarray(s.data.view(jnp.uint16)) for s in f(x, w).addressable_shards]
         assert all(np.array_equal(s, shards[0]) for s in shards)
+
+
+@pytest.mark.parametrize("schedule", ["comm_sms", "intra_sm"])
+@pytest.mark.parametrize("g", group_sizes())
+def test_all_gather_returns_the_gathered_x(schedule, g):
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    x, w = inputs("ag", g, 384, 256, 520, mesh)
+    kw = {"num_comm_sms": 8} if schedule == "comm_sms" else {}
+    poison_allocator(4 * (g * 384) * 520 * 2, gpus()[:g])
+    f = jax.jit(jax.shard_map(lambda a, b: pk_jax.all_gather_matmul(a, b, "x", return_gathered=True,
+                                                                    schedule=schedule, **kw),
+                              mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x")), check_vma=False))
+    out, gathered = f(x, w)
+    pk_jax.runtime.check()
+    # Every member holds all of x (stacked G times by out_specs), bit for bit.
+    assert np.array_equal(np.asarray(gathered.view(jnp.uint16)), np.tile(np.asarray(x.view(jnp.uint16)), (g, 1)))
+    assert_close(np.asarray(out.astype(jnp.float32)),
+                 np.tile(np.asarray(x, np.float32) @ np.asarray(w, np.float32), (g, 1)))
 
 
 @pytest.mark.parametrize("op,kw", [("ag", {}), ("rs", {"deterministic": True}), ("rs", {}), ("ar", {})], ids=str)
