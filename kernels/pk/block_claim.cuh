@@ -35,15 +35,7 @@ __device__ __forceinline__ void publish_block(uint32_t* state) {
 
 // Other writers: until the first writer's part has landed; afterwards TMA may add to the block.
 __device__ __forceinline__ bool wait_block_stored(const Group& g, int owner, const uint32_t* state) {
-  const bool ok = wait_until(
-      [&] {
-        uint32_t v;
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(state) : "memory");
-        return v == kBlockStored;
-      },
-      g, owner, kTimeoutItem);
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  return ok;
+  return wait_word(state, [](uint32_t v) { return v == kBlockStored; }, g, owner, kTimeoutItem);
 }
 
 // The owner's last CTA, at the end of the op: every thread of the CTA resets a share of the states.

@@ -19,16 +19,8 @@ __device__ __forceinline__ void signal_piece(const Group& g, int dst_rank, int c
 
 // Afterwards the chunk may be read by TMA loads. False after a timeout.
 __device__ __forceinline__ bool wait_chunk(const Group& g, int src_rank, int chunk, uint32_t pieces) {
-  const uint32_t* count = &g.self()->chunk_count[g.slot[src_rank]][chunk];
-  const bool ok = wait_until(
-      [&] {
-        uint32_t v;
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(count) : "memory");
-        return v >= pieces;
-      },
-      g, src_rank, kTimeoutItem);
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  return ok;
+  return wait_word(&g.self()->chunk_count[g.slot[src_rank]][chunk], [&](uint32_t v) { return v >= pieces; }, g,
+                   src_rank, kTimeoutItem);
 }
 
 // The receiver's last CTA at the end of the op: every thread clears a share of the counts.

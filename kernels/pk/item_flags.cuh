@@ -19,16 +19,8 @@ __device__ __forceinline__ void signal_item(const Group& g, int dst_rank, int it
 
 // Acquire; afterwards the item's data may also be read by TMA (the proxy fence orders it).
 __device__ __forceinline__ bool wait_item(const Group& g, int src_rank, int item, uint64_t epoch) {
-  const uint32_t* f = &g.self()->item_ready[g.slot[src_rank]][item];
-  const bool ok = wait_until(
-      [&] {
-        uint32_t v;
-        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(f) : "memory");
-        return int32_t(v - uint32_t(epoch)) >= 0;
-      },
-      g, src_rank, kTimeoutItem);
-  asm volatile("fence.proxy.async.global;" ::: "memory");
-  return ok;
+  return wait_word(&g.self()->item_ready[g.slot[src_rank]][item],
+                   [&](uint32_t v) { return int32_t(v - uint32_t(epoch)) >= 0; }, g, src_rank, kTimeoutItem);
 }
 
 }  // namespace pk

@@ -67,6 +67,21 @@ __device__ inline bool wait(const uint64_t* counter, uint64_t expected, const Gr
   return wait_until([&] { return ld_acquire_sys(counter) >= expected; }, g, peer_rank, code);
 }
 
+// wait_word: spin until reached(v) for the acquire-loaded 32-bit word (a flag or count written by a
+// peer), then order it before later TMA (async-proxy) reads of the data it guards.
+template <typename Reached>
+__device__ inline bool wait_word(const uint32_t* word, Reached reached, const Group& g, int peer_rank, int32_t code) {
+  const bool ok = wait_until(
+      [&] {
+        uint32_t v;
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(word) : "memory");
+        return reached(v);
+      },
+      g, peer_rank, code);
+  asm volatile("fence.proxy.async.global;" ::: "memory");
+  return ok;
+}
+
 // barrier: every member signals every other member, then waits for all of them. Uses the
 // `test_flag` counters (a separate channel from the op protocol) and a caller-provided epoch.
 // Call from one thread per peer (threadIdx.x < size).
