@@ -29,7 +29,6 @@ struct Globals {
 //   before_load(g, tile)   loader thread, before the tile's first TMA load (e.g. wait for its rows)
 //   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
 //   begin(g, ext)          every thread of a compute CTA, before the roles start (e.g. learn peer addresses)
-//   before_store(g, ext, tile)  storer thread, before waiting for the tile's output slots
 //   pusher(g, ext)         one more producer thread, beside the roles (with kHasPusher)
 //   store_slot<K>(...)     storer thread: issue the stores of one consumer's output slot
 //   SlotLayout             how consumers lay out an output slot (TMA tensor boxes by default)
@@ -43,8 +42,6 @@ struct NoComm {
   // (The defaults take any SharedExt, so an extension may replace the struct and keep the hooks.)
   template <class E>
   __device__ static void begin(const Globals&, E&) {}
-  template <class E>
-  __device__ static void before_store(const Globals&, E&, int2) {}
   // Output boxes of warpgroup w's slot to the tensor map C (clipped at the matrix edge by TMA).
   template <class K, class E>
   __device__ static void store_slot(const Globals& g, E&, const typename K::Out* slot, int2 tile,
@@ -186,7 +183,6 @@ struct Kernel {
 
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     const int2 tile = Ext::tile(g, task);
-    Ext::before_store(g, s.ext, tile);
     for (int w = 0; w < WGS; ++w) {
       tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
       Ext::template store_slot<Kernel>(g, s.ext, s.c[w], tile, w);

@@ -54,6 +54,11 @@ void run(const Problem& p, cudaStream_t stream) {
   g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
   g.num_comm_sms = is_intra_sm(KIND) ? 0 : p.num_comm_sms;
   const int compute = p.num_sms - g.num_comm_sms;
+  if constexpr (is_store_add(KIND)) {  // the adds land on zeros; published only after this (stream order)
+    const size_t out_rows = KIND == kMatmulAllReduceAdd ? size_t(p.m) : size_t(p.m / G);
+    const cudaError_t z = cudaMemsetAsync(p.out, 0, out_rows * p.n * elem_bytes(p.type), stream);
+    if (z != cudaSuccess) throw std::runtime_error(std::string("pk_jax fused GEMM: ") + cudaGetErrorString(z));
+  }
   g.per_rank.group_m = TileGrid::balanced_group_m(compute, K::BM, K::BN, g.per_rank.tiles_m);
   g.grid = TileGrid{g.per_rank.tiles_m * G, g.per_rank.tiles_n, 1};  // only its count is used
   g.bm = K::BM, g.bn = K::BN;
@@ -115,8 +120,6 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (!is_all_gather(kind) && m % group_size) return "m must be divisible by the group size";
   if (rows % bm) return "the rows per member must be a multiple of 128";
   if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
-  const int out_rows = kind == kMatmulAllReduceAdd ? m : rows;  // store-add: one claim state per output tile
-  if (is_store_add(kind) && int64_t(out_rows / bm) * ((n + bn - 1) / bn) > kMaxBlocks) return "output too large for store-add";
   if (kind == kAllGatherMatmulIntraSM && rows / bm > kMaxChunks) return "too many row chunks per member";
   return "";
 }

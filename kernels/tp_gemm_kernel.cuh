@@ -13,15 +13,13 @@
 //                        SMs sum the tile over all members in rank order (deterministic) and write it
 //                        to their own output (RS) or to every member's output (AR). Tiles of the
 //                        owners are interleaved so every member's comm SMs work from the start.
-//   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer sends each tile of
+//   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer adds each tile of
 //                        the product straight into its owner's output (RS) or into every member's (AR)
-//                        with bulk copies: the first member to claim an output tile stores it, the
-//                        others add to it once it landed (pk/block_claim.cuh: no memset first); the
-//                        finish protocol means every peer's writes have landed. At more than 2
-//                        members not bit-reproducible (the order of the adds varies).
+//                        with bulk store-add copies; outputs are zeroed before the kernel, and the
+//                        finish protocol means every peer's adds have landed. Not bit-reproducible
+//                        (the order of the adds varies).
 #pragma once
 #include "gemm_kernel.cuh"
-#include "pk/block_claim.cuh"
 #include "pk/bulk_broadcast.cuh"
 #include "pk/chunk_counts.cuh"
 #include "pk/item_flags.cuh"
@@ -243,17 +241,16 @@ struct MatmulStoreAdd : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
   struct SharedExt {
-    char* out[kMaxGroup];     // every member's output, by rank
-    int ok;                   // 0 after a timed-out handshake: nothing is sent (the error is reported)
-    int8_t role[kMaxGroup];   // storer: what it does with the current tile at destination d (Role)
+    char* out[kMaxGroup];  // every member's output, by rank
+    int ok;                // 0 after a timed-out handshake: nothing is sent (the error is reported)
   };
   template <typename OutT, int BN>
   using SlotLayout = PaddedRows<OutT, BN>;
-  enum Role : int8_t { kAdd = 0, kStore = 1 };
 
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
 
-  // Learn the members' output addresses.
+  // Learn the members' output addresses (their outputs are zeroed: each was published after the
+  // member's memset, in stream order).
   __device__ static void begin(const Globals& g, SharedExt& ext) {
     OpProtocol op(g.group);
     void* const local[1] = {g.out};
@@ -265,78 +262,24 @@ struct MatmulStoreAdd : gemm::NoComm {
     __syncthreads();
   }
 
-  // Where the tile goes: destination d's member, the tile's first row in that member's output.
-  __device__ static int member(const Globals& g, int2 tile, int d) {
-    return ALL_REDUCE ? (g.group.rank + d) % g.group.size : tile.x / g.per_rank.tiles_m;
-  }
-  __device__ static int64_t first_row(const Globals& g, int2 tile) {
-    return ALL_REDUCE ? int64_t(tile.x) * g.bm : int64_t(tile.x % g.per_rank.tiles_m) * g.bm;
-  }
-  __device__ static int destinations(const Globals& g) { return ALL_REDUCE ? g.group.size : 1; }
-  // One claim state per output tile, numbered over the member's output (m / G or m rows).
-  __device__ static uint32_t* state(const Globals& g, int2 tile, int d) {
-    return &g.group.ctrl[member(g, tile, d)]->block_state[first_row(g, tile) / g.bm * g.per_rank.tiles_n + tile.y];
-  }
-  __device__ static int states(const Globals& g) {
-    return (ALL_REDUCE ? g.m : g.rows_per_rank) / g.bm * g.per_rank.tiles_n;
-  }
-
-  // Claim the tile at every destination while the consumers still finish it (hides the CAS round trip).
-  __device__ static void before_store(const Globals& g, SharedExt& ext, int2 tile) {
-    if (!ext.ok) return;
-    bool first[kMaxGroup];  // all CASes in flight before the first result is used
-#pragma unroll
-    for (int d = 0; d < kMaxGroup; ++d) first[d] = d < destinations(g) && claim_block(state(g, tile, d));
-#pragma unroll
-    for (int d = 0; d < kMaxGroup; ++d) ext.role[d] = first[d] ? kStore : kAdd;
-  }
-
-  // Where the tile's first writer claimed a destination it stores each half as its slot fills; after
-  // the last half it publishes, and only then waits for the destinations it did not claim and adds
-  // every half there (a member never waits while holding an unpublished claim: no cycles).
   template <class K>
-  __device__ static void store_slot(const Globals& g, SharedExt& ext, const typename K::Out* slot, int2 tile, int w) {
-    if (!ext.ok) return;  // timed-out handshake: nothing is sent
-    constexpr uint32_t kSlotBytes = K::SlotLayout::slot_bytes(K::BN);
-    static_assert(sizeof(K::Shared::c[0]) == kSlotBytes, "slot w - w slots is slot 0 (the storer passes s.c[w])");
-    const int col0 = tile.y * K::BN;
+  __device__ static void store_slot(const Globals& g, const SharedExt& ext, const typename K::Out* slot, int2 tile,
+                                    int w) {
+    const int row0 = tile.x * K::BM + w * 64, col0 = tile.y * K::BN;
+    const int rows = ext.ok ? min(64, g.m - row0) : 0;
     const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
-    const unsigned char* slot0 = reinterpret_cast<const unsigned char*>(slot) - w * kSlotBytes;
-    // Issue one half (64 rows) of the tile to destination d: TMA store or TMA store-add.
-    auto send_half = [&](int d, int half, bool add) {
-      T* dst = reinterpret_cast<T*>(ext.out[member(g, tile, d)]) + (first_row(g, tile) + half * 64) * g.n + col0;
-      const unsigned char* src = slot0 + half * kSlotBytes;
-#pragma unroll 1
-      for (int r = 0; r < 64; ++r) {
-        const T* row = reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch);
-        if (add) tma::store_add_async(dst + int64_t(r) * g.n, row, bytes);
-        else tma::store_async(dst + int64_t(r) * g.n, row, bytes);
-      }
-    };
-#pragma unroll 1
-    for (int d = 0; d < destinations(g); ++d)
-      if (ext.role[d] == kStore) send_half(d, w, false);
-    if (w != K::WGS - 1) return;
-    bool stored = false;
-    for (int d = 0; d < destinations(g); ++d) stored |= ext.role[d] == kStore;
-    if (stored) {
-      tma::commit_group();
-      tma::wait_group<0>();
-#pragma unroll 1
-      for (int d = 0; d < destinations(g); ++d)
-        if (ext.role[d] == kStore) publish_block(state(g, tile, d));
-    }
-#pragma unroll 1
-    for (int d = 0; d < destinations(g); ++d) {
-      if (ext.role[d] != kAdd || !wait_block_stored(g.group, member(g, tile, d), state(g, tile, d))) continue;
-#pragma unroll 1
-      for (int half = 0; half < K::WGS; ++half) send_half(d, half, true);
+    const int owner = tile.x / g.per_rank.tiles_m;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
+    for (int d = 0; d < (ALL_REDUCE ? g.group.size : 1); ++d) {
+      const int member = ALL_REDUCE ? (g.group.rank + d) % g.group.size : owner;
+      const int64_t first_row = ALL_REDUCE ? row0 : row0 - int64_t(owner) * g.rows_per_rank;
+      T* dst = reinterpret_cast<T*>(ext.out[member]) + first_row * g.n + col0;
+      for (int r = 0; r < rows; ++r)
+        tma::store_add_async(dst + int64_t(r) * g.n, reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch), bytes);
     }
   }
 
-  __device__ static void finish(const Globals& g) {
-    if (OpProtocol(g.group).finish()) reset_blocks(g.group.self()->block_state, states(g));
-  }
+  __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
 };
 
 }  // namespace pk::tp

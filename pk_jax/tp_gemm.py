@@ -127,7 +127,12 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
     x_spec = P("pk_tune")  # local x blocks stacked on rows
     w_global = (spec.group * k, n)
 
-    calls = 4  # ops per timed call, each on its own inputs (identical calls would be merged by XLA)
+    # Ops per timed call, each on its own inputs (identical calls would be merged by XLA); as many as the
+    # benchmark uses where memory allows: with fewer, the start skew between members weighs more and
+    # ranked the intra-SM AG kernel behind comm SMs at N=8192, the reverse of 8-call timings.
+    out_rows = m * spec.group if spec.op == "all_gather_matmul" else m  # (RS: m / group; the larger bound)
+    per_call = (m * k + k * n + out_rows * n) * jnp.dtype(x_aval.dtype).itemsize
+    calls = timing.calls_per_measure(per_call, budget_bytes=6 << 30, lo=2, hi=8)
     inputs: list = []  # made on the first timed candidate (never on a cache hit), shared by all
 
     def make_inputs() -> tuple[list, list]:

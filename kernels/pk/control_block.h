@@ -9,7 +9,6 @@ constexpr int kMaxGroup = 8;      // largest communication group (paper: 8 GPUs 
 constexpr int kMaxSlots = 8;      // device slots with a control block (local devices in one process)
 constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
 constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
-constexpr int kMaxBlocks = 65536;  // store-add fused ops: output tiles of one device's output
 constexpr int kMaxChunks = 4096;   // AG with pushers on every SM: row chunks of one member's x
 
 // Error codes written by device code into a host-mapped ErrorRecord.
@@ -45,9 +44,6 @@ struct alignas(128) ControlBlock {
   // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device
   // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
   alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];
-  // block_state[i]: who has written output tile i of a store-add op (pk/block_claim.cuh). Peers
-  // write it (CAS, release store); the owner resets it at the end of the op.
-  alignas(128) uint32_t block_state[kMaxBlocks];
   // chunk_count[src][c]: pieces of src's row chunk c that have landed here (pk/chunk_counts.cuh).
   // Peers add to it; the owner resets it at the end of the op.
   alignas(128) uint32_t chunk_count[kMaxSlots][kMaxChunks];
