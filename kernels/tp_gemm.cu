@@ -22,8 +22,8 @@ using ExtFor = std::conditional_t<
     std::conditional_t<KIND == kAllGatherMatmulIntraSM, AllGatherMatmulIntraSM,
                        std::conditional_t<is_store_add(KIND), MatmulStoreAdd<is_all_reduce(KIND), T>,
                                           MatmulReduce<is_all_reduce(KIND), T>>>>;
-// Store-add slots are padded rows (64 x (BN + 8) per consumer) and the AG pushers keep a 16 KB ring:
-// with either, 128x128 fits 5 stages, not 6.
+// Store-add slots are padded rows (64 x (BN + 8) per consumer, plus a 4 KB zeroed box) and the AG
+// pushers keep a 16 KB ring: with either, 128x128 fits 5 stages, not 6.
 template <int TILE, Kind KIND>
 constexpr int kStagesFor = is_intra_sm(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
 template <typename T, int TILE, Kind KIND>
@@ -54,11 +54,6 @@ void run(const Problem& p, cudaStream_t stream) {
   g.per_rank.tiles_n = (p.n + K::BN - 1) / K::BN;
   g.num_comm_sms = is_intra_sm(KIND) ? 0 : p.num_comm_sms;
   const int compute = p.num_sms - g.num_comm_sms;
-  if constexpr (is_store_add(KIND)) {  // the adds land on zeros; published only after this (stream order)
-    const size_t out_rows = KIND == kMatmulAllReduceAdd ? size_t(p.m) : size_t(p.m / G);
-    const cudaError_t z = cudaMemsetAsync(p.out, 0, out_rows * p.n * elem_bytes(p.type), stream);
-    if (z != cudaSuccess) throw std::runtime_error(std::string("pk_jax fused GEMM: ") + cudaGetErrorString(z));
-  }
   g.per_rank.group_m = TileGrid::balanced_group_m(compute, K::BM, K::BN, g.per_rank.tiles_m);
   g.grid = TileGrid{g.per_rank.tiles_m * G, g.per_rank.tiles_n, 1};  // only its count is used
   g.bm = K::BM, g.bn = K::BN;
@@ -121,6 +116,8 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (rows % bm) return "the rows per member must be a multiple of 128";
   if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
   if (kind == kAllGatherMatmulIntraSM && rows / bm > kMaxChunks) return "too many row chunks per member";
+  // Store-add zeroes its output in row blocks counted like the AG chunks (MatmulStoreAdd::pusher).
+  if (is_store_add(kind) && (kind == kMatmulAllReduceAdd ? m : rows) / bm > kMaxChunks) return "too many output row blocks";
   return "";
 }
 

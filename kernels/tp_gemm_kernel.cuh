@@ -15,9 +15,10 @@
 //                        owners are interleaved so every member's comm SMs work from the start.
 //   MatmulStoreAdd       the same two ops without comm SMs (intra-SM): the storer adds each tile of
 //                        the product straight into its owner's output (RS) or into every member's (AR)
-//                        with bulk store-add copies; outputs are zeroed before the kernel, and the
-//                        finish protocol means every peer's adds have landed. Not bit-reproducible
-//                        (the order of the adds varies).
+//                        with bulk store-add copies; a pusher thread per SM zeroes the member's output
+//                        block by block and counts each block at every member, the adds into a block
+//                        wait for its count; the finish protocol means every peer's adds have landed.
+//                        Not bit-reproducible (the order of the adds varies).
 #pragma once
 #include "gemm_kernel.cuh"
 #include "pk/bulk_broadcast.cuh"
@@ -240,7 +241,12 @@ template <bool ALL_REDUCE, typename T>
 struct MatmulStoreAdd : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
+  static constexpr bool kHasPusher = true;        // zeroes this member's output beside the GEMM
+  static constexpr uint32_t kZeroPiece = 32 * 1024;  // output bytes zeroed per claim (one count each)
+  static constexpr uint32_t kZeroBox = 4 * 1024;     // bytes of one bulk store of the zeroed smem box
+  static constexpr uint32_t kZeroInFlight = 4;       // pieces whose stores may be in flight at once
   struct SharedExt {
+    alignas(128) unsigned char zeros[kZeroBox];
     char* out[kMaxGroup];  // every member's output, by rank
     int ok;                // 0 after a timed-out handshake: nothing is sent (the error is reported)
   };
@@ -249,8 +255,28 @@ struct MatmulStoreAdd : gemm::NoComm {
 
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
 
-  // Learn the members' output addresses (their outputs are zeroed: each was published after the
-  // member's memset, in stream order).
+  // Row blocks (bm full rows) of this member's output: RS its m / G rows, AR all m rows.
+  __device__ static int out_blocks(const Globals& g) { return (ALL_REDUCE ? g.group.size : 1) * g.per_rank.tiles_m; }
+  __device__ static uint64_t block_bytes(const Globals& g) { return uint64_t(g.bm) * g.n * sizeof(T); }
+  __device__ static uint32_t zero_pieces(const Globals& g) {
+    return uint32_t((block_bytes(g) + kZeroPiece - 1) / kZeroPiece);
+  }
+  // The j-th block to zero, in the order tiles reach the blocks (owner_interleaved_tile: for AR the
+  // owners' regions in turn), so zeroing stays ahead of the adds.
+  __device__ static int zero_order(const Globals& g, int j) {
+    return ALL_REDUCE ? (j % g.group.size) * g.per_rank.tiles_m + j / g.group.size : j;
+  }
+  // Destination d of a tile: the member, and the row block in that member's output.
+  __device__ static int destination(const Globals& g, int2 tile, int d) {
+    return ALL_REDUCE ? (g.group.rank + d) % g.group.size : tile.x / g.per_rank.tiles_m;
+  }
+  __device__ static int out_block(const Globals& g, int2 tile) {
+    return ALL_REDUCE ? tile.x : tile.x % g.per_rank.tiles_m;
+  }
+
+  // Learn the members' output addresses. A member publishes for this op only after its previous
+  // kernel ended (stream order; no programmatic dependent launch), so once all have published none
+  // of them still resets its counts from the previous op and the pushers may signal them.
   __device__ static void begin(const Globals& g, SharedExt& ext) {
     OpProtocol op(g.group);
     void* const local[1] = {g.out};
@@ -262,24 +288,62 @@ struct MatmulStoreAdd : gemm::NoComm {
     __syncthreads();
   }
 
+  // Zero this member's output in pieces claimed from a device-wide counter (TMA stores of a zeroed
+  // smem box), kZeroInFlight pieces in flight, and count each landed piece at every member, since
+  // every member adds into every block. This replaces a memset before the kernel: an add waits only
+  // for the block it lands in, and blocks are zeroed in the order the tiles reach them.
+  __device__ static void pusher(const Globals& g, SharedExt& ext) {
+    if (!ext.ok) return;
+    uint4* zeros = reinterpret_cast<uint4*>(ext.zeros);
+    for (uint32_t i = 0; i < kZeroBox / sizeof(uint4); ++i) zeros[i] = make_uint4(0, 0, 0, 0);
+    tma::fence_proxy_async_shared();
+    const Group& grp = g.group;
+    const uint64_t bytes = block_bytes(g);
+    const uint32_t per_block = zero_pieces(g), total = per_block * uint32_t(out_blocks(g));
+    int block[kZeroInFlight];  // block of each piece in flight, by issue number % kZeroInFlight
+    uint32_t issued = 0;
+    auto count_landed = [&](uint32_t piece) {  // piece's stores are complete: count it everywhere
+      for (int i = 0; i < grp.size; ++i) signal_piece(grp, (grp.rank + i) % grp.size, block[piece % kZeroInFlight]);
+    };
+    uint32_t* next = &grp.self()->next_piece;  // reset by the launch's last CTA (op_protocol.cuh finish)
+    for (uint32_t q = atomicAdd(next, 1u); q < total; q = atomicAdd(next, 1u), ++issued) {
+      const int b = zero_order(g, int(q / per_block));
+      const uint64_t at = uint64_t(b) * bytes + uint64_t(q % per_block) * kZeroPiece;
+      const uint64_t end = min(at + kZeroPiece, uint64_t(b + 1) * bytes);
+      for (uint64_t o = at; o < end; o += kZeroBox)
+        tma::store_async(g.out + o, ext.zeros, uint32_t(min(uint64_t(kZeroBox), end - o)));
+      tma::commit_group();
+      block[issued % kZeroInFlight] = b;
+      if (issued + 1 >= kZeroInFlight) {
+        tma::wait_group<kZeroInFlight - 1>();  // the oldest piece in flight has landed
+        count_landed(issued + 1 - kZeroInFlight);
+      }
+    }
+    tma::wait_group<0>();
+    for (uint32_t p = issued > kZeroInFlight - 1 ? issued - (kZeroInFlight - 1) : 0; p < issued; ++p) count_landed(p);
+  }
+
   template <class K>
   __device__ static void store_slot(const Globals& g, const SharedExt& ext, const typename K::Out* slot, int2 tile,
                                     int w) {
     const int row0 = tile.x * K::BM + w * 64, col0 = tile.y * K::BN;
     const int rows = ext.ok ? min(64, g.m - row0) : 0;
     const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
-    const int owner = tile.x / g.per_rank.tiles_m;
+    const int64_t first_row = ALL_REDUCE ? row0 : row0 - int64_t(tile.x / g.per_rank.tiles_m) * g.rows_per_rank;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
     for (int d = 0; d < (ALL_REDUCE ? g.group.size : 1); ++d) {
-      const int member = ALL_REDUCE ? (g.group.rank + d) % g.group.size : owner;
-      const int64_t first_row = ALL_REDUCE ? row0 : row0 - int64_t(owner) * g.rows_per_rank;
-      T* dst = reinterpret_cast<T*>(ext.out[member]) + first_row * g.n + col0;
+      const int dst_member = destination(g, tile, d);
+      // The block must be zeroed first; after a timeout nothing is added (the error is reported).
+      if (rows == 0 || !wait_chunk(g.group, dst_member, out_block(g, tile), zero_pieces(g))) continue;
+      T* dst = reinterpret_cast<T*>(ext.out[dst_member]) + first_row * g.n + col0;
       for (int r = 0; r < rows; ++r)
         tma::store_add_async(dst + int64_t(r) * g.n, reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch), bytes);
     }
   }
 
-  __device__ static void finish(const Globals& g) { OpProtocol(g.group).finish(); }
+  __device__ static void finish(const Globals& g) {
+    if (OpProtocol(g.group).finish()) reset_chunks(g.group, out_blocks(g));
+  }
 };
 
 }  // namespace pk::tp

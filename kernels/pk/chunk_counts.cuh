@@ -2,7 +2,8 @@
 // to the receiver's chunk_count[sender][c] once its piece of chunk c has landed (release); the
 // receiver waits until the count reaches the chunk's number of pieces (acquire). Counts, unlike the
 // epoch flags of item_flags.cuh, need a reset: the receiver's last CTA clears them at the end of the
-// op, after every peer reported done (so no peer adds any more).
+// op, after every peer reported done (so no peer adds any more). Store-add RS/AR count the same way
+// the zeroed pieces of each output row block (the block's owner signals every member that adds to it).
 #pragma once
 #include <cstdint>
 

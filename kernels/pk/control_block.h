@@ -9,7 +9,7 @@ constexpr int kMaxGroup = 8;      // largest communication group (paper: 8 GPUs 
 constexpr int kMaxSlots = 8;      // device slots with a control block (local devices in one process)
 constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
 constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
-constexpr int kMaxChunks = 4096;   // AG with pushers on every SM: row chunks of one member's x
+constexpr int kMaxChunks = 4096;   // pushers on every SM: AG row chunks of x, store-add output row blocks
 
 // Error codes written by device code into a host-mapped ErrorRecord.
 enum ErrorCode : int32_t {
@@ -40,11 +40,12 @@ struct alignas(128) ControlBlock {
   uint32_t arrived;                            // local: CTAs of the running launch that finished
   uint32_t aborted;                            // local: set after a timeout, later waits fail fast
   uint32_t next_task;                          // local: fused kernels' task counter (task_queue.cuh)
-  uint32_t next_piece;                         // local: AG pushers' piece counter (tp_gemm_kernel.cuh)
+  uint32_t next_piece;                         // local: pushers' piece counter (tp_gemm_kernel.cuh)
   // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device
   // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
   alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];
-  // chunk_count[src][c]: pieces of src's row chunk c that have landed here (pk/chunk_counts.cuh).
+  // chunk_count[src][c]: pieces of src's row chunk c that have landed here (AG), or that src zeroed of
+  // its output row block c (store-add RS/AR) (pk/chunk_counts.cuh).
   // Peers add to it; the owner resets it at the end of the op.
   alignas(128) uint32_t chunk_count[kMaxSlots][kMaxChunks];
 };

@@ -6,7 +6,7 @@
 //   K::storer(g, smem, StorerState&, task)        one thread: TMA stores (local or peer HBM)
 //   K::communicator(g, comm_smem, CommRole)       whole CTAs on the first num_comm_sms SMs
 //   K::pusher(g, smem)                            one thread of every compute CTA (with kHasPusher):
-//                                                 communication issued beside the GEMM (intra-SM)
+//                                                 TMA work beside the GEMM (push x, zero the output)
 // and K::Globals (with an int num_comm_sms), K::Shared (compute SMs), K::CommShared (comm SMs),
 // K::init(g, Shared&) (barriers, run by one thread), K::begin(g, Shared&) (every compute thread, before
 // the roles start), K::num_tasks(g), K::finish(g) (run by every
@@ -92,7 +92,7 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
       each_task(false, false, [&](int t) { K::storer(g, s, st, t); });
       K::storer_finish(g, s, st);
     } else if (warp == 2 && lane == 0) {
-      if constexpr (K::kHasPusher) K::pusher(g, s);  // intra-SM communication beside the GEMM
+      if constexpr (K::kHasPusher) K::pusher(g, s);  // intra-SM work beside the GEMM (push x, zero output)
     }
   } else {
     wgmma::setmaxnreg_inc<K::kConsumerRegs>();
