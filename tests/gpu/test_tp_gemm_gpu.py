@@ -117,15 +117,16 @@ def test_float16_and_reference(op):
     assert_close(got, np.tile(ref, (2, 1)) if op == "ag" else ref)
 
 
-# Pull: bits fixed by the rank-order sum. Store-add at 2 members: each element is 0 + a + b in either
-# order, and bf16 addition commutes, so the bits are fixed there too.
-@pytest.mark.parametrize("op,kw", [(op, kw) for op in ("rs", "ar") for kw in
-                                   ({"num_comm_sms": 8, "deterministic": True},
-                                    {"schedule": "store_add", "deterministic": False})], ids=str)
-def test_deterministic_bits(op, kw):
+# Pull: bits fixed by the rank-order sum, at any group size. Store-add at 2 members: each element is
+# 0 + a + b in either order, and bf16 addition commutes, so the bits are fixed there too (not at 4).
+@pytest.mark.parametrize("op,kw,g", [(op, kw, g) for op in ("rs", "ar") for g in group_sizes() for kw in
+                                     ({"num_comm_sms": 8, "deterministic": True},
+                                      {"schedule": "store_add", "deterministic": False})
+                                     if g == 2 or kw["deterministic"]], ids=str)
+def test_deterministic_bits(op, kw, g):
     ours, _, in_specs, out_spec = OPS[op]
-    mesh = Mesh(np.array(gpus()[:2]), ("x",))
-    sets = [inputs(op, 2, 1024, 1024, 1024, mesh) for _ in range(2)]
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    sets = [inputs(op, g, 1024, 1024, 1024, mesh) for _ in range(2)]
     f = jax.jit(jax.shard_map(lambda a, b: ours(a, b, **kw), mesh=mesh,
                               in_specs=in_specs, out_specs=out_spec, check_vma=False))
     first = [np.asarray(f(*xw).view(jnp.uint16)) for xw in sets]
@@ -167,8 +168,9 @@ def test_autotuned(tmp_path, monkeypatch, op, kw):
 
 
 def test_soak_alternating_ops():
-    mesh = Mesh(np.array(gpus()[:2]), ("x",))
-    sets = [(*inputs("ag", 2, 256, 256, 256, mesh), *inputs("rs", 2, 512, 256, 256, mesh)) for _ in range(2)]
+    g = max(group_sizes())  # every GPU of the machine (2 or 4)
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    sets = [(*inputs("ag", g, 256, 256, 256, mesh), *inputs("rs", g, 512, 256, 256, mesh)) for _ in range(2)]
 
     def body(xa, wa, xr, wr):
         a = pk_jax.all_gather_matmul(xa, wa, "x", num_comm_sms=4)
@@ -192,6 +194,36 @@ def test_soak_alternating_ops():
                 else:  # store-add: the same values up to the order of the bf16 adds
                     assert np.linalg.norm(o - r) / np.linalg.norm(r) < 1e-2, f"call {i} op {j}"
     pk_jax.runtime.check()
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("axis", ["tp", "dp"])
+def test_sub_axis_of_a_2d_mesh(op, axis):
+    """A 2 x 2 mesh whose order is not the devices' order: each op over one axis, sharded over both."""
+    if len(gpus()) < 4:
+        pytest.skip("a 2 x 2 mesh needs 4 CUDA GPUs")
+    mesh = Mesh(np.array(gpus()[:4]).reshape(2, 2)[:, ::-1], ("dp", "tp"))
+    other = "dp" if axis == "tp" else "tp"
+    m, n, k = 256, 384, 512  # local shapes; RS scatters m into 2 blocks of 128 rows
+    if op == "ag":
+        ours = lambda x, w: pk_jax.all_gather_matmul(x, w, axis)
+        ref = lambda x, w: dot(jax.lax.all_gather(x, axis, tiled=True), w)
+        specs, shapes = (P((other, axis)), P()), ((4 * m, k), (k, n))
+    else:
+        fused, reduce = ((pk_jax.matmul_reduce_scatter, lambda p: jax.lax.psum_scatter(p, axis, tiled=True))
+                         if op == "rs" else (pk_jax.matmul_all_reduce, lambda p: jax.lax.psum(p, axis)))
+        ours = lambda x, w: fused(x, w, axis)
+        ref = lambda x, w: reduce(dot(x, w))
+        specs, shapes = (P(other, axis), P(axis)), ((2 * m, 2 * k), (2 * k, n))
+    x, w = (jax.jit(lambda key, shape=shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16),
+                    out_shardings=NamedSharding(mesh, spec))(jax.random.key(next(_seed)))
+            for shape, spec in zip(shapes, specs))
+    every = P((other, axis))  # every device's local output, stacked
+    f = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=every, check_vma=False))
+    poison_allocator(4 * 4 * m * max(n, k) * 2, gpus()[:4])
+    got = np.asarray(f(ours)(x, w).astype(jnp.float32))
+    pk_jax.runtime.check()
+    assert_close(got, np.asarray(f(ref)(x, w).astype(jnp.float32)))
 
 
 def test_uses_the_kernel():
