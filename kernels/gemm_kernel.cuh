@@ -27,7 +27,8 @@ struct Globals {
 //   tile(g, task)          which output tile a task is (the fused ops order tiles for their traffic)
 //   a_source(g, tile)      the tensor map and first row the tile's A rows are loaded from
 //   before_load(g, tile)   loader thread, before the tile's first TMA load (e.g. wait for its rows)
-//   after_store(g, tile)   storer thread, after the tile's TMA stores were issued (e.g. signal)
+//   after_store(g, ext, tile)  storer thread, after the tile's TMA stores were issued (e.g. signal)
+//   storer_done(g, ext)    storer thread, once every store of its tasks has completed
 //   begin(g, ext)          every thread of a compute CTA, before the roles start (e.g. learn peer addresses)
 //   pusher(g, ext)         one more producer thread, beside the roles (with kHasPusher)
 //   store_slot<K>(...)     storer thread: issue the stores of one consumer's output slot
@@ -63,7 +64,10 @@ struct NoComm {
     return &g.a;
   }
   __device__ static void before_load(const Globals&, int2) {}
-  __device__ static void after_store(const Globals&, int2) {}
+  template <class E>
+  __device__ static void after_store(const Globals&, E&, int2) {}
+  template <class E>
+  __device__ static void storer_done(const Globals&, E&) {}
   __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
   __device__ static void finish(const Globals&) {}
 };
@@ -191,13 +195,14 @@ struct Kernel {
     tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
     for (int w = 0; w < WGS; ++w) tma::mbar_arrive(&s.c_slot[w].empty);
     st.c_phase ^= 1;
-    Ext::after_store(g, tile);
+    Ext::after_store(g, s.ext, tile);
   }
 
   // Every store complete, and ordered (async -> generic proxy) before the finish protocol's signals.
-  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) {
+  __device__ static void storer_finish(const Globals& g, Shared& s, StorerState&) {
     tma::wait_group<0>();
     asm volatile("fence.proxy.async.global;" ::: "memory");
+    Ext::storer_done(g, s.ext);
   }
 
   __device__ static void communicator(const Globals& g, CommShared& s, lcsc::CommRole role) {

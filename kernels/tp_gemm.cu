@@ -22,7 +22,7 @@ using ExtFor = std::conditional_t<
     std::conditional_t<KIND == kAllGatherMatmulIntraSM, AllGatherMatmulIntraSM,
                        std::conditional_t<is_store_add(KIND), MatmulStoreAdd<is_all_reduce(KIND), T>,
                                           MatmulReduce<is_all_reduce(KIND), T>>>>;
-// Store-add slots are padded rows (64 x (BN + 8) per consumer, plus a 4 KB zeroed box) and the AG
+// Store-add slots are padded rows (64 x (BN + 8) per consumer, plus the pusher's 8 KB ring) and the AG
 // pushers keep a 16 KB ring: with either, 128x128 fits 5 stages, not 6.
 template <int TILE, Kind KIND>
 constexpr int kStagesFor = is_intra_sm(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
@@ -116,8 +116,9 @@ const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile
   if (rows % bm) return "the rows per member must be a multiple of 128";
   if (int64_t(rows / bm) * ((n + bn - 1) / bn) > kMaxItems) return "too many tiles per member";
   if (kind == kAllGatherMatmulIntraSM && rows / bm > kMaxChunks) return "too many row chunks per member";
-  // Store-add zeroes its output in row blocks counted like the AG chunks (MatmulStoreAdd::pusher).
-  if (is_store_add(kind) && (kind == kMatmulAllReduceAdd ? m : rows) / bm > kMaxChunks) return "too many output row blocks";
+  // Store-add counts its output's row blocks like the AG chunks (MatmulStoreAdd::counts_used): AR's m / bm
+  // zeroed blocks and, relayed, the rows / bm blocks added per member after them.
+  if (is_store_add(kind) && (kind == kMatmulAllReduceAdd ? m + rows : rows) / bm > kMaxChunks) return "too many output row blocks";
   return "";
 }
 

@@ -18,7 +18,9 @@
 //                        with bulk store-add copies; a pusher thread per SM zeroes the member's output
 //                        block by block and counts each block at every member, the adds into a block
 //                        wait for its count; the finish protocol means every peer's adds have landed.
-//                        Not bit-reproducible (the order of the adds varies).
+//                        AR over > 2 members relays: tiles are added into their owner's rows only, and
+//                        the owner's pushers copy each summed row block to the others once every
+//                        member's adds into it are counted. Not bit-reproducible (the order of the adds varies).
 #pragma once
 #include "gemm_kernel.cuh"
 #include "pk/bulk_broadcast.cuh"
@@ -173,7 +175,8 @@ struct MatmulReduce : gemm::NoComm {
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
 
   // Storer thread: the tile's partial is in HBM once the TMA stores complete; tell its owner.
-  __device__ static void after_store(const Globals& g, int2 tile) {
+  template <class E>
+  __device__ static void after_store(const Globals& g, E&, int2 tile) {
     tma::wait_group<0>();
     const int owner = tile.x / g.per_rank.tiles_m;
     const int item = (tile.x % g.per_rank.tiles_m) * g.per_rank.tiles_n + tile.y;
@@ -241,37 +244,57 @@ template <bool ALL_REDUCE, typename T>
 struct MatmulStoreAdd : gemm::NoComm {
   using Globals = tp::Globals;
   static constexpr bool kHasCommunicator = true;  // no comm SMs; this runs the finish protocol
-  static constexpr bool kHasPusher = true;        // zeroes this member's output beside the GEMM
-  static constexpr uint32_t kZeroPiece = 32 * 1024;  // output bytes zeroed per claim (one count each)
-  static constexpr uint32_t kZeroBox = 4 * 1024;     // bytes of one bulk store of the zeroed smem box
-  static constexpr uint32_t kZeroInFlight = 4;       // pieces whose stores may be in flight at once
+  static constexpr bool kHasPusher = true;        // zeroes this member's output (AR relay: and relays it)
+  static constexpr uint32_t kPiece = 32 * 1024;   // output bytes zeroed or relayed per claim
+  static constexpr uint32_t kZeroBox = 4 * 1024;  // bytes of one bulk store of the zeroed smem box
+  static constexpr uint32_t kZeroInFlight = 4;    // zeroed pieces whose stores may be in flight at once
+  static constexpr uint32_t kSignalLag = 3;       // relay: tiles whose adds may be in flight unsignalled
+  static constexpr int kTileGroups = 2;           // the storer's bulk groups per tile: one per consumer warpgroup
   struct SharedExt {
-    alignas(128) unsigned char zeros[kZeroBox];
-    char* out[kMaxGroup];  // every member's output, by rank
-    int ok;                // 0 after a timed-out handshake: nothing is sent (the error is reported)
+    BulkRing<2, kZeroBox> ring;  // the relay's copies; stage 0 is the zeroed box before that
+    char* out[kMaxGroup];        // every member's output, by rank
+    int ok;                      // 0 after a timed-out handshake: nothing is sent (the error is reported)
+    int pending[kSignalLag];     // relay, storer: row blocks of the tiles added but not yet signalled
+    uint32_t added;              // relay, storer: tiles added so far
   };
   template <typename OutT, int BN>
   using SlotLayout = PaddedRows<OutT, BN>;
 
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
 
-  // Row blocks (bm full rows) of this member's output: RS its m / G rows, AR all m rows.
-  __device__ static int out_blocks(const Globals& g) { return (ALL_REDUCE ? g.group.size : 1) * g.per_rank.tiles_m; }
+  // AR over more than 2 members relays: each tile is added into its owner's rows only, and the owner
+  // sends its summed rows to the others (traffic per member 2 (G-1)/G of the product, not G-1 of it).
+  // At 2 members both ways move the same bytes, and adding into both outputs needs no relay step.
+  __device__ static bool relays(const Globals& g) { return ALL_REDUCE && g.group.size > 2; }
+  // Row blocks (bm full rows) this member zeroes, from first_zeroed: RS and the relay its m / G rows,
+  // direct AR all m rows. Every member adds into them, so each zeroed piece is counted at every member.
+  __device__ static int zeroed_blocks(const Globals& g) {
+    return (ALL_REDUCE && !relays(g) ? g.group.size : 1) * g.per_rank.tiles_m;
+  }
+  __device__ static int first_zeroed(const Globals& g) { return relays(g) ? g.group.rank * g.per_rank.tiles_m : 0; }
   __device__ static uint64_t block_bytes(const Globals& g) { return uint64_t(g.bm) * g.n * sizeof(T); }
-  __device__ static uint32_t zero_pieces(const Globals& g) {
-    return uint32_t((block_bytes(g) + kZeroPiece - 1) / kZeroPiece);
+  __device__ static uint32_t block_pieces(const Globals& g) {
+    return uint32_t((block_bytes(g) + kPiece - 1) / kPiece);
   }
-  // The j-th block to zero, in the order tiles reach the blocks (owner_interleaved_tile: for AR the
-  // owners' regions in turn), so zeroing stays ahead of the adds.
+  // The j-th block to zero, in the order tiles reach the blocks (owner_interleaved_tile: for direct AR
+  // the owners' regions in turn), so zeroing stays ahead of the adds.
   __device__ static int zero_order(const Globals& g, int j) {
-    return ALL_REDUCE ? (j % g.group.size) * g.per_rank.tiles_m + j / g.group.size : j;
+    return ALL_REDUCE && !relays(g) ? (j % g.group.size) * g.per_rank.tiles_m + j / g.group.size
+                                    : first_zeroed(g) + j;
   }
-  // Destination d of a tile: the member, and the row block in that member's output.
+  // Destination d of a tile: the member, and the row block (its count) in that member's output.
+  __device__ static int destinations(const Globals& g) { return ALL_REDUCE && !relays(g) ? g.group.size : 1; }
   __device__ static int destination(const Globals& g, int2 tile, int d) {
-    return ALL_REDUCE ? (g.group.rank + d) % g.group.size : tile.x / g.per_rank.tiles_m;
+    return destinations(g) > 1 ? (g.group.rank + d) % g.group.size : tile.x / g.per_rank.tiles_m;
   }
   __device__ static int out_block(const Globals& g, int2 tile) {
     return ALL_REDUCE ? tile.x : tile.x % g.per_rank.tiles_m;
+  }
+  // Relay: the count of tiles a member added into the owner's row block b (of the owner's tiles_m),
+  // kept after the zeroing counts.
+  __device__ static int added_count(const Globals& g, int b) { return g.group.size * g.per_rank.tiles_m + b; }
+  __device__ static int counts_used(const Globals& g) {
+    return relays(g) ? added_count(g, g.per_rank.tiles_m) : zeroed_blocks(g);
   }
 
   // Learn the members' output addresses. A member publishes for this op only after its previous
@@ -284,34 +307,41 @@ struct MatmulStoreAdd : gemm::NoComm {
     pgl<char> out[1];
     const bool ok = op.acquire(local, out);
     if (threadIdx.x < kMaxGroup) ext.out[threadIdx.x] = out[0].ptr[threadIdx.x];
-    if (threadIdx.x == 0) ext.ok = ok;
+    if (threadIdx.x == 0) ext.ok = ok, ext.added = 0;
     __syncthreads();
   }
 
-  // Zero this member's output in pieces claimed from a device-wide counter (TMA stores of a zeroed
-  // smem box), kZeroInFlight pieces in flight, and count each landed piece at every member, since
-  // every member adds into every block. This replaces a memset before the kernel: an add waits only
-  // for the block it lands in, and blocks are zeroed in the order the tiles reach them.
+  // Pieces claimed from a device-wide counter: first the zeroing of this member's blocks, then (relay)
+  // the copies of its summed blocks to the other members. This replaces a memset before the kernel:
+  // an add waits only for the block it lands in, and blocks are zeroed in the order tiles reach them.
   __device__ static void pusher(const Globals& g, SharedExt& ext) {
     if (!ext.ok) return;
-    uint4* zeros = reinterpret_cast<uint4*>(ext.zeros);
-    for (uint32_t i = 0; i < kZeroBox / sizeof(uint4); ++i) zeros[i] = make_uint4(0, 0, 0, 0);
+    uint32_t* next = &g.group.self()->next_piece;  // reset by the launch's last CTA (op_protocol.cuh finish)
+    const uint32_t zero_total = block_pieces(g) * uint32_t(zeroed_blocks(g));
+    uint32_t q = zero(g, ext, next, zero_total);
+    if (relays(g)) relay(g, ext, next, q - zero_total);
+  }
+
+  // TMA stores of a zeroed smem box, kZeroInFlight pieces in flight; each landed piece is counted at
+  // every member. Returns the first claim past the zeroing.
+  __device__ static uint32_t zero(const Globals& g, SharedExt& ext, uint32_t* next, uint32_t total) {
+    unsigned char* box = ext.ring.stage[0];
+    for (uint32_t i = 0; i < kZeroBox / sizeof(uint4); ++i) reinterpret_cast<uint4*>(box)[i] = make_uint4(0, 0, 0, 0);
     tma::fence_proxy_async_shared();
     const Group& grp = g.group;
     const uint64_t bytes = block_bytes(g);
-    const uint32_t per_block = zero_pieces(g), total = per_block * uint32_t(out_blocks(g));
+    const uint32_t per_block = block_pieces(g);
     int block[kZeroInFlight];  // block of each piece in flight, by issue number % kZeroInFlight
-    uint32_t issued = 0;
+    uint32_t issued = 0, q;
     auto count_landed = [&](uint32_t piece) {  // piece's stores are complete: count it everywhere
       for (int i = 0; i < grp.size; ++i) signal_piece(grp, (grp.rank + i) % grp.size, block[piece % kZeroInFlight]);
     };
-    uint32_t* next = &grp.self()->next_piece;  // reset by the launch's last CTA (op_protocol.cuh finish)
-    for (uint32_t q = atomicAdd(next, 1u); q < total; q = atomicAdd(next, 1u), ++issued) {
+    for (q = atomicAdd(next, 1u); q < total; q = atomicAdd(next, 1u), ++issued) {
       const int b = zero_order(g, int(q / per_block));
-      const uint64_t at = uint64_t(b) * bytes + uint64_t(q % per_block) * kZeroPiece;
-      const uint64_t end = min(at + kZeroPiece, uint64_t(b + 1) * bytes);
+      const uint64_t at = uint64_t(b) * bytes + uint64_t(q % per_block) * kPiece;
+      const uint64_t end = min(at + kPiece, uint64_t(b + 1) * bytes);
       for (uint64_t o = at; o < end; o += kZeroBox)
-        tma::store_async(g.out + o, ext.zeros, uint32_t(min(uint64_t(kZeroBox), end - o)));
+        tma::store_async(g.out + o, box, uint32_t(min(uint64_t(kZeroBox), end - o)));
       tma::commit_group();
       block[issued % kZeroInFlight] = b;
       if (issued + 1 >= kZeroInFlight) {
@@ -321,28 +351,77 @@ struct MatmulStoreAdd : gemm::NoComm {
     }
     tma::wait_group<0>();
     for (uint32_t p = issued > kZeroInFlight - 1 ? issued - (kZeroInFlight - 1) : 0; p < issued; ++p) count_landed(p);
+    return q;
+  }
+
+  // Relay: copy each of this member's row blocks, once every member's tiles of it were added, to the
+  // other members (blocks in tile order; pieces through the smem ring). `first` is this thread's first
+  // claim, counted from the relay's start.
+  __device__ static void relay(const Globals& g, SharedExt& ext, uint32_t* next, uint32_t first) {
+    const Group& grp = g.group;
+    const uint32_t per_block = block_pieces(g), total = per_block * uint32_t(g.per_rank.tiles_m);
+    const uint32_t zero_total = per_block * uint32_t(zeroed_blocks(g));
+    const uint64_t bytes = block_bytes(g);
+    if (first >= total) return;
+    ext.ring.init();
+    int ready = -1;  // the last block seen complete
+    for (uint32_t r = first; r < total; r = atomicAdd(next, 1u) - zero_total) {
+      const int b = int(r / per_block);
+      if (b != ready) {
+        for (int src = 0; src < grp.size; ++src) wait_chunk(grp, src, added_count(g, b), uint32_t(g.per_rank.tiles_n));
+        ready = b;
+      }
+      const uint64_t off = uint64_t(r % per_block) * kPiece, at = uint64_t(first_zeroed(g) + b) * bytes + off;
+      char* dst[kMaxGroup];
+      for (int i = 1; i < grp.size; ++i) dst[i - 1] = ext.out[(grp.rank + i) % grp.size] + at;
+      ext.ring.broadcast(g.out + at, dst, grp.size - 1, min(uint64_t(kPiece), bytes - off));
+    }
+    ext.ring.inval();
+    asm volatile("fence.proxy.async.global;" ::: "memory");  // the copies before the finish protocol's signals
   }
 
   template <class K>
   __device__ static void store_slot(const Globals& g, const SharedExt& ext, const typename K::Out* slot, int2 tile,
                                     int w) {
+    static_assert(K::kConsumerWarpgroups == kTileGroups, "after_store counts one bulk group per warpgroup");
     const int row0 = tile.x * K::BM + w * 64, col0 = tile.y * K::BN;
     const int rows = ext.ok ? min(64, g.m - row0) : 0;
     const uint32_t bytes = uint32_t(min(K::BN, g.n - col0)) * sizeof(T);
     const int64_t first_row = ALL_REDUCE ? row0 : row0 - int64_t(tile.x / g.per_rank.tiles_m) * g.rows_per_rank;
     const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
-    for (int d = 0; d < (ALL_REDUCE ? g.group.size : 1); ++d) {
+    for (int d = 0; d < destinations(g); ++d) {
       const int dst_member = destination(g, tile, d);
       // The block must be zeroed first; after a timeout nothing is added (the error is reported).
-      if (rows == 0 || !wait_chunk(g.group, dst_member, out_block(g, tile), zero_pieces(g))) continue;
+      if (rows == 0 || !wait_chunk(g.group, dst_member, out_block(g, tile), block_pieces(g))) continue;
       T* dst = reinterpret_cast<T*>(ext.out[dst_member]) + first_row * g.n + col0;
       for (int r = 0; r < rows; ++r)
         tma::store_add_async(dst + int64_t(r) * g.n, reinterpret_cast<const T*>(src + r * K::SlotLayout::kPitch), bytes);
     }
   }
 
+  // Relay: count a tile at its owner once its adds have landed. The storer waits only for tiles
+  // kSignalLag - 1 behind the newest (each tile is one bulk group per consumer warpgroup).
+  template <class E>
+  __device__ static void after_store(const Globals& g, E& ext, int2 tile) {
+    if (!relays(g)) return;
+    ext.pending[ext.added % kSignalLag] = tile.x;
+    if (++ext.added >= kSignalLag) {
+      tma::wait_group<kTileGroups * (kSignalLag - 1)>();
+      signal_added(g, ext.pending[ext.added % kSignalLag]);
+    }
+  }
+  template <class E>
+  __device__ static void storer_done(const Globals& g, E& ext) {  // every store has completed
+    if (!relays(g)) return;
+    for (uint32_t t = ext.added > kSignalLag - 1 ? ext.added - (kSignalLag - 1) : 0; t < ext.added; ++t)
+      signal_added(g, ext.pending[t % kSignalLag]);
+  }
+  __device__ static void signal_added(const Globals& g, int block) {
+    signal_piece(g.group, block / g.per_rank.tiles_m, added_count(g, block % g.per_rank.tiles_m));
+  }
+
   __device__ static void finish(const Globals& g) {
-    if (OpProtocol(g.group).finish()) reset_chunks(g.group, out_blocks(g));
+    if (OpProtocol(g.group).finish()) reset_chunks(g.group, counts_used(g));
   }
 };
 
