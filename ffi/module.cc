@@ -102,6 +102,7 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("reset", [] { pk::Runtime::get().reset(); });
   m.def("set_timeout_ms", [](uint64_t ms) { pk::Runtime::get().set_timeout_ms(ms); });
   m.def("timeout_ms", [] { return pk::Runtime::get().timeout_ns() / 1000000ull; });
+  m.def("tp_all_reduce_relays", [](int group_size) { return pk::tp::all_reduce_relays(group_size); });
   m.def("multicast_policy", [] {
     const pk::MulticastPolicy p = pk::multicast_policy();
     return std::make_pair(p.allowed, p.reason);

@@ -2,6 +2,7 @@
 #include "tp_gemm.cuh"
 
 #include <algorithm>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
@@ -61,6 +62,7 @@ void run(const Problem& p, cudaStream_t stream) {
   g.aux = static_cast<char*>(p.aux);
   g.out = static_cast<char*>(p.out);
   g.elem_bytes = elem_bytes(p.type);
+  g.relay = KIND == kMatmulAllReduceAdd && all_reduce_relays(G);
   // Every CTA must be resident at once (they wait on each other): one per SM.
   const int tasks = g.grid.count();
   const int workers = std::min(compute, tasks);
@@ -104,6 +106,11 @@ cudaError_t configure_type() {
 }
 
 }  // namespace
+
+bool all_reduce_relays(int group_size) {
+  const char* forced = std::getenv("PK_JAX_AR_RELAY");  // read at each launch: a test sets it for its programs
+  return group_size > 2 || (forced != nullptr && forced[0] == '1');
+}
 
 const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile) {
   if (group_size < 2 || group_size > kMaxGroup) return "group size must be 2..8";

@@ -36,6 +36,9 @@ struct Problem {
   int num_sms;    // of this GPU
 };
 
+// Whether AR store-add relays through the row blocks' owners (MatmulStoreAdd): over > 2 members, or at 2
+// when PK_JAX_AR_RELAY=1 (so 2 GPUs can test the schedule).
+bool all_reduce_relays(int group_size);
 // Why the fused kernel cannot run this problem (empty string: it can). Checked at trace time too.
 const char* unsupported(Kind kind, int group_size, int m, int n, int k, int tile);
 // Throws std::invalid_argument / std::runtime_error. Returns the tile used.

@@ -41,6 +41,7 @@ struct Globals : gemm::Globals {
   char* aux;           // AG: gathered x (G rows_per_rank x k); RS/AR: the partial product (m x n)
   char* out;           // RS: (m / G x n); AR: (m x n)
   int elem_bytes;
+  int relay;           // AR store-add: add into the owners' rows only, the owners relay (MatmulStoreAdd)
 };
 
 // Tasks visit member (rank + s) % G's tile block s (AG) or tile i of every owner in turn (RS/AR).
@@ -262,10 +263,11 @@ struct MatmulStoreAdd : gemm::NoComm {
 
   __device__ static int2 tile(const Globals& g, int task) { return owner_interleaved_tile(g, task); }
 
-  // AR over more than 2 members relays: each tile is added into its owner's rows only, and the owner
-  // sends its summed rows to the others (traffic per member 2 (G-1)/G of the product, not G-1 of it).
-  // At 2 members both ways move the same bytes, and adding into both outputs needs no relay step.
-  __device__ static bool relays(const Globals& g) { return ALL_REDUCE && g.group.size > 2; }
+  // AR over more than 2 members relays (Globals::relay, set by the launch): each tile is added into its
+  // owner's rows only, and the owner sends its summed rows to the others (traffic per member 2 (G-1)/G
+  // of the product, not G-1 of it). At 2 members both ways move the same bytes, and adding into both
+  // outputs needs no relay step.
+  __device__ static bool relays(const Globals& g) { return ALL_REDUCE && g.relay; }
   // Row blocks (bm full rows) this member zeroes, from first_zeroed: RS and the relay its m / G rows,
   // direct AR all m rows. Every member adds into them, so each zeroed piece is counted at every member.
   __device__ static int zeroed_blocks(const Globals& g) {

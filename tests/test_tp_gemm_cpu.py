@@ -245,3 +245,14 @@ def test_autotune_off_starts_ag_with_comm_sms(tmp_path, monkeypatch):
                      ("matmul_reduce_scatter", autotune.INTRA_SM)):
         key = autotune.key(op, 1, 2, 3, "bfloat16", 2, "GPU X", "intra_sm")
         assert autotune.choose(op, key, lambda c: 1 / 0, 132, intra_sm=True).num_comm_sms == want
+
+
+@pytest.mark.skipif(not pk_jax.extension_available(), reason="pk_jax CUDA extension not built")
+def test_all_reduce_relays_over_more_than_two_members(monkeypatch):
+    """The launch's choice of the AR store-add relay (a host function; no GPU needed)."""
+    from pk_jax import _ext
+
+    monkeypatch.delenv("PK_JAX_AR_RELAY", raising=False)
+    assert [_ext.ext.tp_all_reduce_relays(g) for g in (2, 3, 4, 8)] == [False, True, True, True]
+    monkeypatch.setenv("PK_JAX_AR_RELAY", "1")
+    assert _ext.ext.tp_all_reduce_relays(2)

@@ -14,7 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax import autotune
+from pk_jax import _ext, autotune
 
 from .poison import poison_allocator
 
@@ -137,6 +137,25 @@ def test_deterministic_bits(op, kw, g):
     if op == "ar":  # every member holds the same bits
         shards = [np.asarray(s.data.view(jnp.uint16)) for s in f(x, w).addressable_shards]
         assert all(np.array_equal(s, shards[0]) for s in shards)
+
+
+def test_all_reduce_relay_at_two_members(monkeypatch):
+    """AR store-add over > 2 members relays through each row block's owner; PK_JAX_AR_RELAY=1 forces that
+    schedule at 2 members, so 2 GPUs test it: shapes with a partial piece and a partial tile column, and
+    calls alternating inputs (stale counts or a relayed block sent too early would show)."""
+    assert not _ext.ext.tp_all_reduce_relays(2) and _ext.ext.tp_all_reduce_relays(4)
+    monkeypatch.setenv("PK_JAX_AR_RELAY", "1")
+    assert _ext.ext.tp_all_reduce_relays(2)  # what each launch reads
+    kw = {"schedule": "store_add", "deterministic": False}
+    for m, n, k in [(256, 256, 256), (1024, 1024, 1024), (256, 520, 256), (2048, 4096, 512)]:
+        got, want, (x, w, f, mesh) = run("ar", 2, 2 * m, n, k, **kw)
+        assert_close(got, want)
+    fused = f(lambda a, b: OPS["ar"][0](a, b, **kw))
+    sets = [(x, w), inputs("ar", 2, 2 * m, n, k, mesh)]
+    refs = [np.asarray(f(OPS["ar"][1])(*s).astype(jnp.float32)) for s in sets]
+    for i in range(40):
+        assert_close(np.asarray(fused(*sets[i % 2]).astype(jnp.float32)), refs[i % 2])
+    pk_jax.runtime.check()
 
 
 @pytest.mark.parametrize("schedule", ["comm_sms", "intra_sm"])
