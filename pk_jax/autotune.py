@@ -42,6 +42,9 @@ CANDIDATES = (8, 12, 16, 24, 32, 0)  # 0: the XLA composition (no fusion); 4 nev
 INTRA_SM = -1  # the kernel without comm SMs (AG: pushers on every compute SM; RS/AR: store-add)
 AUTO_TILE = -1
 FINALISTS = 3
+WARMUP = 2          # untimed calls per candidate (the first compiles it)
+REPS = 7            # timed calls per candidate, every candidate in turns
+FINALIST_REPS = 10  # more timed calls for the FINALISTS fastest, in turns
 TILE_NAMES = ("128x256", "128x128")  # the fused kernels' block tiles, by kernels/gemm.cuh Tile
 
 _lock = threading.Lock()
@@ -99,9 +102,14 @@ def _label(c: Choice) -> str:
 
 def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], max_sms: int,
            intra_sm: bool = False, composition: bool = True, tiles: Sequence[int] = (AUTO_TILE,)) -> Choice:
-    """The cached choice, or the fastest candidate by `time_candidate(choice) -> ms`: every SM count
-    of CANDIDATES (nearest START first) with every tile of `tiles`; the store-add kernel with each
-    tile, tried first, when `intra_sm`; the composition last unless `composition=False`.
+    """The cached choice, or the fastest candidate by `time_candidate(choice)`, which makes one call of
+    the candidate and returns its ms per op. Candidates: every SM count of CANDIDATES (nearest START
+    first) with every tile of `tiles`; the store-add kernel with each tile, first, when `intra_sm`; the
+    composition last unless `composition=False`. Each is warmed up, then all are timed in turns (each
+    turn starting one candidate later), as the benchmark times its contenders: timed one after another,
+    a kernel ran hotter or cooler than beside the others, and store-add RS/AR came out 5-7% slower
+    than in the benchmark (2 H200s, N = 16384), so the pull schedule won there. The FINALISTS fastest
+    are timed FINALIST_REPS more times in turns; medians decide.
     With timing off (PK_JAX_AUTOTUNE=0): the intra-SM kernel if allowed and START_INTRA_SM, else START."""
     with _lock:
         hit = _load().get(cache_key)
@@ -113,29 +121,37 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], m
         sms = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))
         order = [Choice(c, t) for c in ([INTRA_SM] if intra_sm else []) + sms for t in tiles]
         order += [Choice(0)] if composition else []
-        times = {}
+        samples: dict[Choice, list[float]] = {c: [] for c in order}
+        live = []
         for c in order:
             try:
-                times[c] = time_candidate(c)
+                for _ in range(WARMUP):
+                    time_candidate(c)
+                live.append(c)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is not chosen
-                times[c] = float("inf")
                 print(f"pk_jax autotune: {op} {_label(c)} failed: {e}")
-        if not times or min(times.values()) == float("inf"):
+        if not live:
             return start  # nothing ran: keep the default and try again next time (no cache entry)
-        # Run-to-run noise is a few percent: the closest contenders are timed twice more, in turns,
-        # and ranked by their median.
-        finalists = sorted(times, key=times.get)[:FINALISTS]
-        samples = {c: [times[c]] for c in finalists}
-        for _ in range(2):
-            for c in finalists:
-                samples[c].append(time_candidate(c))
-        times.update({c: statistics.median(s) for c, s in samples.items()})
+        _time_in_turns(live, time_candidate, REPS, samples)
+        times = {c: statistics.median(s) if s else float("inf") for c, s in samples.items()}
+        finalists = sorted(live, key=times.get)[:FINALISTS]
+        _time_in_turns(finalists, time_candidate, FINALIST_REPS, samples)
+        times.update({c: statistics.median(samples[c]) for c in finalists})
         best = min(times, key=times.get)
         entries = _load()
         entries[cache_key] = {"num_comm_sms": best.num_comm_sms, "tile": best.tile,
                               "ms": {_label(c): round(t, 5) for c, t in times.items()}}
         _store(entries)
         return best
+
+
+def _time_in_turns(cands: Sequence[Choice], time_candidate: Callable[[Choice], float], reps: int,
+                   samples: dict[Choice, list[float]]) -> None:
+    """`reps` turns over `cands`, turn r starting at cands[r % len]: no candidate always follows the same one."""
+    for rep in range(reps):
+        for i in range(len(cands)):
+            c = cands[(rep + i) % len(cands)]
+            samples[c].append(time_candidate(c))
 
 
 def entries() -> dict:

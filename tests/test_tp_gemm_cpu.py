@@ -223,19 +223,25 @@ def test_every_schedule_has_the_composition_semantics(schedule):
         np.testing.assert_allclose(np.asarray(got), np.asarray(run(ref)), rtol=1e-5, atol=1e-5)
 
 
-def test_autotune_retimes_the_closest_contenders(tmp_path, monkeypatch):
+def test_autotune_times_in_turns_and_retimes_the_closest_contenders(tmp_path, monkeypatch):
     monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
     key = autotune.key("all_gather_matmul", 8, 8, 8, "bfloat16", 2, "GPU X")
-    first = {}
+    count, timed = {}, []
 
-    def noisy(c):  # 16 SMs looks best once, then is slow: the median must reject it
-        first.setdefault(c, 0)
-        first[c] += 1
+    def noisy(c):  # 16 SMs looks best in the first pass, then is slow: the finalists' medians reject it
+        count[c] = count.get(c, 0) + 1
+        timed.append(c)
         if c.num_comm_sms == 16:
-            return 0.5 if first[c] == 1 else 2.0
+            return 0.5 if count[c] <= autotune.WARMUP + autotune.REPS else 2.0
         return 1.0 + c.num_comm_sms / 100 if c.num_comm_sms else 5.0
     choice = autotune.choose("all_gather_matmul", key, noisy, 132)
-    assert choice.num_comm_sms == 8 and first[autotune.Choice(16)] == 3
+    assert choice.num_comm_sms == 8
+    assert count[autotune.Choice(16)] == autotune.WARMUP + autotune.REPS + autotune.FINALIST_REPS  # a finalist
+    assert count[autotune.Choice(0)] == autotune.WARMUP + autotune.REPS  # not a finalist
+    n = len(count)
+    turns = timed[n * autotune.WARMUP:n * (autotune.WARMUP + autotune.REPS)]
+    assert [set(turns[i:i + n]) for i in range(0, len(turns), n)] == [set(count)] * autotune.REPS  # all in turns
+    assert len({turns[i] for i in range(0, len(turns), n)}) == min(n, autotune.REPS)  # each turn starts elsewhere
 
 
 def test_autotune_off_starts_ag_with_comm_sms(tmp_path, monkeypatch):
