@@ -262,3 +262,42 @@ def test_all_reduce_relays_over_more_than_two_members(monkeypatch):
     assert [_ext.ext.tp_all_reduce_relays(g) for g in (2, 3, 4, 8)] == [False, True, True, True]
     monkeypatch.setenv("PK_JAX_AR_RELAY", "1")
     assert _ext.ext.tp_all_reduce_relays(2)
+
+
+def _eqns(jaxpr, name: str) -> list:
+    """The equations of primitive `name` in `jaxpr` and the jaxprs nested in its equations."""
+    found = []
+    for e in jaxpr.eqns:
+        found += [e] if e.primitive.name == name else []
+        for v in e.params.values():
+            for sub in v if isinstance(v, (tuple, list)) else [v]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found += _eqns(inner, name)
+    return found
+
+
+@pytest.mark.parametrize("op", ["matmul_reduce_scatter", "matmul_all_reduce"])
+@pytest.mark.parametrize("cached", [autotune.INTRA_SM, 16, None])
+def test_cached_store_add_is_traced_without_the_partial(tmp_path, monkeypatch, op, cached):
+    """A later trace of an autotuned RS/AR whose cached choice is store-add has a (0, n) second output;
+    other choices (and no choice yet) keep the (m, n) partial product the pull kernel writes."""
+    from pk_jax import tp_gemm
+
+    monkeypatch.setenv("PK_JAX_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the lookup is for GPU runs
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    m, k, n = 256, 64, 128  # local x (m, k): 128 rows per member, as the kernel needs
+    x, w = rand(21, (m, 2 * k)).astype(jnp.bfloat16), rand(22, (2 * k, n)).astype(jnp.bfloat16)
+    if cached is not None:
+        spec = tp_gemm.TpSpec(op, ("x",), 2, None, True, may_intra_sm=True)
+        key = tp_gemm._cache_key(spec, m, n, k, jnp.bfloat16, jax.devices()[0].device_kind)
+        (tmp_path / "autotune.json").write_text(json.dumps(
+            {"version": pk_jax.__version__, "entries": {key: {"num_comm_sms": cached, "tile": 0, "ms": {}}}}))
+    fn = getattr(pk_jax, op)
+    out_spec = P("x") if op == "matmul_reduce_scatter" else P()
+    f = jax.shard_map(lambda a, b: fn(a, b, "x", deterministic=False), mesh=mesh, in_specs=(P(None, "x"), P("x")),
+                      out_specs=out_spec, check_vma=False)
+    (eqn,) = _eqns(jax.make_jaxpr(f)(x, w).jaxpr, "pk_tp_gemm")
+    assert eqn.outvars[1].aval.shape == ((0, n) if cached == autotune.INTRA_SM else (m, n))
+    assert eqn.params["spec"].intra_sm == (cached == autotune.INTRA_SM)
