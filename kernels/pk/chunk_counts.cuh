@@ -3,7 +3,8 @@
 // receiver waits until the count reaches the chunk's number of pieces (acquire). Counts, unlike the
 // epoch flags of item_flags.cuh, need a reset: the receiver's last CTA clears them at the end of the
 // op, after every peer reported done (so no peer adds any more). Store-add RS/AR count the same way
-// the zeroed pieces of each output row block (the block's owner signals every member that adds to it).
+// the zeroed pieces of each output row block (the block's owner signals every member that adds to it),
+// and the AR relay the tiles each member added into an owner's row block.
 #pragma once
 #include <cstdint>
 

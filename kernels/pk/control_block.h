@@ -45,7 +45,8 @@ struct alignas(128) ControlBlock {
   // (a GEMM tile it computed, a row chunk it delivered). Fused kernels only; compared modulo 2^32.
   alignas(128) uint32_t item_ready[kMaxSlots][kMaxItems];
   // chunk_count[src][c]: pieces of src's row chunk c that have landed here (AG), or that src zeroed of
-  // its output row block c (store-add RS/AR) (pk/chunk_counts.cuh).
+  // its output row block c (store-add RS/AR), and after those (AR relay) tiles src added into this
+  // member's row blocks (pk/chunk_counts.cuh, MatmulStoreAdd).
   // Peers add to it; the owner resets it at the end of the op.
   alignas(128) uint32_t chunk_count[kMaxSlots][kMaxChunks];
 };
