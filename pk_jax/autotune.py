@@ -147,11 +147,10 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], m
 
 def _time_in_turns(cands: Sequence[Choice], time_candidate: Callable[[Choice], float], reps: int,
                    samples: dict[Choice, list[float]]) -> None:
-    """`reps` turns over `cands`, turn r starting at cands[r % len]: no candidate always follows the same one."""
-    for rep in range(reps):
-        for i in range(len(cands)):
-            c = cands[(rep + i) % len(cands)]
-            samples[c].append(time_candidate(c))
+    from pk_jax.bench.timing import turns
+
+    for i in turns(len(cands), reps):
+        samples[cands[i]].append(time_candidate(cands[i]))
 
 
 def entries() -> dict:

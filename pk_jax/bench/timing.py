@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import jax
 
@@ -33,21 +33,26 @@ def time_per_op(fn: Callable[[Sequence[jax.Array]], object], inputs: Sequence[ja
     return statistics.median(samples), samples
 
 
+def turns(count: int, reps: int) -> Iterator[int]:
+    """Indices of `count` contenders timed in `reps` turns, turn r starting at contender r % count, so
+    no contender always follows the same one (a light op before it leaves the GPU cooler, a heavy one
+    hotter). Used by the benchmark and the autotuner alike."""
+    for rep in range(reps):
+        for i in range(count):
+            yield (rep + i) % count
+
+
 def time_interleaved(fns: Sequence[Callable[[Sequence], object]], inputs: Sequence, *, warmup: int = 3,
                      reps: int = 20, ops_per_call: int | None = None) -> list[float]:
-    """Median milliseconds per op of each fn, timed in turns so that clock and power drift hit every
-    contender alike; each turn starts one contender later (rep r: fn_r, fn_r+1, ...), so no contender
-    always follows the same one (a light op before it leaves the GPU cooler, a heavy one hotter).
-    A call applies the op `ops_per_call` times (default: once per element of `inputs`)."""
+    """Median milliseconds per op of each fn, timed in `turns` so that clock and power drift hit every
+    contender alike. A call applies the op `ops_per_call` times (default: once per element of `inputs`)."""
     k = ops_per_call or len(inputs)
     for fn in fns:
         for _ in range(warmup):
             jax.block_until_ready(fn(inputs))
     samples: list[list[float]] = [[] for _ in fns]
-    for rep in range(reps):
-        for i in range(len(fns)):
-            j = (rep + i) % len(fns)
-            t0 = time.perf_counter()
-            jax.block_until_ready(fns[j](inputs))
-            samples[j].append((time.perf_counter() - t0) * 1e3 / k)
+    for j in turns(len(fns), reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fns[j](inputs))
+        samples[j].append((time.perf_counter() - t0) * 1e3 / k)
     return [statistics.median(s) for s in samples]
