@@ -9,6 +9,7 @@
 #include "../kernels/collectives.cuh"
 #include "group_builder.h"
 #include "runtime.h"
+#include "staging.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -61,17 +62,23 @@ ffi::Error collective(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     return ffi::Error::Internal("pk_jax: buffer not aligned to the " + std::to_string(vec_bytes) + "-byte vectors");
   const Box box = decode_box(box_fields);
   const LaunchLimits lim = rt.limits(*me);
-  cudaError_t e;
-  if (op == kOpAllGather || op == kOpAllToAll) {
-    e = launch_copy(g, box, vec_bytes, variant == 1, x.untyped_data(), y->untyped_data(), lim, stream);
-  } else if (op == kOpReduceScatter || op == kOpAllReduce) {
-    DType dt;
-    if (!to_dtype(x.element_type(), dt))
-      return ffi::Error::InvalidArgument("pk_jax: reductions support float32, bfloat16 and float16");
-    e = launch_pull_reduce(g, box, vec_bytes, dt, variant == 1, x.untyped_data(), y->untyped_data(), lim, stream);
-  } else {
+  DType dt{};
+  const bool reduces = op == kOpReduceScatter || op == kOpAllReduce;
+  if (!reduces && op != kOpAllGather && op != kOpAllToAll)
     return ffi::Error::InvalidArgument("pk_jax: unknown op code " + std::to_string(op));
+  if (reduces && !to_dtype(x.element_type(), dt))
+    return ffi::Error::InvalidArgument("pk_jax: reductions support float32, bfloat16 and float16");
+  BufferStaging staging(*me, stream);  // multi-process: buffers the peers cannot reach (rare)
+  void *src = nullptr, *dst = nullptr;
+  try {
+    src = staging.reachable(x.untyped_data(), x.size_bytes(), /*copy_in=*/true, /*copy_out=*/false);
+    dst = staging.reachable(y->untyped_data(), y->size_bytes(), /*copy_in=*/false, /*copy_out=*/true);
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(ex.what());
   }
+  cudaError_t e = reduces ? launch_pull_reduce(g, box, vec_bytes, dt, variant == 1, src, dst, lim, stream)
+                          : launch_copy(g, box, vec_bytes, variant == 1, src, dst, lim, stream);
+  if (e == cudaSuccess) e = staging.copy_back();
   if (e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax ") + op_name(op) + " launch failed: " + cudaGetErrorString(e));
   return ffi::Error::Success();

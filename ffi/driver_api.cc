@@ -34,6 +34,7 @@ const Api& api() {
     resolve(a.mem_set_access, "cuMemSetAccess");
     resolve(a.get_error_string, "cuGetErrorString");
     resolve(a.tensor_map_encode_tiled, "cuTensorMapEncodeTiled");
+    resolve(a.mem_get_address_range, "cuMemGetAddressRange");
   });
   return a;
 }

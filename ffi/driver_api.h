@@ -16,6 +16,7 @@ struct Api {
   decltype(&cuMemSetAccess) mem_set_access;
   decltype(&cuGetErrorString) get_error_string;
   decltype(&cuTensorMapEncodeTiled) tensor_map_encode_tiled;
+  decltype(&cuMemGetAddressRange) mem_get_address_range;
 };
 
 // Loads the entry points once; throws std::runtime_error naming a missing one.

@@ -29,12 +29,21 @@ std::string build_group(int32_t ordinal, int32_t op, const int64_t* mesh_ids, si
   g.timeout_ns = rt.timeout_ns();
   g.err = me->err;
   for (int r = 0; r < g.size; ++r) {
-    const LocalDevice* d = rt.by_global_id(members.ids[r]);
-    if (!d)
+    const Member* m = rt.member(members.ids[r]);
+    if (!m)
       return "pk_jax: device id " + std::to_string(members.ids[r]) +
-             " is not local to this process (multi-process groups are not supported yet)";
-    g.ctrl[r] = d->ctrl;
-    g.slot[r] = d->slot;
+             " is not on this host's NVLink domain (call pk_jax.initialize() in every process of a "
+             "jax.distributed job; axes that cross hosts run jax.lax)";
+    g.ctrl[r] = m->ctrl;
+    g.slot[r] = m->slot;
+  }
+  // Published addresses as each member sees them (multi-process; empty in one process).
+  g.map.n = int32_t(me->regions.size());
+  if (g.map.n > kMaxRegions) return "pk_jax: too many shared memory regions on one device";
+  for (int i = 0; i < g.map.n; ++i) {
+    g.map.begin[i] = me->regions[i].begin;
+    g.map.end[i] = me->regions[i].end;
+    for (int r = 0; r < g.size; ++r) g.map.delta[i][r] = me->regions[i].delta[g.slot[r]];
   }
   return "";
 }

@@ -16,6 +16,7 @@
 #include "cuda_check.h"
 #include "multicast_policy.h"
 #include "runtime.h"
+#include "staging.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace nb = nanobind;
@@ -98,6 +99,35 @@ NB_MODULE(_pk_jax_ext, m) {
     pk::Runtime::get().initialize(ordinals, ids);
   });
   m.def("is_initialized", [] { return pk::Runtime::get().initialized(); });
+  // Multi-process start-up (pk_jax/distributed.py drives it; see Runtime::add_local_device).
+  m.def("mp_add_local_device", [](int ordinal, int64_t global_id, int slot, int process, uintptr_t probe,
+                                  size_t staging_bytes) {
+    const pk::LocalExport e = pk::Runtime::get().add_local_device(ordinal, global_id, slot, process,
+                                                                  reinterpret_cast<const void*>(probe), staging_bytes);
+    std::vector<nb::bytes> handles;
+    for (const auto& h : e.region_handle) handles.emplace_back(h.data(), h.size());
+    return nb::make_tuple(nb::bytes(e.ctrl_handle.data(), e.ctrl_handle.size()), e.region_begin, e.region_size,
+                          handles, e.why_not_shared);
+  });
+  m.def("mp_attach_member", [](int64_t global_id, int slot, int process, nb::bytes ctrl_handle,
+                               const std::vector<nb::bytes>& region_handles) {
+    std::vector<std::string> regions;
+    for (const auto& h : region_handles) regions.emplace_back(h.c_str(), h.size());
+    return pk::Runtime::get().attach_member(global_id, slot, process, std::string(ctrl_handle.c_str(), ctrl_handle.size()),
+                                            regions);
+  });
+  m.def("mp_set_region_delta", [](int64_t local_global_id, size_t region, int member_slot, uint64_t address) {
+    pk::Runtime::get().set_region_delta(local_global_id, region, member_slot, address);
+  });
+  m.def("mp_finish", [](int my_process) { pk::Runtime::get().finish_multiprocess(my_process); });
+  // The GPU's PCI bus id: tells ranks that share one GPU (MPS) apart from ranks on different GPUs.
+  m.def("pci_bus_id", [](int ordinal) {
+    char id[32] = {};
+    PK_CUDA(cudaDeviceGetPCIBusId(id, sizeof(id), ordinal));
+    return std::string(id);
+  });
+  m.def("is_multiprocess", [] { return pk::Runtime::get().multiprocess(); });
+  m.def("staged_buffers", [] { return pk::staged_buffers(); });
   m.def("first_error", [] { return pk::Runtime::get().first_error(); });
   m.def("reset", [] { pk::Runtime::get().reset(); });
   m.def("set_timeout_ms", [](uint64_t ms) { pk::Runtime::get().set_timeout_ms(ms); });

@@ -10,6 +10,7 @@
 #include "../kernels/gemm.cuh"
 #include "../kernels/tp_gemm.cuh"
 #include "cuda_check.h"
+#include "peer_memory.h"
 
 namespace pk {
 namespace {
@@ -78,26 +79,124 @@ void Runtime::initialize(const std::vector<int>& ordinals, const std::vector<int
   }
 
   control_ = std::make_unique<SymmetricRegion>(ordinals, sizeof(ControlBlock));
-  PK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&errors_), sizeof(ErrorRecord) * kMaxSlots,
-                        cudaHostAllocMapped | cudaHostAllocPortable));
-  std::fill(errors_, errors_ + kMaxSlots, ErrorRecord{});
-
-  // Load every kernel on every device now: a lazy load during a later launch takes a
-  // process-wide lock and can deadlock against one of our kernels spinning on another GPU.
+  devices_.reserve(ordinals.size());
   for (size_t i = 0; i < ordinals.size(); ++i) {
-    PK_CUDA(cudaSetDevice(ordinals[i]));
-    PK_CUDA(cudaMemset(control_->at(i), 0, sizeof(ControlBlock)));
-    PK_CUDA(configure_kernels());
-    PK_CUDA(gemm::configure_once(ordinals[i]));
-    PK_CUDA(tp::configure());
-    cudaDeviceProp prop;
-    PK_CUDA(cudaGetDeviceProperties(&prop, ordinals[i]));
-    ErrorRecord* dev_err = nullptr;
-    PK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&dev_err), errors_ + i, 0));
     devices_.push_back(LocalDevice{ordinals[i], global_ids[i], int(i), static_cast<ControlBlock*>(control_->at(i)),
-                                   dev_err, prop.multiProcessorCount});
-    PK_CUDA(cudaDeviceSynchronize());
+                                   nullptr, 0});
+    members_.push_back(Member{global_ids[i], int(i), 0, devices_.back().ctrl});
+    load_kernels_and_errors(i, ordinals[i]);
   }
+  watchdog_ = std::thread([this] { watch_errors(); });
+  watchdog_.detach();
+  initialized_.store(true, std::memory_order_release);
+}
+
+// Clears the control block, loads every kernel on the device (a lazy load during a later launch
+// takes a process-wide lock and can deadlock against one of our kernels spinning on another GPU),
+// and points the device at its host-mapped error record.
+void Runtime::load_kernels_and_errors(size_t i, int ordinal) {
+  if (!errors_) {
+    PK_CUDA(cudaHostAlloc(reinterpret_cast<void**>(&errors_), sizeof(ErrorRecord) * kMaxSlots,
+                          cudaHostAllocMapped | cudaHostAllocPortable));
+    std::fill(errors_, errors_ + kMaxSlots, ErrorRecord{});
+  }
+  LocalDevice& d = devices_[i];
+  PK_CUDA(cudaSetDevice(ordinal));
+  PK_CUDA(cudaMemset(d.ctrl, 0, sizeof(ControlBlock)));
+  PK_CUDA(configure_kernels());
+  PK_CUDA(gemm::configure_once(ordinal));
+  PK_CUDA(tp::configure());
+  cudaDeviceProp prop;
+  PK_CUDA(cudaGetDeviceProperties(&prop, ordinal));
+  d.num_sms = prop.multiProcessorCount;  // under MPS: the SMs this process was given
+  PK_CUDA(cudaHostGetDevicePointer(reinterpret_cast<void**>(&d.err), errors_ + i, 0));
+  PK_CUDA(cudaDeviceSynchronize());
+}
+
+LocalExport Runtime::add_local_device(int ordinal, int64_t global_id, int slot, int process, const void* probe,
+                                      size_t staging_bytes) {
+  std::lock_guard<std::mutex> lock(init_mutex);
+  if (initialized()) throw std::runtime_error("pk_jax: the runtime is already initialized");
+  if (devices_.size() >= size_t(kMaxSlots) || slot < 0 || slot >= kMaxSlots)
+    throw std::runtime_error("pk_jax: at most " + std::to_string(kMaxSlots) + " GPUs (ranks) per host are supported");
+  if (const char* t = std::getenv("PK_JAX_TIMEOUT_MS")) set_timeout_ms(std::strtoull(t, nullptr, 10));
+  multiprocess_ = true;
+  DeviceGuard guard;
+  PK_CUDA(cudaSetDevice(ordinal));
+  // cudaMalloc'd memory exports as a legacy IPC handle (64 bytes) that peers on the same GPU (MPS)
+  // or another GPU of the host map with cudaIpcOpenMemHandle.
+  void* ctrl = nullptr;
+  PK_CUDA(cudaMalloc(&ctrl, sizeof(ControlBlock)));
+  if (devices_.capacity() < size_t(kMaxSlots)) devices_.reserve(kMaxSlots);  // pointers into it stay valid
+  devices_.push_back(LocalDevice{ordinal, global_id, slot, static_cast<ControlBlock*>(ctrl), nullptr, 0});
+  members_.push_back(Member{global_id, slot, process, static_cast<ControlBlock*>(ctrl)});
+  LocalDevice& d = devices_.back();
+  load_kernels_and_errors(devices_.size() - 1, ordinal);
+  for (const auto& other : devices_) {  // several GPUs in this process: their blocks reach each other
+    if (other.ordinal == ordinal) continue;
+    for (auto [a, b] : {std::pair{ordinal, other.ordinal}, std::pair{other.ordinal, ordinal}}) {
+      PK_CUDA(cudaSetDevice(a));
+      const cudaError_t e = cudaDeviceEnablePeerAccess(b, 0);
+      if (e != cudaSuccess && e != cudaErrorPeerAccessAlreadyEnabled) PK_CUDA(e);
+      cudaGetLastError();
+    }
+  }
+
+  LocalExport out;
+  const ExportedRegion c = export_region(ctrl);
+  if (c.handle.empty()) throw std::runtime_error("pk_jax: cannot export the control block: " + c.why_not);
+  out.ctrl_handle = c.handle;
+  auto add_region = [&](const ExportedRegion& r) {
+    SharedRegion s;
+    s.begin = r.begin;
+    s.end = r.begin + r.size;
+    d.regions.push_back(s);
+    out.region_begin.push_back(r.begin);
+    out.region_size.push_back(r.size);
+    out.region_handle.push_back(r.handle);
+  };
+  const ExportedRegion xla = export_region(probe);
+  if (xla.handle.empty()) out.why_not_shared = xla.why_not;
+  else add_region(xla);
+  if (staging_bytes > 0) {
+    PK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d.staging), staging_bytes));
+    d.staging_bytes = staging_bytes;
+    const ExportedRegion st = export_region(d.staging);
+    if (st.handle.empty()) throw std::runtime_error("pk_jax: cannot export the staging heap: " + st.why_not);
+    add_region(st);
+  }
+  return out;
+}
+
+std::vector<uint64_t> Runtime::attach_member(int64_t global_id, int slot, int process, const std::string& ctrl_handle,
+                                             const std::vector<std::string>& region_handles) {
+  std::lock_guard<std::mutex> lock(init_mutex);
+  if (devices_.empty()) throw std::runtime_error("pk_jax: add the local devices before attaching peers");
+  if (slot < 0 || slot >= kMaxSlots) throw std::runtime_error("pk_jax: member slot out of range");
+  DeviceGuard guard;
+  PK_CUDA(cudaSetDevice(devices_.front().ordinal));
+  auto* ctrl = static_cast<ControlBlock*>(open_region(ctrl_handle));
+  members_.push_back(Member{global_id, slot, process, ctrl});
+  std::vector<uint64_t> mapped;
+  for (const auto& h : region_handles) mapped.push_back(reinterpret_cast<uint64_t>(open_region(h)));
+  return mapped;
+}
+
+void Runtime::set_region_delta(int64_t local_global_id, size_t region, int member_slot, uint64_t member_address) {
+  for (auto& d : devices_) {
+    if (d.global_id != local_global_id) continue;
+    if (region >= d.regions.size() || member_slot < 0 || member_slot >= kMaxSlots)
+      throw std::runtime_error("pk_jax: set_region_delta: region or slot out of range");
+    d.regions[region].delta[member_slot] = int64_t(member_address - d.regions[region].begin);
+    return;
+  }
+  throw std::runtime_error("pk_jax: set_region_delta: device is not local");
+}
+
+void Runtime::finish_multiprocess(int my_process) {
+  std::lock_guard<std::mutex> lock(init_mutex);
+  if (initialized()) return;
+  my_process_ = my_process;
   watchdog_ = std::thread([this] { watch_errors(); });
   watchdog_.detach();
   initialized_.store(true, std::memory_order_release);
@@ -109,23 +208,34 @@ const LocalDevice* Runtime::by_ordinal(int ordinal) const {
   return nullptr;
 }
 
-const LocalDevice* Runtime::by_global_id(int64_t id) const {
-  for (const auto& d : devices_)
-    if (d.global_id == id) return &d;
+const Member* Runtime::member(int64_t global_id) const {
+  for (const auto& m : members_)
+    if (m.global_id == global_id) return &m;
   return nullptr;
 }
 
 std::string Runtime::describe(const ErrorRecord& e) const {
-  auto ordinal_of = [this](int slot) {
-    return slot >= 0 && size_t(slot) < devices_.size() ? devices_[slot].ordinal : -1;
+  // One process: GPUs by CUDA ordinal. Several: ranks by jax process index (and device id).
+  auto name = [this](int slot) {
+    if (multiprocess_) {
+      for (const auto& m : members_)
+        if (m.slot == slot)
+          return "rank " + std::to_string(m.process) + " (device id " + std::to_string(m.global_id) + ")";
+      return std::string("an unknown rank");
+    }
+    return "GPU " + std::to_string(slot >= 0 && size_t(slot) < devices_.size() ? devices_[slot].ordinal : -1);
   };
+  if (e.code == kOpMismatch)
+    return std::string("pk_jax ") + op_name(e.op) + ": " + name(e.device_slot) + " ran " + op_name(e.op) + " while " +
+           name(e.peer_slot) + " ran " + op_name(e.peer_op) +
+           " at the same point: every member of the group must run the same pk_jax ops in the same order. The "
+           "runtime is stopped; call pk_jax.runtime.reset() once all GPUs are idle.";
   std::string what = e.code == kTimeoutReady  ? "never started the op (its buffers were never published)"
                      : e.code == kTimeoutDone ? "never finished the op"
                      : e.code == kTimeoutItem ? "never delivered a tile or row chunk of the op"
                                               : "never sent the expected signal";
-  return std::string("pk_jax ") + op_name(e.op) + ": GPU " + std::to_string(ordinal_of(e.device_slot)) +
-         " waited more than " + std::to_string(timeout_ns() / 1000000) + " ms for GPU " +
-         std::to_string(ordinal_of(e.peer_slot)) + ", which " + what +
+  return std::string("pk_jax ") + op_name(e.op) + ": " + name(e.device_slot) + " waited more than " +
+         std::to_string(timeout_ns() / 1000000) + " ms for " + name(e.peer_slot) + ", which " + what +
          ". Every member of the group must run the same collectives in the same order. The runtime is "
          "stopped; call pk_jax.runtime.reset() once all GPUs are idle (timeout: PK_JAX_TIMEOUT_MS).";
 }
@@ -135,7 +245,7 @@ std::string Runtime::first_error() const {
   for (size_t i = 0; i < devices_.size(); ++i) {
     const volatile ErrorRecord* e = errors_ + i;
     if (e->code != kOk) {
-      ErrorRecord copy{e->code, e->op, e->device_slot, e->peer_slot};
+      ErrorRecord copy{e->code, e->op, e->device_slot, e->peer_slot, e->peer_op};
       return describe(copy);
     }
   }

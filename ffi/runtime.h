@@ -16,6 +16,13 @@
 
 namespace pk {
 
+// A region of this device's memory that the other processes of the job have mapped: an address
+// inside it is `address + delta[slot]` in the process of the member with that slot (0 in ours).
+struct SharedRegion {
+  uint64_t begin = 0, end = 0;
+  int64_t delta[kMaxSlots] = {};
+};
+
 struct LocalDevice {
   int ordinal;        // CUDA ordinal in this process
   int64_t global_id;  // JAX device id
@@ -23,6 +30,28 @@ struct LocalDevice {
   ControlBlock* ctrl; // symmetric, reachable from every local device
   ErrorRecord* err;   // host-mapped
   int num_sms;
+  // Multi-process jobs only: regions peers have mapped (XLA's, the staging heap) and the heap that
+  // takes buffers outside them (one copy each way; see ffi/staging.h).
+  std::vector<SharedRegion> regions;
+  char* staging = nullptr;
+  size_t staging_bytes = 0;
+};
+
+// A device of the job's NVLink domain (all of it in one process; every pk_jax process of this host
+// in a multi-process job), with its control block as mapped in this process.
+struct Member {
+  int64_t global_id;
+  int slot;
+  int process;  // jax process index
+  ControlBlock* ctrl;
+};
+
+// What a local device exports in a multi-process job (handles: CUDA IPC handle bytes).
+struct LocalExport {
+  std::string ctrl_handle;
+  std::vector<uint64_t> region_begin, region_size;
+  std::vector<std::string> region_handle;
+  std::string why_not_shared;  // XLA's region could not be exported: buffers go through staging
 };
 
 class Runtime {
@@ -34,8 +63,22 @@ class Runtime {
   void initialize(const std::vector<int>& ordinals, const std::vector<int64_t>& global_ids);
   bool initialized() const { return initialized_.load(std::memory_order_acquire); }
 
+  // Multi-process start-up, driven by pk_jax.initialize() (which exchanges the exports through the
+  // jax.distributed key-value store): (1) add_local_device for each local device: control block,
+  // kernels, and the export of XLA's region (found from `probe`, a live XLA buffer) and of a staging
+  // heap; (2) attach_member for each device of another process of this host: maps its control block
+  // and regions, returning their addresses here; (3) set_region_delta with where each peer mapped
+  // our regions; (4) finish_multiprocess. Not thread-safe; called once, before any op runs.
+  LocalExport add_local_device(int ordinal, int64_t global_id, int slot, int process, const void* probe,
+                               size_t staging_bytes);
+  std::vector<uint64_t> attach_member(int64_t global_id, int slot, int process, const std::string& ctrl_handle,
+                                      const std::vector<std::string>& region_handles);
+  void set_region_delta(int64_t local_global_id, size_t region, int member_slot, uint64_t member_address);
+  void finish_multiprocess(int my_process);
+  bool multiprocess() const { return multiprocess_; }
+
   const LocalDevice* by_ordinal(int ordinal) const;
-  const LocalDevice* by_global_id(int64_t id) const;
+  const Member* member(int64_t global_id) const;
   const std::vector<LocalDevice>& devices() const { return devices_; }
   LaunchLimits limits(const LocalDevice& d) const { return {d.num_sms}; }
 
@@ -53,8 +96,13 @@ class Runtime {
   std::string describe(const ErrorRecord& e) const;
   void watch_errors();
 
+  void load_kernels_and_errors(size_t i, int ordinal);
+
   std::atomic<bool> initialized_{false};
+  bool multiprocess_ = false;
+  int my_process_ = 0;
   std::vector<LocalDevice> devices_;
+  std::vector<Member> members_;
   std::unique_ptr<SymmetricRegion> control_;
   ErrorRecord* errors_ = nullptr;  // kMaxSlots records, host-mapped
   std::atomic<uint64_t> timeout_ns_{5000ull * 1000000ull};

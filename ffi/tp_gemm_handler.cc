@@ -10,6 +10,7 @@
 #include "../kernels/tp_gemm.cuh"
 #include "ffi_types.h"
 #include "group_builder.h"
+#include "staging.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -57,7 +58,16 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
   p.tile = tile;
   p.num_comm_sms = num_comm_sms;
   p.num_sms = me->num_sms;
-  return launch_as_ffi_error([&] { tp::launch(p, stream); });
+  // Multi-process: the buffers peers touch (out, aux) must lie in memory they mapped; rarely they
+  // don't, and go through the staging heap. AG's aux is an output (the gathered x); RS/AR's is scratch.
+  BufferStaging staging(*me, stream);
+  return launch_as_ffi_error([&] {
+    p.out = staging.reachable(p.out, out->size_bytes(), /*copy_in=*/false, /*copy_out=*/true);
+    p.aux = staging.reachable(p.aux, aux->size_bytes(), false, /*copy_out=*/op == kOpAllGatherMatmul);
+    tp::launch(p, stream);
+    if (const cudaError_t e = staging.copy_back(); e != cudaSuccess)
+      throw std::runtime_error(std::string("pk_jax staging copy: ") + cudaGetErrorString(e));
+  });
 }
 
 }  // namespace

@@ -109,7 +109,8 @@ def _cuda_lowering(ctx, x, *, spec: CollectiveSpec):
     table, reason = runtime.lowering_group(ctx, spec.axis_name) if spec.box is not None else (None, None)
     if table is None:
         if reason:  # no reason: nothing for a kernel to do (empty array, group of one)
-            _warn_once(reason)
+            runtime.lax_fallback_allowed(spec.op, reason)
+            _warn_once(f"{spec.op} over {spec.axis_name}: {reason}")
         return _lax_lowering(ctx, x, spec=spec)
     box = spec.box
     return jax.ffi.ffi_lowering("pk_collective")(

@@ -115,7 +115,7 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], m
         hit = _load().get(cache_key)
         if hit is not None:
             return Choice(int(hit["num_comm_sms"]), int(hit.get("tile", AUTO_TILE)))
-        start = Choice(INTRA_SM if intra_sm and START_INTRA_SM[op] else START[op])
+        start = start_choice(op, intra_sm)
         if not enabled():
             return start
         sms = sorted((c for c in CANDIDATES if 0 < c < max_sms), key=lambda c: (abs(c - START[op]), c))
@@ -143,6 +143,19 @@ def choose(op: str, cache_key: str, time_candidate: Callable[[Choice], float], m
                               "ms": {_label(c): round(t, 5) for c, t in times.items()}}
         _store(entries)
         return best
+
+
+def start_choice(op: str, intra_sm: bool) -> Choice:
+    """The choice with timing off: the intra-SM kernel where allowed and START_INTRA_SM, else START."""
+    return Choice(INTRA_SM if intra_sm and START_INTRA_SM[op] else START[op])
+
+
+def cached_or_start(op: str, cache_key: str, intra_sm: bool) -> Choice:
+    """The cached choice without timing anything (multi-process jobs), else start_choice."""
+    hit = _load().get(cache_key)
+    if hit is not None:
+        return Choice(int(hit["num_comm_sms"]), int(hit.get("tile", AUTO_TILE)))
+    return start_choice(op, intra_sm)
 
 
 def _time_in_turns(cands: Sequence[Choice], time_candidate: Callable[[Choice], float], reps: int,

@@ -13,7 +13,7 @@ import threading
 
 import jax
 
-from pk_jax import _ext
+from pk_jax import _ext, distributed
 
 _lock = threading.Lock()
 _init_error: str | None = None
@@ -28,11 +28,19 @@ def gpu_devices() -> list[jax.Device]:
 
 
 def ensure_initialized() -> str | None:
-    """Initializes the runtime for all local GPUs once. Returns None on success, else why the GPU
+    """Initializes the runtime for all local GPUs once (in a jax.distributed job: pk_jax.initialize(),
+    which every process reaches at the same lowering). Returns None on success, else why the GPU
     path is unavailable (the caller then lowers to jax.lax)."""
     global _init_error
     if _ext.ext is None:
         return "the CUDA extension is not installed"
+    if jax.process_count() > 1:
+        if not _ext.ext.is_initialized():
+            try:
+                distributed.initialize()
+            except (RuntimeError, TimeoutError) as e:
+                return str(e)
+        return None
     with _lock:
         if _ext.ext.is_initialized():
             return None
@@ -87,6 +95,12 @@ def multicast_policy() -> tuple[bool, str]:
     return _ext.ext.multicast_policy()
 
 
+def stats() -> dict[str, int]:
+    """Counters of the runtime: `staged_buffers`, buffers that went through the staging heap (multi-process
+    jobs; 0 when every buffer lay in the memory shared at start-up)."""
+    return {"staged_buffers": int(_ext.ext.staged_buffers()) if _ext.ext is not None else 0}
+
+
 def lowering_group(ctx, axis_name) -> tuple[object | None, str | None]:
     """(group table, None) when a GPU kernel can serve this lowering over `axis_name`, else
     (None, why not). Initializes the runtime on first use."""
@@ -98,5 +112,17 @@ def lowering_group(ctx, axis_name) -> tuple[object | None, str | None]:
     if table is None:
         return None, "no concrete mesh is known (pass a jax.sharding.Mesh to shard_map or use jax.set_mesh)"
     if not table.all_local:
-        return None, "the mesh spans several processes (multi-process mode is not supported yet)"
+        if not distributed.is_multiprocess():
+            return None, "the mesh spans several processes: call pk_jax.initialize() after jax.distributed.initialize()"
+        if not distributed.groups_within_hosts(table):
+            return None, f"mesh axis {axis_name!r} crosses hosts (XLA/NCCL carries it; pk_jax kernels span one host)"
     return table, None
+
+
+def lax_fallback_allowed(op: str, reason: str) -> None:
+    """Raises when a jax.lax fallback cannot run: ranks that share one GPU (the MPS test mode), where
+    NCCL refuses the duplicate GPU."""
+    if distributed.shares_gpu():
+        raise RuntimeError(f"pk_jax {op}: cannot fall back to jax.lax ({reason}): this job runs several ranks on one "
+                           f"GPU, where XLA's collectives fail (NCCL: duplicate GPU). Run it with one process per GPU, "
+                           f"or change the call so the pk_jax kernel can serve it.")

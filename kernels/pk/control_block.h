@@ -18,6 +18,7 @@ enum ErrorCode : int32_t {
   kTimeoutDone = 2,   // a peer never finished touching our buffers
   kTimeoutTest = 3,   // the self-test wait
   kTimeoutItem = 4,   // a peer never delivered a tile / row chunk of a fused op
+  kOpMismatch = 5,    // a peer published for a different op (the members' op sequences diverged)
 };
 
 // Host-mapped, one per device: the first failure wins and stays until the runtime is reset.
@@ -26,6 +27,7 @@ struct ErrorRecord {
   int32_t op;           // OpCode of the failing launch
   int32_t device_slot;  // the device that waited
   int32_t peer_slot;    // the device it waited for
+  int32_t peer_op;      // kOpMismatch: the op the peer ran instead
 };
 
 // Peers write `ready`, `done` and `mailbox`; everything else is only touched by the owner.
@@ -35,6 +37,7 @@ struct alignas(128) ControlBlock {
   uint64_t ready[kMaxSlots];                   // ready[src]: ops for which src published its buffers
   uint64_t done[kMaxSlots];                    // done[src]: ops after which src stopped touching ours
   uint64_t mailbox[kMaxSlots][kMaxPublished];  // mailbox[src]: addresses src published for this op
+  uint64_t op_tag[kMaxSlots];                  // op_tag[src]: the OpCode src published them for
   uint64_t test_flag[kMaxSlots];               // self-test signals (never used by real ops)
   alignas(128) uint64_t seq[kMaxSlots];        // local: ops completed with each peer slot
   uint32_t arrived;                            // local: CTAs of the running launch that finished

@@ -3,9 +3,9 @@
 // for this op and know they are live, and (2) not return before every peer has stopped touching
 // this device's buffers (XLA reuses them as soon as the kernel ends).
 //
-//   publish:  CTA 0 writes this device's buffer addresses into every peer's mailbox, then signals
-//             ready (release). A device starts an op only after its earlier work is done, so a
-//             published buffer is safe to read or write.
+//   publish:  CTA 0 writes this device's buffer addresses (as each peer maps them: Group::map) into
+//             every peer's mailbox, then signals ready (release). A device starts an op only after
+//             its earlier work is done, so a published buffer is safe to read or write.
 //   acquire:  every CTA waits for each peer's ready count to reach this op's epoch and loads the
 //             peer addresses once into shared memory (then registers).
 //   finish:   every CTA arrives on a local counter; the last one signals done to each peer and
@@ -36,8 +36,18 @@ struct OpProtocol {
     const int r = threadIdx.x;
     if (blockIdx.x != 0 || r >= g.size || r == g.rank) return;
     uint64_t* box = g.ctrl[r]->mailbox[g.my_slot()];
-    for (int k = 0; k < n; ++k) box[k] = reinterpret_cast<uint64_t>(addrs[k]);
+    for (int k = 0; k < n; ++k) box[k] = g.map.to_member(reinterpret_cast<uint64_t>(addrs[k]), r);
+    g.ctrl[r]->op_tag[g.my_slot()] = uint64_t(g.op);
     signal(&g.ctrl[r]->ready[g.my_slot()]);
+  }
+
+  // After peer r's ready arrived: did it publish for this same op? A member that skipped an op (or
+  // ran another) would otherwise pair its buffers with ours. Records kOpMismatch when not.
+  __device__ bool same_op(int r) const {
+    const int32_t theirs = int32_t(*reinterpret_cast<volatile const uint64_t*>(&g.self()->op_tag[g.slot[r]]));
+    if (theirs == g.op) return true;
+    record_error(g, kOpMismatch, r, theirs);
+    return false;
   }
 
   // All CTAs: wait until every peer published, then build one PGL per published address.
@@ -52,7 +62,7 @@ struct OpProtocol {
     if (r < g.size) {
       if (r == g.rank) {
         for (int k = 0; k < N; ++k) addr[k][r] = reinterpret_cast<uint64_t>(local[k]);
-      } else if (wait(&g.self()->ready[g.slot[r]], epoch[r], g, r, kTimeoutReady)) {
+      } else if (wait(&g.self()->ready[g.slot[r]], epoch[r], g, r, kTimeoutReady) && same_op(r)) {
         const uint64_t* box = g.self()->mailbox[g.slot[r]];
         for (int k = 0; k < N; ++k) addr[k][r] = box[k];
       } else {
@@ -75,7 +85,7 @@ struct OpProtocol {
     for (int r = 0; r < g.size; ++r) {
       if (r == g.rank) {
         out[r] = static_cast<char*>(local);
-      } else if (wait(&g.self()->ready[g.slot[r]], epoch[r], g, r, kTimeoutReady)) {
+      } else if (wait(&g.self()->ready[g.slot[r]], epoch[r], g, r, kTimeoutReady) && same_op(r)) {
         out[r] = reinterpret_cast<char*>(g.self()->mailbox[g.slot[r]][0]);
       } else {
         out[r] = nullptr;

@@ -24,11 +24,12 @@ __device__ __forceinline__ uint64_t global_timer_ns() {
 }
 
 // Records the first error of this device; later ones are dropped (the first is the cause).
-__device__ inline void record_error(const Group& g, int32_t code, int peer_rank) {
+__device__ inline void record_error(const Group& g, int32_t code, int peer_rank, int32_t peer_op = 0) {
   if (atomicCAS(&g.err->code, 0, code) == 0) {
     g.err->op = g.op;
     g.err->device_slot = g.my_slot();
     g.err->peer_slot = g.slot[peer_rank];
+    g.err->peer_op = peer_op;
     __threadfence_system();
   }
   atomicExch(&g.self()->aborted, 1u);

@@ -1,0 +1,52 @@
+#include "staging.h"
+
+#include <atomic>
+#include <cstdio>
+#include <stdexcept>
+#include <string>
+
+namespace pk {
+namespace {
+
+std::atomic<uint64_t> staged{0};
+
+bool inside(const LocalDevice& d, uintptr_t p, size_t bytes) {
+  for (const auto& r : d.regions)
+    if (p >= r.begin && p + bytes <= r.end) return true;
+  return false;
+}
+
+}  // namespace
+
+uint64_t staged_buffers() { return staged.load(std::memory_order_relaxed); }
+
+void* BufferStaging::reachable(void* p, size_t bytes, bool copy_in, bool copy_out) {
+  if (!Runtime::get().multiprocess() || bytes == 0 || inside(d_, reinterpret_cast<uintptr_t>(p), bytes)) return p;
+  const size_t at = (used_ + 255) / 256 * 256;
+  if (at + bytes > d_.staging_bytes)
+    throw std::runtime_error("pk_jax: a buffer of " + std::to_string(bytes) +
+                             " bytes lies outside the GPU memory the other processes mapped at pk_jax.initialize() "
+                             "and the staging heap (" + std::to_string(d_.staging_bytes >> 20) +
+                             " MiB) is too small for this call: raise PK_JAX_STAGING_MB, or keep JAX's default "
+                             "preallocation (XLA_PYTHON_CLIENT_PREALLOCATE) so every buffer is shared without copies");
+  char* s = d_.staging + at;
+  used_ = at + bytes;
+  if (staged.fetch_add(1, std::memory_order_relaxed) == 0)
+    std::fprintf(stderr, "pk_jax: a buffer outside the memory shared at start-up goes through the staging heap "
+                         "(one copy each way); see pk_jax.runtime.stats()\n");
+  if (copy_in) {
+    const cudaError_t e = cudaMemcpyAsync(s, p, bytes, cudaMemcpyDeviceToDevice, stream_);
+    if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax staging copy: ") + cudaGetErrorString(e));
+  }
+  if (copy_out) outs_.push_back({p, s, bytes});
+  return s;
+}
+
+cudaError_t BufferStaging::copy_back() {
+  for (const auto& o : outs_)
+    if (cudaError_t e = cudaMemcpyAsync(o.dst, o.src, o.bytes, cudaMemcpyDeviceToDevice, stream_); e != cudaSuccess)
+      return e;
+  return cudaSuccess;
+}
+
+}  // namespace pk

@@ -1,0 +1,240 @@
+"""pk_jax in jax.distributed jobs (one process per GPU, or several ranks sharing a GPU under MPS).
+
+    jax.distributed.initialize()      # or python -m pk_jax.launch, which sets everything up
+    info = pk_jax.initialize()        # once, in every process; a no-op in a single process
+
+`initialize` finds the processes on this host (the NVLink domain), and through the jax.distributed
+key-value store (no extra ports, no MPI) exchanges what each GPU shares: its control block and the
+memory region of XLA's allocator (legacy CUDA IPC handles, 64 bytes each), plus a small staging heap.
+Every process maps its peers' regions once; kernels then translate each published buffer address by
+the region it lies in (kernels/pk/group.cuh AddressMap), so ops read and write the peers' XLA buffers
+directly, with no per-call host exchange, exactly as in one process. A buffer outside the shared regions
+(XLA's allocator grew after start-up, e.g. with XLA_PYTHON_CLIENT_PREALLOCATE=false) goes through the
+staging heap with one copy each way; `pk_jax.runtime.stats()` counts those.
+
+Mesh axes whose groups lie inside one host run our kernels; an axis that crosses hosts lowers to
+jax.lax (XLA/NCCL), said once per op and axis. When ranks share a GPU, jax.lax collectives cannot run
+across them (NCCL refuses duplicate GPUs), so such a fallback raises instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import threading
+import time
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from pk_jax import _ext, _kv
+
+_PREFIX = "pk_jax/init/"
+MAX_DOMAIN = 8  # GPUs (ranks) per host: kernels/pk/control_block.h kMaxSlots
+_lock = threading.Lock()
+_info: DistributedInfo | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedInfo:
+    """What pk_jax.initialize() set up.
+
+    ranks: processes in the job; rank: this process's index.
+    local_ranks: the processes on this host (the NVLink domain pk_jax kernels span), ascending.
+    ranks_per_gpu: processes sharing one GPU (1 normally; > 1 in the MPS test mode).
+    domain_device_ids: the device ids of this host's GPUs (one per local rank and GPU).
+    host_of: host index of every process (processes on one host share an index).
+    startup_s: seconds spent in initialize.
+    staging: True when XLA's memory could not be shared, so every buffer copies through the staging heap.
+    kernels: False in processes without GPUs or without the extension (every op runs jax.lax there).
+    """
+
+    ranks: int
+    rank: int
+    local_ranks: tuple[int, ...]
+    ranks_per_gpu: int
+    domain_device_ids: tuple[int, ...]
+    host_of: tuple[int, ...]
+    startup_s: float
+    staging: bool = False
+    kernels: bool = True
+
+
+def _host_key() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return os.environ.get("PK_JAX_HOST_KEY") or f"{socket.gethostname()}|{boot}"  # override: tests
+
+
+def _timeout_s() -> float:
+    return float(os.environ.get("PK_JAX_INIT_TIMEOUT_S", "120"))
+
+
+def _staging_bytes() -> int:
+    return max(int(os.environ.get("PK_JAX_STAGING_MB", "64")), 1) << 20
+
+
+def info() -> DistributedInfo | None:
+    """The result of pk_jax.initialize() in this process (None before it ran)."""
+    return _info
+
+
+def initialize() -> DistributedInfo:
+    """Sets pk_jax up in a jax.distributed job. Call once in every process, after
+    jax.distributed.initialize() (collective: every process must call it). Idempotent.
+
+    In a single-process program it returns at once (ranks = 1); the runtime there initializes itself
+    at the first op. In processes without GPUs (or without the extension) it only works out the
+    layout: every op runs its jax.lax fallback there. Raises RuntimeError naming the cause when the
+    GPUs of this host cannot map each other's memory, and TimeoutError when some process never calls
+    initialize.
+    """
+    global _info
+    with _lock:
+        if _info is None:
+            _info = _initialize(_Native() if _ext.ext is not None else None,
+                                [d for d in jax.local_devices() if d.platform == "gpu"])
+        return _info
+
+
+@dataclasses.dataclass(frozen=True)
+class DomainPlan:
+    """Who shares memory with whom: the processes of this host and a slot per GPU among them."""
+
+    host_of: tuple[int, ...]       # host index of every process
+    local_ranks: tuple[int, ...]   # processes on this process's host, ascending
+    slot_of: dict[int, int]        # device id -> slot (index into the control blocks' per-peer arrays)
+    process_of: dict[int, int]     # device id -> process index (this host's devices only)
+    ranks_per_gpu: int
+
+
+def plan_domain(procs: Sequence[dict], rank: int) -> DomainPlan:
+    """`procs[p]` = {"host": key, "devices": [{"id", "pci"}, ...]} as each process published it."""
+    hosts = sorted({p["host"] for p in procs})
+    host_of = tuple(hosts.index(p["host"]) for p in procs)
+    local_ranks = tuple(p for p in range(len(procs)) if host_of[p] == host_of[rank])
+    slot_of: dict[int, int] = {}
+    process_of: dict[int, int] = {}
+    for p in local_ranks:
+        for d in procs[p]["devices"]:
+            slot_of[d["id"]] = len(slot_of)
+            process_of[d["id"]] = p
+    if len(slot_of) > MAX_DOMAIN:
+        raise RuntimeError(f"pk_jax.initialize: {len(slot_of)} GPUs (ranks) on one host; at most {MAX_DOMAIN} "
+                           f"are supported")
+    pci = [d["pci"] for p in local_ranks for d in procs[p]["devices"]]
+    return DomainPlan(host_of, local_ranks, slot_of, process_of, max((pci.count(x) for x in pci), default=1))
+
+
+class _Native:
+    """The extension's multi-process start-up calls (ffi/runtime.h); tests substitute a fake."""
+
+    def pci_bus_id(self, ordinal: int) -> str:
+        return _ext.ext.pci_bus_id(ordinal)
+
+    def add_local_device(self, ordinal, device_id, slot, process, probe_ptr, staging_bytes):
+        return _ext.ext.mp_add_local_device(ordinal, device_id, slot, process, probe_ptr, staging_bytes)
+
+    def attach_member(self, device_id, slot, process, ctrl, regions):
+        return _ext.ext.mp_attach_member(device_id, slot, process, ctrl, regions)
+
+    def set_region_delta(self, device_id, region, slot, address):
+        _ext.ext.mp_set_region_delta(device_id, region, slot, address)
+
+    def finish(self, rank):
+        _ext.ext.mp_finish(rank)
+
+    def probe_pointer(self, device) -> tuple[object, int]:
+        probe = jax.device_put(np.zeros(256, np.uint8), device)  # any live XLA buffer of the device
+        return probe, probe.unsafe_buffer_pointer()
+
+
+def _initialize(native, gpus: Sequence) -> DistributedInfo:
+    t0 = time.perf_counter()
+    if jax.process_count() == 1:
+        ids = tuple(d.id for d in jax.devices())
+        return DistributedInfo(1, 0, (0,), 1, ids, (0,), time.perf_counter() - t0)
+    rank, ranks, timeout = jax.process_index(), jax.process_count(), _timeout_s()
+    kernels = native is not None and bool(gpus)
+    me = {"host": _host_key(), "kernels": kernels,
+          "devices": [{"id": d.id, "pci": native.pci_bus_id(d.local_hardware_id)} for d in gpus] if kernels else []}
+    _kv.put(f"{_PREFIX}proc/{rank}", json.dumps(me))
+    procs = [json.loads(_kv.get(f"{_PREFIX}proc/{p}", timeout)) for p in range(ranks)]
+    plan = plan_domain(procs, rank)
+    if not kernels:  # CPU processes: the layout only; every op runs jax.lax
+        return DistributedInfo(ranks, rank, plan.local_ranks, plan.ranks_per_gpu, tuple(plan.slot_of),
+                               plan.host_of, time.perf_counter() - t0, kernels=False)
+    if not all(procs[p]["kernels"] for p in plan.local_ranks):
+        raise RuntimeError("pk_jax.initialize: some processes on this host have no GPU or no pk_jax extension; "
+                           "every process of a host must run pk_jax's kernels, or none")
+
+    # Our exports: control block, XLA's region (found from a live buffer), the staging heap.
+    shared = True
+    for d in gpus:
+        probe, ptr = native.probe_pointer(d)
+        ctrl, _begins, _sizes, handles, why_not = native.add_local_device(
+            d.local_hardware_id, d.id, plan.slot_of[d.id], rank, ptr, _staging_bytes())
+        del probe  # XLA's allocator keeps the region
+        if why_not:
+            shared = False
+            print(f"pk_jax: rank {rank}: XLA's GPU memory cannot be shared ({why_not}); every buffer the peers "
+                  f"touch goes through the staging heap (PK_JAX_STAGING_MB)", flush=True)
+        _kv.put(f"{_PREFIX}dev/{d.id}", json.dumps({"ctrl": bytes(ctrl).hex(),
+                                                     "regions": [bytes(h).hex() for h in handles]}))
+
+    # Map every other process's exports on this host; tell each owner where its regions landed here.
+    for dev_id, slot in plan.slot_of.items():
+        p = plan.process_of[dev_id]
+        if p == rank:
+            continue
+        exp = json.loads(_kv.get(f"{_PREFIX}dev/{dev_id}", timeout))
+        mapped = native.attach_member(dev_id, slot, p, bytes.fromhex(exp["ctrl"]),
+                                      [bytes.fromhex(h) for h in exp["regions"]])
+        _kv.put(f"{_PREFIX}map/{dev_id}/{rank}", json.dumps([int(a) for a in mapped]))
+    for d in gpus:
+        for p in plan.local_ranks:
+            if p == rank:
+                continue
+            addrs = json.loads(_kv.get(f"{_PREFIX}map/{d.id}/{p}", timeout))
+            for peer in procs[p]["devices"]:  # one address space per process: all its GPUs see the same
+                for region, addr in enumerate(addrs):
+                    native.set_region_delta(d.id, region, plan.slot_of[peer["id"]], addr)
+    _barrier(f"{_PREFIX}ready", rank, plan.local_ranks, timeout)  # no op before every peer mapped ours
+    native.finish(rank)
+    return DistributedInfo(ranks, rank, plan.local_ranks, plan.ranks_per_gpu, tuple(plan.slot_of), plan.host_of,
+                           time.perf_counter() - t0, staging=not shared)
+
+
+def _barrier(name: str, rank: int, ranks: Sequence[int], timeout: float) -> None:
+    """Every process of `ranks` has reached this point."""
+    _kv.put(f"{name}/{rank}", "1")
+    for p in ranks:
+        _kv.get(f"{name}/{p}", timeout)
+
+
+def is_multiprocess() -> bool:
+    return _info is not None and _info.ranks > 1 and _info.kernels
+
+
+def shares_gpu() -> bool:
+    """Ranks share a GPU (MPS test mode): jax.lax collectives cannot run across them."""
+    return _info is not None and _info.ranks_per_gpu > 1
+
+
+def groups_within_hosts(table, process_of: dict[int, int] | None = None) -> bool:
+    """Whether every group of `table` (pk_jax.sharding.GroupTable) lies inside one host's domain, so
+    every process lowers the op to our kernel (the decision is the same on all of them).
+    `process_of`: device id -> process index (default: from jax.devices())."""
+    assert _info is not None, "pk_jax.initialize() has not run"
+    proc = process_of or {d.id: d.process_index for d in jax.devices()}
+    for dev in table.mesh_ids:
+        ids, _ = table.members(dev)
+        if len({_info.host_of[proc[i]] for i in ids}) > 1:
+            return False
+    return True
