@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up, build, and run the main benchmarks: the collectives, then the fused TP GEMMs (all GPUs when
-# present, else 8 virtual CPU devices with small sizes).
+# Set up, build, and show what pk_jax gives on this machine in under two minutes: one row per op family
+# (GEMM, collectives, fused GEMMs) against XLA, a table and a PNG. The full suites:
+# python -m pk_jax.bench {collectives,gemm,tp_gemm,transfer,sync}.
 source "$(dirname "$0")/setup_env.sh"
-$PY -m pk_jax.bench collectives "$@" || exit $?
-exec $PY -m pk_jax.bench tp_gemm "$@"
+exec $PY -m pk_jax.bench demo "$@"

@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {collectives,gemm,tp_gemm,transfer,sync} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -33,7 +33,8 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["collectives", "gemm", "tp_gemm", "transfer", "sync"], help="which suite to run")
+    p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync"],
+                   help="which suite to run (demo: one row per op family, under two minutes)")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
@@ -70,6 +71,19 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     on_gpu = jax.devices()[0].platform == "gpu"
+    if args.suite == "demo":
+        from pk_jax.bench import demo
+
+        print(f"pk_jax.bench demo: {results.device_description()}", flush=True)
+        if not on_gpu:
+            print("  (no GPU: tiny sizes, pk_jax ops run their jax.lax fallback; timings only exercise the plumbing)")
+        rows = demo.run(reps=args.reps or 10)
+        results.write(out, args.suite, [r for r in rows if "skipped" not in r])
+        print()
+        demo.print_summary(rows)
+        demo.plot(rows, os.path.splitext(out)[0] + ".png")
+        print(f"\nwrote {out}")
+        return 1 if any(r.get("extra", {}).get("check") == "MISMATCH" for r in rows) else 0
     if args.suite == "gemm":
         from pk_jax.bench import gemm
 
