@@ -38,11 +38,16 @@ def _pids(stdout: str) -> dict[int, int]:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie counts as gone: orphans wait for whatever reaps in this container)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 def _assert_gone(pids, within_s: float = 5.0) -> None:
@@ -72,27 +77,34 @@ def test_failing_rank_ends_the_job_with_its_code(code, expect_rc, expect_text):
     pids = _pids(res.stdout)
     assert sorted(pids) == [0, 1, 2]
     assert f"rank 1 (pid {pids[1]}) failed: {expect_text}; stopped ranks 0, 2" in res.stderr
-    report = res.stderr.split("last ", 1)[1]
-    assert "lines of rank 1:" in report and "  | line 24 of rank 1" in report and "  | line 2 of rank 1" not in report
-    if code > 0:
-        assert "  | about to fail" in report
+    report = res.stderr.split(f"failed: {expect_text}", 1)[1]
+    assert "pk_jax.launch: last 20 lines of rank 1's stdout:\n  | line 5 of rank 1\n" in report
+    assert "  | line 24 of rank 1" in report and "  | line 4 of rank 1" not in report
+    assert "pk_jax.launch: last 1 lines of rank 1's stderr:\n  | about to fail" in report
     assert "[rank 1] line 0 of rank 1" in res.stdout  # forwarded, prefixed
     _assert_gone(pids.values())
 
 
-@pytest.mark.parametrize("sig, expect_rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_to_the_launcher_stops_every_rank(sig, expect_rc):
+def _sleeping_job() -> tuple[subprocess.Popen, dict[int, int]]:
+    """A launcher with 2 sleeping ranks, once both printed their pids."""
     proc = subprocess.Popen(LAUNCH + ["-n", "2", "--timeout", "60", str(SCRIPTS / "fail_or_sleep.py"), "-1", "0"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 40
+    while len(_pids("".join(lines))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    pids = _pids("".join(lines))
+    if len(pids) != 2:
+        proc.kill()
+        pytest.fail(f"the ranks did not start: {''.join(lines)}")
+    return proc, pids
+
+
+@pytest.mark.parametrize("sig, expect_rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_launcher_stops_every_rank(sig, expect_rc):
+    proc, pids = _sleeping_job()
     try:
-        deadline = time.monotonic() + 40
-        while len(_pids("".join(lines))) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        pids = _pids("".join(lines))
-        assert len(pids) == 2, "".join(lines)
         t0 = time.monotonic()
         proc.send_signal(sig)
         rc = proc.wait(timeout=20)
@@ -102,6 +114,13 @@ def test_signal_to_the_launcher_stops_every_rank(sig, expect_rc):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_ranks_die_with_a_killed_launcher():
+    proc, pids = _sleeping_job()
+    proc.kill()  # SIGKILL: no handler runs; the ranks' parent-death signal ends them
+    proc.wait()
+    _assert_gone(pids.values())
 
 
 def test_timeout_ends_the_job_with_124():

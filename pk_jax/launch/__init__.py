@@ -20,9 +20,9 @@ With --cpu: JAX_PLATFORMS=cpu, JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo, JAX_NUM_
 
 Output lines are forwarded prefixed `[rank i] `. The first rank to fail (non-zero exit or a signal) ends
 the job: the others get SIGTERM (their whole process group), SIGKILL after a grace period, and the
-launcher prints the failed rank's exit status and last lines and exits with its code (128 + signal for a
-signal). SIGINT/SIGTERM to the launcher stop every rank the same way (exit 130/143); --timeout S ends the
-job after S seconds (exit 124).
+launcher prints the failed rank's exit status and last lines (of stdout and of stderr) and exits with its
+code (128 + signal for a signal). SIGINT/SIGTERM to the launcher stop every rank the same way (exit
+130/143); --timeout S ends the job after S seconds (exit 124).
 """
 
 from pk_jax.launch.initialize import initialize_from_env
