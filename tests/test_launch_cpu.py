@@ -46,8 +46,8 @@ def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
+    except OSError:  # vanished since os.kill
+        return False
 
 
 def _assert_gone(pids, within_s: float = 5.0) -> None:
@@ -166,7 +166,7 @@ def test_shared_gpu_runs_a_private_mps_daemon_for_the_job(tmp_path):
         assert e["JAX_PROCESS_ID"] == e["PK_JAX_LOCAL_RANK"] == str(r)
         assert e["JAX_NUM_PROCESSES"] == e["PK_JAX_LOCAL_WORLD"] == "2"
         assert re.fullmatch(r"127\.0\.0\.1:\d+", e["JAX_COORDINATOR_ADDRESS"])
-        assert e["CUDA_VISIBLE_DEVICES"] == "3" and e["PYTHONUNBUFFERED"] == "1"
+        assert e["CUDA_VISIBLE_DEVICES"] == "3" and e["PYTHONUNBUFFERED"] == "1" and e["PK_JAX_RANKS_PER_GPU"] == "2"
         assert (e["CUDA_MPS_PIPE_DIRECTORY"], e["CUDA_MPS_LOG_DIRECTORY"]) == (pipe, mps_log)
         assert e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50" and e["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.400"
         assert e["pipe_dir_exists"] == "True" and e["mps_root_mode"] == "0o700"

@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
             "Starts N Python processes (ranks) of one jax.distributed job on this host, coordinator on\n"
             "127.0.0.1 at a free port. Each rank's environment: JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES,\n"
             "JAX_PROCESS_ID, PK_JAX_LOCAL_RANK, PK_JAX_LOCAL_WORLD, PYTHONUNBUFFERED=1, and on GPUs\n"
-            "CUDA_VISIBLE_DEVICES (rank i gets GPU i // ranks-per-gpu). In the rank, call\n"
-            "pk_jax.launch.initialize_from_env() (jax.distributed.initialize with these values), then\n"
+            "CUDA_VISIBLE_DEVICES (rank i gets GPU i // ranks-per-gpu) and PK_JAX_RANKS_PER_GPU. In the rank,\n"
+            "call pk_jax.launch.initialize_from_env() (jax.distributed.initialize with these values), then\n"
             "pk_jax.initialize()."),
         epilog=(
             "output: every line a rank writes is forwarded prefixed '[rank i] ' (stdout to stdout, stderr\n"

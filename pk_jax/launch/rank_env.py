@@ -108,6 +108,7 @@ def rank_env(plan: JobPlan, rank: int, base: Mapping[str, str]) -> dict[str, str
         return env
     if plan.gpus:
         env["CUDA_VISIBLE_DEVICES"] = plan.gpus[rank // plan.ranks_per_gpu]
+        env["PK_JAX_RANKS_PER_GPU"] = str(plan.ranks_per_gpu)
     if plan.ranks_per_gpu > 1:
         env.setdefault(MPS_THREAD_PERCENTAGE, str(100 // plan.ranks_per_gpu))
         env.setdefault(MEM_FRACTION, f"{TOTAL_MEM_FRACTION / plan.ranks_per_gpu:.3f}")
