@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from pk_jax.launch.cli import split_argv
+from pk_jax.launch.cli import main, split_argv
 from pk_jax.launch.rank_env import JobPlan, LaunchError, plan_job, rank_env
 
 ROOT = Path(__file__).parent.parent
@@ -124,8 +124,8 @@ def test_ranks_die_with_a_killed_launcher():
 
 
 def test_timeout_ends_the_job_with_124():
-    res = _launch(["-n", "2", "--timeout", "2", str(SCRIPTS / "fail_or_sleep.py"), "-1", "0"])
-    assert res.returncode == 124 and "timed out after 2 s" in res.stderr
+    res = _launch(["-n", "2", "--timeout", "1.5", str(SCRIPTS / "fail_or_sleep.py"), "-1", "0"])
+    assert res.returncode == 124 and "timed out after 1.5 s" in res.stderr
     _assert_gone(_pids(res.stdout).values())
 
 
@@ -184,12 +184,12 @@ def test_ranks_per_gpu_maps_ranks_to_gpus_and_keeps_user_settings(tmp_path):
     assert {e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in envs.values()} == {"40"}
 
 
-def test_shared_gpu_without_mps_binary_is_a_clear_error(tmp_path):
-    env = _env(PATH=str(tmp_path), CUDA_VISIBLE_DEVICES="0")
-    env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
-    res = _launch(["--share-gpu", str(SCRIPTS / "print_env.py")], env=env)
-    assert res.returncode == 2 and "nvidia-cuda-mps-control is not on PATH" in res.stderr
-    assert "[rank" not in res.stdout
+def test_shared_gpu_without_mps_binary_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control there
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    assert main(["--share-gpu", str(SCRIPTS / "print_env.py")]) == 2  # before any rank starts
+    assert "nvidia-cuda-mps-control is not on PATH" in capsys.readouterr().err
 
 
 def test_split_argv_gives_everything_from_the_script_on_to_the_ranks():
