@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from pk_jax.launch.cli import main, split_argv
-from pk_jax.launch.rank_env import JobPlan, LaunchError, plan_job, rank_env
+from pk_jax.launch.rank_env import JobPlan, LaunchError, local_gpus, plan_job, rank_env
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "launch_scripts"
@@ -197,6 +197,13 @@ def test_split_argv_gives_everything_from_the_script_on_to_the_ranks():
     assert split_argv(["--cpu", "-m", "pkg.mod", "--x"]) == (["--cpu"], ["-m", "pkg.mod", "--x"])
     assert split_argv(["--timeout=5", "-n2", "s.py"]) == (["--timeout=5", "-n2"], ["s.py"])
     assert split_argv(["--cpu", "--", "-weird.py"]) == (["--cpu"], ["-weird.py"])
+
+
+def test_local_gpus_reads_cuda_visible_devices_like_cuda():
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ("2", "5")
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "GPU-1a2b,GPU-3c4d"}) == ("GPU-1a2b", "GPU-3c4d")
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == ("1",)
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
 
 
 def test_plan_job_counts_ranks_and_names_bad_options():

@@ -42,7 +42,12 @@ def local_gpus(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """The GPUs this process may use: CUDA_VISIBLE_DEVICES' entries if set, else `nvidia-smi -L`'s."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return tuple(v.strip() for v in visible.split(",") if v.strip())
+        gpus = []
+        for v in (v.strip() for v in visible.split(",")):
+            if not v or v.startswith("-"):  # as in CUDA: an invalid entry (e.g. -1) ends the list
+                break
+            gpus.append(v)
+        return tuple(gpus)
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return ()
