@@ -87,7 +87,8 @@ def info() -> DistributedInfo | None:
 
 def initialize() -> DistributedInfo:
     """Sets pk_jax up in a jax.distributed job. Call once in every process, after
-    jax.distributed.initialize() (collective: every process must call it). Idempotent.
+    jax.distributed.initialize() (collective: every process must call it). Idempotent. In a rank started
+    by `python -m pk_jax.launch` it calls jax.distributed.initialize() itself if that has not run yet.
 
     In a single-process program it returns at once (ranks = 1); the runtime there initializes itself
     at the first op. In processes without GPUs (or without the extension) it only works out the
@@ -97,6 +98,10 @@ def initialize() -> DistributedInfo:
     """
     global _info
     with _lock:
+        if _info is None and not _kv.available() and os.environ.get("JAX_NUM_PROCESSES"):
+            from pk_jax.launch.initialize import initialize_from_env
+
+            initialize_from_env()  # started by python -m pk_jax.launch: jax.distributed from its env
         if _info is None:
             _info = _initialize(_Native() if _ext.ext is not None else None,
                                 [d for d in jax.local_devices() if d.platform == "gpu"])
