@@ -207,7 +207,6 @@ class Rows:
         _kv.put(f"{key}/{self.job.rank}", json.dumps({"rows": self.rows, "startup_s": self.job.startup_s}))
         local_ok = all(r["extra"]["ok"] for r in self.rows)
         if self.job.rank != 0:
-            _kv.get(f"{key}/done", KV_TIMEOUT_S)  # rank 0 (the coordinator) outlives every reader
             return 0 if local_ok else 1
         sent = [json.loads(_kv.get(f"{key}/{r}", KV_TIMEOUT_S)) for r in range(self.job.ranks)]
         startup = max(s["startup_s"] for s in sent)  # pk_jax.initialize() ends when the last rank's does
@@ -223,7 +222,6 @@ class Rows:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             with open(out, "w") as f:
                 json.dump(merged, f, indent=1)
-        _kv.put(f"{key}/done", "1")
         return 1 if failed else 0
 
 
@@ -244,11 +242,26 @@ def merge_rows(per_rank: Sequence[Sequence[dict]], ranks_per_gpu: int, startup_s
     return merged
 
 
-def exit_now(code: int) -> None:
-    """Ends the process without jax.distributed's shutdown barrier (peers may already be gone, and
-    their memory may still be mapped here)."""
+def exit_now(code: int, ranks: Sequence[int] | None = None) -> None:
+    """Ends this process without jax.distributed's shutdown barrier (a peer may be dead, and peers'
+    memory may still be mapped here). Rank 0 hosts the coordination service, whose end aborts every
+    process still connected, so it leaves last: the others of `ranks` (default: all) say goodbye
+    through the KV store and exit at once; rank 0 waits for them and a moment more."""
     sys.stdout.flush()
     sys.stderr.flush()
+    if _kv.available():
+        rank = jax.process_index()
+        ranks = list(range(jax.process_count())) if ranks is None else list(ranks)
+        if rank != 0:
+            _kv.put(f"multirank/exit/{rank}", "1")
+        else:
+            for r in ranks:
+                if r != 0:
+                    try:
+                        _kv.get(f"multirank/exit/{r}", 60)
+                    except TimeoutError as e:
+                        print(f"rank 0: {e}", flush=True)
+            time.sleep(1.0)
     os._exit(code)
 
 
