@@ -214,7 +214,7 @@ class Rows:
         for r in merged:
             e = r["extra"]
             print(f"{'PASS' if e['ok'] else 'FAIL'} {r['op']} {r['case']} {r['dtype']} shape={r['shape']} "
-                  f"group={r['group']} max_err={e['max_err']:.3g}{' ' + e['error'] if 'error' in e else ''}", flush=True)
+                  f"group={r['group']} max_err={_num(e['max_err'])}{' ' + e['error'] if 'error' in e else ''}", flush=True)
         failed = sum(not r["extra"]["ok"] for r in merged)
         print(f"{self.name}: {len(merged) - failed}/{len(merged)} cases passed at {self.job.ranks} ranks "
               f"({self.job.ranks_per_gpu} per GPU)", flush=True)
@@ -225,6 +225,10 @@ class Rows:
         return 1 if failed else 0
 
 
+def _num(x: float | None) -> str:
+    return "none" if x is None else f"{x:.3g}"
+
+
 def merge_rows(per_rank: Sequence[Sequence[dict]], ranks_per_gpu: int, startup_s: float) -> list[dict]:
     """Every rank ran the same cases in the same order; a rank with fewer rows (it stopped early)
     makes the missing cases fail."""
@@ -233,7 +237,8 @@ def merge_rows(per_rank: Sequence[Sequence[dict]], ranks_per_gpu: int, startup_s
     for i, row in enumerate(longest):
         mine = [rows[i] for rows in per_rank if i < len(rows)]
         ok = len(mine) == len(per_rank) and all(r["extra"]["ok"] for r in mine)
-        extra = {"ok": ok, "max_err": max(r["extra"]["max_err"] for r in mine),
+        err = max(r["extra"]["max_err"] for r in mine)
+        extra = {**row["extra"], "ok": ok, "max_err": err if np.isfinite(err) else None,  # None: no result (strict JSON)
                  "ranks_per_gpu": ranks_per_gpu, "startup_s": round(startup_s, 3)}
         errors = [r["extra"]["error"] for r in mine if "error" in r["extra"]]
         if errors:
