@@ -89,7 +89,6 @@ def judge(mode: str, results: list[tuple[int | None, str]]) -> tuple[bool, str, 
 
 
 def driver(args: argparse.Namespace) -> int:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import spawn
 
     if args.cpu:

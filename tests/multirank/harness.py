@@ -29,6 +29,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import pk_jax  # noqa: E402
 from pk_jax import _kv  # noqa: E402  (the one wrapper of jax's distributed key-value store)
+from pk_jax.launch import initialize_from_env  # noqa: E402
 
 KV_TIMEOUT_S = 300.0
 
@@ -54,23 +55,6 @@ def parse_args(doc: str, add: Callable[[argparse.ArgumentParser], None] | None =
     return p.parse_args()
 
 
-def init_distributed() -> None:
-    """jax.distributed.initialize from the environment pk_jax.launch sets (the only place that knows
-    whether the launcher is installed; the fallback reads the same variables)."""
-    try:
-        from pk_jax.launch import initialize_from_env
-    except ImportError:
-        initialize_from_env = None
-    if initialize_from_env is not None:
-        initialize_from_env()
-        return
-    if os.environ.get("JAX_PLATFORMS") == "cpu":
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.config.update("jax_num_cpu_devices", int(os.environ.get("PK_JAX_CPU_DEVICES", "1")))
-    jax.distributed.initialize(os.environ["JAX_COORDINATOR_ADDRESS"], int(os.environ["PK_JAX_NUM_PROCESSES"]),
-                               int(os.environ["PK_JAX_PROCESS_ID"]))
-
-
 @dataclasses.dataclass(frozen=True)
 class Job:
     rank: int
@@ -83,7 +67,7 @@ class Job:
 
 def start_job() -> Job:
     """Joins the job and runs pk_jax.initialize() (timed)."""
-    init_distributed()
+    initialize_from_env()
     t0 = time.perf_counter()
     info = pk_jax.initialize()
     startup = time.perf_counter() - t0
@@ -217,7 +201,7 @@ class Rows:
                   f"group={r['group']} max_err={_num(e['max_err'])}{' ' + e['error'] if 'error' in e else ''}", flush=True)
         failed = sum(not r["extra"]["ok"] for r in merged)
         print(f"{self.name}: {len(merged) - failed}/{len(merged)} cases passed at {self.job.ranks} ranks "
-              f"({self.job.ranks_per_gpu} per GPU)", flush=True)
+              f"(ranks_per_gpu={self.job.ranks_per_gpu}, on {'GPU' if self.job.on_gpu else 'CPU'})", flush=True)
         if out:
             os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
             with open(out, "w") as f:
