@@ -75,13 +75,15 @@ def test_compare_fails_a_wrong_result():
 
 
 def test_merge_fails_a_case_that_failed_or_is_missing_on_any_rank():
-    row = lambda ok, err: {"op": "all_gather", "case": "c", "shape": [2], "dtype": "float32", "group": 2,
-                           "extra": {"ok": ok, "max_err": err}}
-    merged = harness.merge_rows([[row(True, 0.0), row(True, 0.0)], [row(True, 1e-7), row(False, float("inf"))]], 2, 1.5)
+    row = lambda case, ok, err: {"op": "all_gather", "case": case, "shape": [2], "dtype": "float32", "group": 2,
+                                 "extra": {"ok": ok, "max_err": err}}
+    merged = harness.merge_rows([[row("a", True, 0.0), row("b", True, 0.0)],
+                                 [row("a", True, 1e-7), row("b", False, float("inf"))]], 2, 1.5)
     assert [m["extra"]["ok"] for m in merged] == [True, False]
     assert merged[0]["extra"]["max_err"] == 1e-7 and merged[1]["extra"]["max_err"] is None
     assert merged[0]["extra"]["ranks_per_gpu"] == 2 and merged[0]["extra"]["startup_s"] == 1.5
-    assert not harness.merge_rows([[row(True, 0.0)], []], 1, 0.0)[0]["extra"]["ok"]
+    partial = harness.merge_rows([[row("a", True, 0.0), row("b", True, 0.0)], [row("b", True, 0.0)]], 1, 0.0)
+    assert [(m["case"], m["extra"]["ok"]) for m in partial] == [("a", False), ("b", True)]
 
 
 @pytest.mark.parametrize("mode", ["kill", "skip"])

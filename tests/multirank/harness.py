@@ -164,6 +164,7 @@ class Rows:
     job: Job
     name: str  # the script's name: keeps the KV keys of different scripts in one job apart
     rows: list[dict] = dataclasses.field(default_factory=list)
+    stopped: str = ""  # why the remaining cases are not run (the GPU runtime stopped)
 
     def add(self, op: str, case: str, shape: Sequence[int], dtype: str, group: int, ok: bool, max_err: float,
             **extra) -> None:
@@ -175,7 +176,12 @@ class Rows:
 
     def run(self, op: str, case: str, shape: Sequence[int], dtype: str, group: int,
             check: Callable[[], tuple[bool, float]]) -> None:
-        """Runs one check; an exception is a failed row naming it (and the runtime's own error)."""
+        """Runs one check; an exception is a failed row naming it (and the runtime's own error). Once
+        the GPU runtime has stopped (a peer failed), later cases are failed without running: each
+        would only wait PK_JAX_TIMEOUT_MS for peers that stopped too."""
+        if self.stopped:
+            self.add(op, case, shape, dtype, group, False, float("inf"), error=f"not run: {self.stopped}")
+            return
         try:
             ok, err = check()
             self.add(op, case, shape, dtype, group, ok, err)
@@ -183,6 +189,8 @@ class Rows:
             msg = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc(limit=3)
             self.add(op, case, shape, dtype, group, False, float("inf"), error=msg)
+            if "runtime is stopped" in str(e):
+                self.stopped = f"the pk_jax runtime stopped at {op} {case} {dtype}"
 
     def finish(self, out: str | None) -> int:
         """Merges all ranks' rows on rank 0 (ok = all ok, max_err = max), prints one PASS/FAIL line per
@@ -214,12 +222,16 @@ def _num(x: float | None) -> str:
 
 
 def merge_rows(per_rank: Sequence[Sequence[dict]], ranks_per_gpu: int, startup_s: float) -> list[dict]:
-    """Every rank ran the same cases in the same order; a rank with fewer rows (it stopped early)
-    makes the missing cases fail."""
-    longest = max(per_rank, key=len)
+    """One row per case (op, case, dtype, group) in first-seen order: ok when it passed on every rank
+    (a rank that lacks it, having stopped early, fails it), max_err the largest."""
+    key = lambda r: (r["op"], r["case"], r["dtype"], r["group"])
+    order: dict[tuple, list[dict]] = {}
+    for rows in per_rank:
+        for r in rows:
+            order.setdefault(key(r), []).append(r)
     merged = []
-    for i, row in enumerate(longest):
-        mine = [rows[i] for rows in per_rank if i < len(rows)]
+    for mine in order.values():
+        row = mine[0]
         ok = len(mine) == len(per_rank) and all(r["extra"]["ok"] for r in mine)
         err = max(r["extra"]["max_err"] for r in mine)
         extra = {**row["extra"], "ok": ok, "max_err": err if np.isfinite(err) else None,  # None: no result (strict JSON)
@@ -227,6 +239,8 @@ def merge_rows(per_rank: Sequence[Sequence[dict]], ranks_per_gpu: int, startup_s
         errors = [r["extra"]["error"] for r in mine if "error" in r["extra"]]
         if errors:
             extra["error"] = errors[0]
+        elif len(mine) < len(per_rank):
+            extra["error"] = f"ran on {len(mine)} of {len(per_rank)} ranks"
         merged.append({**{k: row[k] for k in ("op", "case", "shape", "dtype", "group")}, "extra": extra})
     return merged
 
