@@ -34,11 +34,12 @@ from pk_jax.launch import initialize_from_env  # noqa: E402
 KV_TIMEOUT_S = 300.0
 
 # Tolerances, elementwise |got - ref| <= tol * (1 + |ref|) against a float32 reference of the rounded
-# inputs. Gathers and all_to_all move bits: exact. Reductions sum in float32 and round once (half an
-# ulp), store-add sums in the output dtype (one rounding per member); GEMMs add the accumulation order.
+# inputs. Gathers and all_to_all move bits: exact. Our reductions sum in float32 and round once (half an
+# ulp); store-add and the jax.lax fallback on CPU sum in the output dtype, one rounding per member (up to
+# 4 here): about 3 ulps (bf16 ulp 2^-7, f16 2^-10). GEMMs add the accumulation order.
 TOLERANCES = {
     "exact": {"float32": 0.0, "bfloat16": 0.0, "float16": 0.0},
-    "reduce": {"float32": 1e-5, "bfloat16": 1.6e-2, "float16": 2e-3},
+    "reduce": {"float32": 1e-5, "bfloat16": 2.4e-2, "float16": 4e-3},
     "gemm": {"float32": 1e-4, "bfloat16": 3e-2, "float16": 4e-3},
 }
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
