@@ -41,9 +41,8 @@ void* open_region(const std::string& handle) {
     cudaGetLastError();
     throw std::runtime_error(std::string("pk_jax: mapping a peer process's GPU memory failed (cudaIpcOpenMemHandle: ") +
                              cudaGetErrorString(e) +
-                             "). The processes' GPUs need a peer-to-peer path (NVLink) and must all be visible to "
-                             "each process (select a process's GPU with jax.distributed.initialize(local_device_ids=...) "
-                             "or JAX_CUDA_VISIBLE_DEVICES, not CUDA_VISIBLE_DEVICES), or share one GPU under MPS.");
+                             "). The processes' GPUs need a peer-to-peer path (NVLink or PCIe P2P), or the ranks must "
+                             "share one GPU under MPS.");
   }
   return p;
 }

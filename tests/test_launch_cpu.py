@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from pk_jax.launch.cli import split_argv
-from pk_jax.launch.rank_env import JobPlan, LaunchError, plan_job, rank_env
+from pk_jax.launch.cli import main, split_argv
+from pk_jax.launch.rank_env import JobPlan, LaunchError, local_gpus, plan_job, rank_env
 
 ROOT = Path(__file__).parent.parent
 SCRIPTS = Path(__file__).parent / "launch_scripts"
@@ -38,11 +38,16 @@ def _pids(stdout: str) -> dict[int, int]:
 
 
 def _alive(pid: int) -> bool:
+    """Running (a zombie counts as gone: orphans wait for whatever reaps in this container)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:  # vanished since os.kill
+        return False
 
 
 def _assert_gone(pids, within_s: float = 5.0) -> None:
@@ -72,27 +77,34 @@ def test_failing_rank_ends_the_job_with_its_code(code, expect_rc, expect_text):
     pids = _pids(res.stdout)
     assert sorted(pids) == [0, 1, 2]
     assert f"rank 1 (pid {pids[1]}) failed: {expect_text}; stopped ranks 0, 2" in res.stderr
-    report = res.stderr.split("last ", 1)[1]
-    assert "lines of rank 1:" in report and "  | line 24 of rank 1" in report and "  | line 2 of rank 1" not in report
-    if code > 0:
-        assert "  | about to fail" in report
+    report = res.stderr.split(f"failed: {expect_text}", 1)[1]
+    assert "pk_jax.launch: last 20 lines of rank 1's stdout:\n  | line 5 of rank 1\n" in report
+    assert "  | line 24 of rank 1" in report and "  | line 4 of rank 1" not in report
+    assert "pk_jax.launch: last 1 lines of rank 1's stderr:\n  | about to fail" in report
     assert "[rank 1] line 0 of rank 1" in res.stdout  # forwarded, prefixed
     _assert_gone(pids.values())
 
 
-@pytest.mark.parametrize("sig, expect_rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_signal_to_the_launcher_stops_every_rank(sig, expect_rc):
+def _sleeping_job() -> tuple[subprocess.Popen, dict[int, int]]:
+    """A launcher with 2 sleeping ranks, once both printed their pids."""
     proc = subprocess.Popen(LAUNCH + ["-n", "2", "--timeout", "60", str(SCRIPTS / "fail_or_sleep.py"), "-1", "0"],
                             env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
     lines: list[str] = []
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 40
+    while len(_pids("".join(lines))) < 2 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    pids = _pids("".join(lines))
+    if len(pids) != 2:
+        proc.kill()
+        pytest.fail(f"the ranks did not start: {''.join(lines)}")
+    return proc, pids
+
+
+@pytest.mark.parametrize("sig, expect_rc", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_launcher_stops_every_rank(sig, expect_rc):
+    proc, pids = _sleeping_job()
     try:
-        deadline = time.monotonic() + 40
-        while len(_pids("".join(lines))) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.05)
-        pids = _pids("".join(lines))
-        assert len(pids) == 2, "".join(lines)
         t0 = time.monotonic()
         proc.send_signal(sig)
         rc = proc.wait(timeout=20)
@@ -104,9 +116,16 @@ def test_signal_to_the_launcher_stops_every_rank(sig, expect_rc):
         proc.wait()
 
 
+def test_ranks_die_with_a_killed_launcher():
+    proc, pids = _sleeping_job()
+    proc.kill()  # SIGKILL: no handler runs; the ranks' parent-death signal ends them
+    proc.wait()
+    _assert_gone(pids.values())
+
+
 def test_timeout_ends_the_job_with_124():
-    res = _launch(["-n", "2", "--timeout", "2", str(SCRIPTS / "fail_or_sleep.py"), "-1", "0"])
-    assert res.returncode == 124 and "timed out after 2 s" in res.stderr
+    res = _launch(["-n", "2", "--timeout", "1.5", str(SCRIPTS / "fail_or_sleep.py"), "-1", "0"])
+    assert res.returncode == 124 and "timed out after 1.5 s" in res.stderr
     _assert_gone(_pids(res.stdout).values())
 
 
@@ -147,7 +166,7 @@ def test_shared_gpu_runs_a_private_mps_daemon_for_the_job(tmp_path):
         assert e["JAX_PROCESS_ID"] == e["PK_JAX_LOCAL_RANK"] == str(r)
         assert e["JAX_NUM_PROCESSES"] == e["PK_JAX_LOCAL_WORLD"] == "2"
         assert re.fullmatch(r"127\.0\.0\.1:\d+", e["JAX_COORDINATOR_ADDRESS"])
-        assert e["CUDA_VISIBLE_DEVICES"] == "3" and e["PYTHONUNBUFFERED"] == "1"
+        assert e["CUDA_VISIBLE_DEVICES"] == "3" and e["PYTHONUNBUFFERED"] == "1" and e["PK_JAX_RANKS_PER_GPU"] == "2"
         assert (e["CUDA_MPS_PIPE_DIRECTORY"], e["CUDA_MPS_LOG_DIRECTORY"]) == (pipe, mps_log)
         assert e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50" and e["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.400"
         assert e["pipe_dir_exists"] == "True" and e["mps_root_mode"] == "0o700"
@@ -165,12 +184,12 @@ def test_ranks_per_gpu_maps_ranks_to_gpus_and_keeps_user_settings(tmp_path):
     assert {e["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for e in envs.values()} == {"40"}
 
 
-def test_shared_gpu_without_mps_binary_is_a_clear_error(tmp_path):
-    env = _env(PATH=str(tmp_path), CUDA_VISIBLE_DEVICES="0")
-    env.pop("CUDA_MPS_PIPE_DIRECTORY", None)
-    res = _launch(["--share-gpu", str(SCRIPTS / "print_env.py")], env=env)
-    assert res.returncode == 2 and "nvidia-cuda-mps-control is not on PATH" in res.stderr
-    assert "[rank" not in res.stdout
+def test_shared_gpu_without_mps_binary_is_a_clear_error(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("PATH", str(tmp_path))  # no nvidia-cuda-mps-control there
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY", raising=False)
+    assert main(["--share-gpu", str(SCRIPTS / "print_env.py")]) == 2  # before any rank starts
+    assert "nvidia-cuda-mps-control is not on PATH" in capsys.readouterr().err
 
 
 def test_split_argv_gives_everything_from_the_script_on_to_the_ranks():
@@ -178,6 +197,13 @@ def test_split_argv_gives_everything_from_the_script_on_to_the_ranks():
     assert split_argv(["--cpu", "-m", "pkg.mod", "--x"]) == (["--cpu"], ["-m", "pkg.mod", "--x"])
     assert split_argv(["--timeout=5", "-n2", "s.py"]) == (["--timeout=5", "-n2"], ["s.py"])
     assert split_argv(["--cpu", "--", "-weird.py"]) == (["--cpu"], ["-weird.py"])
+
+
+def test_local_gpus_reads_cuda_visible_devices_like_cuda():
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "2, 5"}) == ("2", "5")
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "GPU-1a2b,GPU-3c4d"}) == ("GPU-1a2b", "GPU-3c4d")
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": "1,-1,2"}) == ("1",)
+    assert local_gpus({"CUDA_VISIBLE_DEVICES": ""}) == ()
 
 
 def test_plan_job_counts_ranks_and_names_bad_options():

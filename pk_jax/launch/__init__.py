@@ -7,8 +7,9 @@
 
 Each rank is a fresh Python process with, in its environment: JAX_COORDINATOR_ADDRESS (127.0.0.1 and a
 free port), JAX_NUM_PROCESSES, JAX_PROCESS_ID, PK_JAX_LOCAL_RANK, PK_JAX_LOCAL_WORLD, PYTHONUNBUFFERED=1
-and, on GPUs, CUDA_VISIBLE_DEVICES (one GPU; rank i gets GPU i // ranks_per_gpu). jax 0.11's
-`jax.distributed.initialize()` reads only the coordinator address from the environment, so a rank calls
+and, on GPUs, CUDA_VISIBLE_DEVICES (one GPU; rank i gets GPU i // ranks_per_gpu) and PK_JAX_RANKS_PER_GPU.
+jax 0.11's `jax.distributed.initialize()` reads only the coordinator address from the environment, so a
+rank calls
 
     pk_jax.launch.initialize_from_env()   # jax.distributed.initialize(...) with the launcher's values
     pk_jax.initialize()
@@ -20,9 +21,9 @@ With --cpu: JAX_PLATFORMS=cpu, JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo, JAX_NUM_
 
 Output lines are forwarded prefixed `[rank i] `. The first rank to fail (non-zero exit or a signal) ends
 the job: the others get SIGTERM (their whole process group), SIGKILL after a grace period, and the
-launcher prints the failed rank's exit status and last lines and exits with its code (128 + signal for a
-signal). SIGINT/SIGTERM to the launcher stop every rank the same way (exit 130/143); --timeout S ends the
-job after S seconds (exit 124).
+launcher prints the failed rank's exit status and last lines (of stdout and of stderr) and exits with its
+code (128 + signal for a signal). SIGINT/SIGTERM to the launcher stop every rank the same way (exit
+130/143); --timeout S ends the job after S seconds (exit 124).
 """
 
 from pk_jax.launch.initialize import initialize_from_env

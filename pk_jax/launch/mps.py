@@ -14,6 +14,7 @@ from pk_jax.launch.rank_env import MPS_LOG_DIR, MPS_PIPE_DIR, LaunchError
 
 CONTROL = "nvidia-cuda-mps-control"
 _CALL_TIMEOUT_S = 30
+_QUIT_WAIT_S = 5  # for the daemon to exit (its control pipe goes) before its directory is removed
 
 
 def running_daemon(environ: Mapping[str, str]) -> tuple[str, str] | None:
@@ -57,7 +58,7 @@ class MpsDaemon:
         self._started = True
 
     def stop(self) -> None:
-        """Quits the daemon (waits up to 10 s for its control pipe to go) and removes the job's dir."""
+        """Quits the daemon (waits up to 5 s for its control pipe to go) and removes the job's dir."""
         if self._started:
             self._started = False
             try:
@@ -66,9 +67,12 @@ class MpsDaemon:
             except (OSError, subprocess.SubprocessError) as e:
                 print(f"pk_jax.launch: stopping the MPS daemon ({self.dirs[0]}) failed: {e}", file=sys.stderr)
             control = os.path.join(self.dirs[0], "control")
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + _QUIT_WAIT_S
             while os.path.exists(control) and time.monotonic() < deadline:
                 time.sleep(0.1)
+            if os.path.exists(control):
+                print(f"pk_jax.launch: the MPS daemon's control pipe was still there {_QUIT_WAIT_S} s after quit; "
+                      f"removing {self._root} anyway", file=sys.stderr)
         self._remove()
 
     def _remove(self) -> None:

@@ -42,7 +42,12 @@ def local_gpus(environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
     """The GPUs this process may use: CUDA_VISIBLE_DEVICES' entries if set, else `nvidia-smi -L`'s."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return tuple(v.strip() for v in visible.split(",") if v.strip())
+        gpus = []
+        for v in (v.strip() for v in visible.split(",")):
+            if not v or v.startswith("-"):  # as in CUDA: an invalid entry (e.g. -1) ends the list
+                break
+            gpus.append(v)
+        return tuple(gpus)
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return ()
@@ -108,6 +113,7 @@ def rank_env(plan: JobPlan, rank: int, base: Mapping[str, str]) -> dict[str, str
         return env
     if plan.gpus:
         env["CUDA_VISIBLE_DEVICES"] = plan.gpus[rank // plan.ranks_per_gpu]
+        env["PK_JAX_RANKS_PER_GPU"] = str(plan.ranks_per_gpu)
     if plan.ranks_per_gpu > 1:
         env.setdefault(MPS_THREAD_PERCENTAGE, str(100 // plan.ranks_per_gpu))
         env.setdefault(MEM_FRACTION, f"{TOTAL_MEM_FRACTION / plan.ranks_per_gpu:.3f}")

@@ -91,7 +91,9 @@ class Supervisor:
         self._err = err if err is not None else sys.stderr.buffer
         self._lock = threading.Lock()
         self._procs: list[subprocess.Popen] = []
-        self._tails = [collections.deque(maxlen=TAIL_LINES) for _ in self._specs]
+        # Per rank and stream: two pipes are read by two threads, so their relative order is lost.
+        self._tails = [{name: collections.deque(maxlen=TAIL_LINES) for name in ("stdout", "stderr")}
+                       for _ in self._specs]
         self._forwarders: list[_Forwarder] = []
         self._signals: list[int] = []
 
@@ -127,8 +129,8 @@ class Supervisor:
                 start_new_session=True, preexec_fn=_die_with_parent))
         for rank, p in enumerate(self._procs):
             prefix = f"[rank {rank}] ".encode()
-            for pipe, stream in ((p.stdout, self._out), (p.stderr, self._err)):
-                fwd = _Forwarder(pipe, stream, prefix, self._tails[rank], self._lock)
+            for pipe, stream, name in ((p.stdout, self._out, "stdout"), (p.stderr, self._err, "stderr")):
+                fwd = _Forwarder(pipe, stream, prefix, self._tails[rank][name], self._lock)
                 fwd.start()
                 self._forwarders.append(fwd)
 
@@ -157,10 +159,15 @@ class Supervisor:
         rc = p.returncode
         others = [r for r, q in enumerate(self._procs) if q.returncode is None]
         self._stop(grace_s=self._grace_s)
-        tail = "\n".join(f"  | {line}" for line in self._tails[rank]) or "  | (no output)"
         stopped = f"; stopped ranks {', '.join(map(str, others))}" if others else ""
-        self._say(f"rank {rank} (pid {p.pid}) failed: {describe(rc)}{stopped}\n"
-                  f"pk_jax.launch: last {len(self._tails[rank])} lines of rank {rank}:\n{tail}")
+        report = [f"rank {rank} (pid {p.pid}) failed: {describe(rc)}{stopped}"]
+        for name, lines in self._tails[rank].items():
+            if lines:
+                report.append(f"last {len(lines)} lines of rank {rank}'s {name}:\n" +
+                              "\n".join(f"  | {line}" for line in lines))
+        if len(report) == 1:
+            report.append(f"rank {rank} wrote no output")
+        self._say("\npk_jax.launch: ".join(report))
         return exit_code(rc)
 
     def _stop(self, grace_s: float) -> None:

@@ -3,7 +3,6 @@ lines and exits with code argv[2] (or kills itself with signal -argv[2]); every 
 argv[1] = -1 every rank sleeps (for the signal and timeout tests)."""
 
 import os
-import signal
 import sys
 import time
 
