@@ -24,7 +24,7 @@ from pathlib import Path
 from pk_jax.bench import results
 from pk_jax.launch.rank_env import local_gpus
 
-STEP_TIMEOUT_S = 1800
+STEP_TIMEOUT_S = 600  # a step past this has hung (kernels give up on a peer after PK_JAX_TIMEOUT_MS)
 
 
 def scripts_dir() -> Path:
@@ -97,7 +97,7 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
     py = sys.executable
     rows: list[dict] = []
     failed_steps: list[str] = []
-    with open(log_path, "w") as log, tempfile.TemporaryDirectory(prefix="pk_jax_multirank_") as tmp:
+    with open(log_path, "w", buffering=1) as log, tempfile.TemporaryDirectory(prefix="pk_jax_multirank_") as tmp:
         for n in ranks:
             k = per_gpu(n, ranks_per_gpu, cpu)
             launch = [py, "-m", "pk_jax.launch", "-n", str(n), "--timeout", str(STEP_TIMEOUT_S - 60)]
