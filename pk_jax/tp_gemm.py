@@ -12,7 +12,7 @@ and cached on disk (pk_jax/autotune.py); keyword arguments override it (num_comm
 schedule="xla" runs the unfused composition, which the autotuner also picks where it is faster).
 Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple of 128, ...)
 the composition itself runs, with a one-time warning on GPUs. Gradients are those of the
-composition (the backward pass runs the XLA ops).
+composition (the backward pass runs it on pk_jax's collectives: TpSpec.pk_apply).
 """
 
 from __future__ import annotations
@@ -78,6 +78,22 @@ class TpSpec:
         if self.op == "matmul_reduce_scatter":
             return jax.lax.psum_scatter(partial, name, scatter_dimension=0, tiled=True), aux
         return jax.lax.psum(partial, name), aux
+
+    def pk_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """The composition on pk_jax's own collectives: the backward pass differentiates this, so it runs
+        on our kernels too, also where XLA's collectives cannot (ranks sharing one GPU)."""
+        from pk_jax import collectives  # builds on the same primitives; imported late (no cycle at import)
+
+        name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
+        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
+        if self.op == "all_gather_matmul":
+            gathered = collectives.all_gather(x, name, axis=0, tiled=True)
+            return dot(gathered), gathered
+        partial = dot(x)
+        aux = partial[:0] if self.intra_sm else partial
+        if self.op == "matmul_reduce_scatter":
+            return collectives.reduce_scatter(partial, name, scatter_dimension=0, tiled=True), aux
+        return collectives.all_reduce(partial, name), aux
 
 
 pk_tp_gemm_p = core.Primitive("pk_tp_gemm")
@@ -293,9 +309,9 @@ def _fused_fwd(x, w, spec):
 def _fused_bwd(spec, res, cts):
     x, w = res
     if spec.op == "all_gather_matmul":  # the gathered x is a user-visible output: its cotangent counts
-        _, vjp = jax.vjp(spec.lax_apply, x, w)
+        _, vjp = jax.vjp(spec.pk_apply, x, w)
         return vjp(cts)
-    _, vjp = jax.vjp(lambda a, b: spec.lax_apply(a, b)[0], x, w)  # RS/AR: the second output is scratch
+    _, vjp = jax.vjp(lambda a, b: spec.pk_apply(a, b)[0], x, w)  # RS/AR: the second output is scratch
     return vjp(cts[0])
 
 

@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,multirank} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -33,8 +33,9 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync"],
-                   help="which suite to run (demo: one row per op family, under two minutes)")
+    p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "multirank"],
+                   help="which suite to run (demo: one row per op family, under two minutes; multirank: the "
+                        "multi-process correctness suite, tests/multirank)")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
@@ -43,7 +44,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="multirank: process counts (default 2 4)")
+    p.add_argument("--ranks-per-gpu", default="auto",
+                   help="multirank: ranks sharing one GPU; auto: ceil(ranks / GPUs) (default)")
+    p.add_argument("--cpu", action="store_true", help="multirank: CPU ranks (gloo; the jax.lax fallbacks)")
+    p.add_argument("--calls", type=int, default=1000, help="multirank: calls of the soak (default 1000)")
     args = p.parse_args(argv)
+    if args.suite == "multirank":  # before any jax backend starts here: the ranks need the GPUs
+        from pk_jax.bench import multirank
+
+        return multirank.run(args.ranks, args.ranks_per_gpu, args.cpu, args.quick, args.calls, args.out)
     _ensure_flags()
     import jax
 

@@ -29,10 +29,11 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write(path: str, suite: str, rows: Sequence[dict]) -> dict:
+def write(path: str, suite: str, rows: Sequence[dict], device: str | None = None) -> dict:
+    """`device`: as in device_description() (pass it where this process must not start a jax backend)."""
     doc = {
         "suite": suite,
-        "device": device_description(),
+        "device": device or device_description(),
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
         "command": "python -m pk_jax.bench " + " ".join(sys.argv[1:]),
