@@ -38,6 +38,29 @@ const Api& api() {
   return a;
 }
 
+const MulticastApi& multicast_api() {
+  static MulticastApi a;
+  static std::string error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    try {
+      resolve(a.multicast_get_granularity, "cuMulticastGetGranularity");
+      resolve(a.multicast_create, "cuMulticastCreate");
+      resolve(a.multicast_add_device, "cuMulticastAddDevice");
+      resolve(a.multicast_bind_mem, "cuMulticastBindMem");
+      resolve(a.multicast_unbind, "cuMulticastUnbind");
+      resolve(a.mem_export_to_shareable_handle, "cuMemExportToShareableHandle");
+      resolve(a.mem_import_from_shareable_handle, "cuMemImportFromShareableHandle");
+      resolve(a.device_get_attribute, "cuDeviceGetAttribute");
+      resolve(a.device_get, "cuDeviceGet");
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  if (!error.empty()) throw std::runtime_error(error);
+  return a;
+}
+
 void check(CUresult r, const char* what) {
   if (r == CUDA_SUCCESS) return;
   const char* msg = "unknown error";
