@@ -27,6 +27,13 @@ class DeviceScope {
   int prev_ = 0;
 };
 
+// The caller's device: its primary context serves the calls that name no device.
+int current_device() {
+  int d = 0;
+  cudaGetDevice(&d);
+  return d;
+}
+
 CUmemAllocationProp physical_prop(int ordinal) {
   CUmemAllocationProp prop = {};
   prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
@@ -57,6 +64,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   size_t multicast_granularity(int num_devices, size_t bytes) override {
+    DeviceScope scope(current_device());
     const CUmulticastObjectProp prop = multicast_prop(num_devices, bytes);
     size_t g = 0;
     driver::check(driver::multicast_api().multicast_get_granularity(&g, &prop, CU_MULTICAST_GRANULARITY_RECOMMENDED),
@@ -73,6 +81,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   uint64_t create_multicast(int num_devices, size_t bytes) override {
+    DeviceScope scope(current_device());
     const CUmulticastObjectProp prop = multicast_prop(num_devices, bytes);
     CUmemGenericAllocationHandle h = 0;
     driver::check(driver::multicast_api().multicast_create(&h, &prop), "cuMulticastCreate");
@@ -80,6 +89,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   int export_fd(uint64_t handle) override {
+    DeviceScope scope(current_device());
     int fd = -1;
     driver::check(driver::multicast_api().mem_export_to_shareable_handle(
                       &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
@@ -88,6 +98,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   uint64_t import_fd(int fd) override {
+    DeviceScope scope(current_device());
     CUmemGenericAllocationHandle h = 0;
     driver::check(driver::multicast_api().mem_import_from_shareable_handle(
                       &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
@@ -96,6 +107,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   void add_device(uint64_t multicast, int device) override {
+    DeviceScope scope(device);
     const auto& mc = driver::multicast_api();
     CUdevice dev;
     driver::check(mc.device_get(&dev, device), "cuDeviceGet");
@@ -110,12 +122,14 @@ class CudaMulticastDriver final : public MulticastDriver {
     return h;
   }
 
-  void bind(uint64_t multicast, uint64_t physical, size_t bytes) override {
+  void bind(uint64_t multicast, int device, uint64_t physical, size_t bytes) override {
+    DeviceScope scope(device);
     driver::check(driver::multicast_api().multicast_bind_mem(multicast, 0, physical, 0, bytes, 0),
                   "cuMulticastBindMem");
   }
 
   void unbind(uint64_t multicast, int device, size_t bytes) override {
+    DeviceScope scope(device);
     const auto& mc = driver::multicast_api();
     CUdevice dev;
     driver::check(mc.device_get(&dev, device), "cuDeviceGet");

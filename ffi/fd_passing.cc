@@ -79,6 +79,7 @@ void read_exactly(int fd, char* buf, size_t n) {
     if (r == 0) fail("peer closed the connection mid-message");
     if (r < 0) {
       if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) fail("a peer stalled mid-message past the timeout");
       fail_errno("recv");
     }
     buf += r;

@@ -67,8 +67,8 @@ struct PyMulticastDriver : pk::MulticastDriver {
   uint64_t create_physical(int device, size_t bytes) override {
     PK_PY_OVERRIDE(create_physical, device, bytes);
   }
-  void bind(uint64_t multicast, uint64_t physical, size_t bytes) override {
-    PK_PY_OVERRIDE(bind, multicast, physical, bytes);
+  void bind(uint64_t multicast, int device, uint64_t physical, size_t bytes) override {
+    PK_PY_OVERRIDE(bind, multicast, device, physical, bytes);
   }
   void unbind(uint64_t multicast, int device, size_t bytes) override {
     PK_PY_OVERRIDE(unbind, multicast, device, bytes);

@@ -111,17 +111,17 @@ void MulticastGroup::set_up(const MulticastRequest& req, MulticastTransport& t) 
     if (!req.single_process) fd = driver_.export_fd(multicast_);
   });
   if (!req.single_process) {
+    struct Closer {
+      int fd;
+      ~Closer() {
+        if (fd >= 0) ::close(fd);
+      }
+    } exported{fd};  // the root's copy; the driver keeps the object
     const int received = t.share_fd(req.is_root ? fd : -1);
     phase(t, "import", [&] {
-      if (req.is_root) {
-        ::close(fd);
-        return;
-      }
+      if (req.is_root) return;
       if (received < 0) throw std::runtime_error("no multicast handle arrived from the root process");
-      struct Closer {
-        int fd;
-        ~Closer() { ::close(fd); }
-      } closer{received};
+      Closer closer{received};
       multicast_ = driver_.import_fd(received);
       have_multicast_ = true;
     });
@@ -139,7 +139,7 @@ void MulticastGroup::set_up(const MulticastRequest& req, MulticastTransport& t) 
       bound_.push_back(false);
       MulticastMember& m = members_.back();
       m.physical = driver_.create_physical(dev, bytes_);
-      driver_.bind(multicast_, m.physical, bytes_);
+      driver_.bind(multicast_, dev, m.physical, bytes_);
       bound_.back() = true;
       m.unicast = driver_.map(m.physical, dev, bytes_, alignment_);
       m.multicast = driver_.map(multicast_, dev, bytes_, alignment_);

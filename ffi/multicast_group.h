@@ -32,7 +32,7 @@ class MulticastDriver {
   virtual uint64_t import_fd(int fd) = 0;                               // does not close the fd
   virtual void add_device(uint64_t multicast, int device) = 0;
   virtual uint64_t create_physical(int device, size_t bytes) = 0;       // POSIX-fd exportable
-  virtual void bind(uint64_t multicast, uint64_t physical, size_t bytes) = 0;
+  virtual void bind(uint64_t multicast, int device, uint64_t physical, size_t bytes) = 0;
   virtual void unbind(uint64_t multicast, int device, size_t bytes) = 0;
   // Reserves a VA range (aligned to `alignment`), maps `handle` there and grants `device` read/write;
   // returns the address.

@@ -38,6 +38,28 @@ struct MulticastPgl {
   int32_t op;           // OpCode for the error report
 };
 
+// A member's multicast region for collectives of up to `data_bytes` per member: the data, then the
+// signal pad (128-byte aligned). Ask MulticastGroup for region_bytes(data_bytes).
+constexpr size_t pad_offset(size_t data_bytes) { return (data_bytes + 127) / 128 * 128; }
+constexpr size_t region_bytes(size_t data_bytes) { return pad_offset(data_bytes) + sizeof(SignalPad); }
+
+// The PGL of one member over its region, from the member's unicast and multicast base addresses
+// (MulticastMember::unicast / ::multicast).
+inline MulticastPgl make_pgl(uint64_t unicast, uint64_t multicast, size_t data_bytes, int rank, int size,
+                             uint64_t timeout_ns, ErrorRecord* err, int32_t op) {
+  MulticastPgl p;
+  p.data_uc = reinterpret_cast<void*>(unicast);
+  p.data_mc = reinterpret_cast<void*>(multicast);
+  p.pad_uc = reinterpret_cast<SignalPad*>(unicast + pad_offset(data_bytes));
+  p.pad_mc = reinterpret_cast<SignalPad*>(multicast + pad_offset(data_bytes));
+  p.rank = rank;
+  p.size = size;
+  p.timeout_ns = timeout_ns;
+  p.err = err;
+  p.op = op;
+  return p;
+}
+
 // In-place all-reduce of `nbytes` (a multiple of 16) at data_mc: each member sums its 1/G slice over the
 // group with multimem.ld_reduce (f32 accumulation for bf16/f16) and stores it to every member with
 // multimem.st; a multicast barrier before (inputs in place) and after (results landed). Every member must

@@ -287,8 +287,8 @@ class FakeDriver(ext.MulticastDriver):
         self._call("create_physical", device, nbytes)
         return self._new()
 
-    def bind(self, multicast, physical, nbytes):
-        self._call("bind", multicast, physical, nbytes)
+    def bind(self, multicast, device, physical, nbytes):
+        self._call("bind", multicast, device, physical, nbytes)
 
     def unbind(self, multicast, device, nbytes):
         self._call("unbind", multicast, device, nbytes)
@@ -419,7 +419,7 @@ def test_two_process_group_exchanges_the_handle(opted_in, job_dir):
     assert drivers[0].names().count("export_fd") == 1 and "create_multicast" not in drivers[1].names()
     assert ("add_device", root_handle, 0) in drivers[0].calls
     assert ("add_device", root_handle, 1) in drivers[1].calls  # rank 1 imported the root's object
-    assert ("bind", root_handle, 0x901, 4 * MiB) in drivers[1].calls
+    assert ("bind", root_handle, 1, 0x901, 4 * MiB) in drivers[1].calls
     g0.close()
     g1.close()
     assert drivers[0].live == set() and drivers[1].live == set()
