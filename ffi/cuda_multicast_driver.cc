@@ -9,6 +9,7 @@
 
 #include "driver_api.h"
 #include "multicast_group.h"
+#include "multicast_policy.h"
 
 namespace pk {
 namespace {
@@ -26,6 +27,13 @@ class DeviceScope {
  private:
   int prev_ = 0;
 };
+
+// Defense in depth: MulticastGroup asks the policy first, but no multicast driver step runs without it
+// even if someone calls the driver directly.
+void require_policy() {
+  const MulticastPolicy p = multicast_policy();
+  if (!p.allowed) throw std::runtime_error("pk_jax: multicast refused: " + p.reason);
+}
 
 // The caller's device: its primary context serves the calls that name no device.
 int current_device() {
@@ -54,6 +62,7 @@ CUmulticastObjectProp multicast_prop(int num_devices, size_t bytes) {
 class CudaMulticastDriver final : public MulticastDriver {
  public:
   bool multicast_supported(int device) override {
+    require_policy();
     const auto& mc = driver::multicast_api();
     CUdevice dev;
     driver::check(mc.device_get(&dev, device), "cuDeviceGet");
@@ -64,6 +73,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   size_t multicast_granularity(int num_devices, size_t bytes) override {
+    require_policy();
     DeviceScope scope(current_device());
     const CUmulticastObjectProp prop = multicast_prop(num_devices, bytes);
     size_t g = 0;
@@ -73,6 +83,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   size_t allocation_granularity(int device) override {
+    require_policy();
     const CUmemAllocationProp prop = physical_prop(device);
     size_t g = 0;
     driver::check(driver::api().mem_get_allocation_granularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED),
@@ -81,6 +92,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   uint64_t create_multicast(int num_devices, size_t bytes) override {
+    require_policy();
     DeviceScope scope(current_device());
     const CUmulticastObjectProp prop = multicast_prop(num_devices, bytes);
     CUmemGenericAllocationHandle h = 0;
@@ -89,6 +101,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   int export_fd(uint64_t handle) override {
+    require_policy();
     DeviceScope scope(current_device());
     int fd = -1;
     driver::check(driver::multicast_api().mem_export_to_shareable_handle(
@@ -98,6 +111,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   uint64_t import_fd(int fd) override {
+    require_policy();
     DeviceScope scope(current_device());
     CUmemGenericAllocationHandle h = 0;
     driver::check(driver::multicast_api().mem_import_from_shareable_handle(
@@ -107,6 +121,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   void add_device(uint64_t multicast, int device) override {
+    require_policy();
     DeviceScope scope(device);
     const auto& mc = driver::multicast_api();
     CUdevice dev;
@@ -115,6 +130,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   uint64_t create_physical(int device, size_t bytes) override {
+    require_policy();
     DeviceScope scope(device);
     const CUmemAllocationProp prop = physical_prop(device);
     CUmemGenericAllocationHandle h = 0;
@@ -123,6 +139,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   void bind(uint64_t multicast, int device, uint64_t physical, size_t bytes) override {
+    require_policy();
     DeviceScope scope(device);
     driver::check(driver::multicast_api().multicast_bind_mem(multicast, 0, physical, 0, bytes, 0),
                   "cuMulticastBindMem");
@@ -137,6 +154,7 @@ class CudaMulticastDriver final : public MulticastDriver {
   }
 
   uint64_t map(uint64_t handle, int device, size_t bytes, size_t alignment) override {
+    require_policy();
     DeviceScope scope(device);
     const auto& d = driver::api();
     CUdeviceptr va = 0;
@@ -163,6 +181,7 @@ class CudaMulticastDriver final : public MulticastDriver {
     driver::check(d.mem_address_free(address, bytes), "cuMemAddressFree");
   }
 
+  // Teardown (unbind, unmap, release) runs whatever the policy says now: what was made must be undone.
   void release(uint64_t handle) override { driver::check(driver::api().mem_release(handle), "cuMemRelease"); }
 };
 

@@ -203,6 +203,29 @@ void bind_multicast(nb::module_& m) {
         nb::arg("group_size"), nb::arg("local_devices"), nb::arg("is_root"), nb::arg("single_process"),
         nb::arg("bytes"), nb::arg("driver"), nb::arg("transport"));
 
+  // The real driver and the runtime's set-up function, callable only while the policy refuses: then
+  // they must refuse before any CUDA call (the tests check the messages). Return the refusal text.
+  m.def("cuda_multicast_refusals", [](const std::vector<int>& ordinals, size_t bytes) {
+    if (pk::multicast_policy().allowed)
+      throw std::runtime_error("cuda_multicast_refusals: only callable while the multicast policy refuses");
+    std::vector<std::string> out;
+    for (int step = 0; step < 3; ++step) {
+      try {
+        pk::MulticastDriver& d = pk::cuda_multicast_driver();
+        if (step == 0) d.multicast_supported(ordinals.at(0));
+        if (step == 1) d.create_multicast(int(ordinals.size()), bytes);
+        if (step == 2) d.create_physical(ordinals.at(0), bytes);
+        out.push_back("");
+      } catch (const std::exception& e) {
+        out.push_back(e.what());
+      }
+    }
+    std::string why_not;
+    const auto g = pk::create_local_multicast_group(ordinals, bytes, why_not);
+    out.push_back(g ? std::string("") : why_not);
+    return out;
+  });
+
   // The multimem kernels refuse to launch unless configure() ran under an allowing policy. Checked with
   // the policy refusing only (so nothing can launch); launches nothing.
   m.def("multimem_launch_refused", [] {

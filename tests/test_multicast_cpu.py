@@ -98,6 +98,18 @@ def test_plan_names_a_bad_supported_list(opted_in):
         pk_jax.runtime.multicast_plan(4, MiB, [True] * 3)
 
 
+@pytest.mark.parametrize("var", list(REFUSING) + ["PK_JAX_ENABLE_MULTICAST"])
+def test_cuda_driver_and_runtime_set_up_refuse_first(clean_env, var):
+    """The real driver's creating steps and create_local_multicast_group refuse before any CUDA call."""
+    if var in REFUSING:
+        clean_env.setenv("PK_JAX_ENABLE_MULTICAST", "1")
+        clean_env.setenv(var, REFUSING[var])
+    supported, create, physical, local_group = ext.cuda_multicast_refusals([0, 1], MiB)
+    for why in (supported, create, physical):
+        assert why.startswith("pk_jax: multicast refused:") and var in why, why
+    assert local_group.startswith("multicast refused:") and var in local_group, local_group
+
+
 def test_multimem_kernels_refuse_to_launch_without_configure(clean_env):
     assert ext.multimem_launch_refused()
 
