@@ -114,8 +114,9 @@ class CudaMulticastDriver final : public MulticastDriver {
     require_policy();
     DeviceScope scope(current_device());
     CUmemGenericAllocationHandle h = 0;
-    driver::check(driver::multicast_api().mem_import_from_shareable_handle(
-                      &h, reinterpret_cast<void*>(static_cast<uintptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+    void* os_handle = reinterpret_cast<void*>(static_cast<uintptr_t>(fd));
+    driver::check(driver::multicast_api().mem_import_from_shareable_handle(&h, os_handle,
+                                                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
                   "cuMemImportFromShareableHandle");
     return h;
   }

@@ -60,7 +60,8 @@ sockaddr_un address(const std::string& path) {
   a.sun_family = AF_UNIX;
   if (path.size() >= sizeof(a.sun_path))
     fail("socket path too long (" + std::to_string(path.size()) + " bytes, limit " +
-         std::to_string(sizeof(a.sun_path) - 1) + "): " + path + "; point XDG_RUNTIME_DIR or TMPDIR at a shorter directory");
+         std::to_string(sizeof(a.sun_path) - 1) + "): " + path +
+         "; point XDG_RUNTIME_DIR or TMPDIR at a shorter directory");
   std::memcpy(a.sun_path, path.c_str(), path.size() + 1);
   return a;
 }
@@ -152,7 +153,8 @@ Endpoint::~Endpoint() {
 std::string Endpoint::socket_path(int rank) const { return dir_ + "/rank-" + std::to_string(rank) + ".sock"; }
 
 void Endpoint::send(int peer, int fd, const std::string& payload, int timeout_ms) {
-  if (payload.size() > kMaxPayload) fail("payload of " + std::to_string(payload.size()) + " bytes exceeds " + std::to_string(kMaxPayload));
+  if (payload.size() > kMaxPayload)
+    fail("payload of " + std::to_string(payload.size()) + " bytes exceeds " + std::to_string(kMaxPayload));
   const auto deadline = Clock::now() + std::chrono::milliseconds(timeout_ms);
   const std::string target = socket_path(peer);
   const sockaddr_un a = address(target);
@@ -172,7 +174,8 @@ void Endpoint::send(int peer, int fd, const std::string& payload, int timeout_ms
       fail_errno("connect to rank " + std::to_string(peer) + " at " + target);
     }
     if (remaining_ms(deadline) == 0)
-      fail("rank " + std::to_string(peer) + " did not listen at " + target + " within " + std::to_string(timeout_ms) + " ms");
+      fail("rank " + std::to_string(peer) + " did not listen at " + target + " within " + std::to_string(timeout_ms) +
+           " ms");
     std::this_thread::sleep_for(std::chrono::milliseconds(2));
   }
   Header h{kMagic, rank_, uint32_t(payload.size()), fd >= 0 ? 1u : 0u};
@@ -256,9 +259,12 @@ Message Endpoint::receive(int timeout_ms) {
     if (msg.msg_flags & MSG_CTRUNC) fail("a control message was truncated (more fds than expected)");
     if (size_t(r) < sizeof(h)) read_exactly(c.fd, reinterpret_cast<char*>(&h) + r, sizeof(h) - size_t(r));
     if (h.magic != kMagic) fail("a connection sent something that is not a pk_jax message");
-    if (h.payload_bytes > kMaxPayload) fail("a peer announced a payload of " + std::to_string(h.payload_bytes) + " bytes");
+    if (h.payload_bytes > kMaxPayload)
+      fail("a peer announced a payload of " + std::to_string(h.payload_bytes) + " bytes");
     if ((h.has_fd != 0) != (out.fd >= 0)) fail("a peer's message and its fd disagree");
-    if (!job_pids_.empty() && (h.sender < 0 || size_t(h.sender) >= job_pids_.size() || job_pids_[h.sender] != cred.pid)) {
+    const bool pid_matches_rank =
+        h.sender >= 0 && size_t(h.sender) < job_pids_.size() && job_pids_[h.sender] == cred.pid;
+    if (!job_pids_.empty() && !pid_matches_rank) {
       ++rejected_;
       last_rejection_ = "pid " + std::to_string(cred.pid) + " claimed to be rank " + std::to_string(h.sender);
       continue;  // `received` closes the fd it sent
@@ -296,7 +302,8 @@ bool SocketTransport::all_agree(bool mine) {
     std::vector<bool> heard(num_ranks_, false);
     for (int i = 1; i < num_ranks_; ++i) {
       const Message m = expect("vote");
-      if (m.sender <= 0 || m.sender >= num_ranks_ || heard[m.sender]) fail("duplicate or unknown vote from rank " + std::to_string(m.sender));
+      if (m.sender <= 0 || m.sender >= num_ranks_ || heard[m.sender])
+        fail("duplicate or unknown vote from rank " + std::to_string(m.sender));
       heard[m.sender] = true;
       all = all && m.payload.back() == '1';
     }

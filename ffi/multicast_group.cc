@@ -64,7 +64,8 @@ std::unique_ptr<MulticastGroup> MulticastGroup::create(const MulticastRequest& r
     for (int dev : req.local_devices) {
       try {
         if (!driver.multicast_supported(dev)) {
-          mine = "GPU " + std::to_string(dev) + " reports no multicast support (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)";
+          mine = "GPU " + std::to_string(dev) +
+                 " reports no multicast support (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED)";
           break;
         }
       } catch (const std::exception& e) {
