@@ -8,11 +8,12 @@
 namespace pk::driver {
 namespace {
 
+// `version`: the CUDA version whose ABI of the entry point we call (12.0; multicast appeared in 12.1).
 template <typename F>
-void resolve(F& fn, const char* name) {
+void resolve(F& fn, const char* name, unsigned version = 12000) {
   void* p = nullptr;
   cudaDriverEntryPointQueryResult status;
-  const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, 12000, cudaEnableDefault, &status);
+  const cudaError_t e = cudaGetDriverEntryPointByVersion(name, &p, version, cudaEnableDefault, &status);
   if (e != cudaSuccess || status != cudaDriverEntryPointSuccess || p == nullptr)
     throw std::runtime_error(std::string("pk_jax: CUDA driver entry point ") + name + " is unavailable");
   fn = reinterpret_cast<F>(p);
@@ -36,6 +37,29 @@ const Api& api() {
     resolve(a.tensor_map_encode_tiled, "cuTensorMapEncodeTiled");
     resolve(a.mem_get_address_range, "cuMemGetAddressRange");
   });
+  return a;
+}
+
+const MulticastApi& multicast_api() {
+  static MulticastApi a;
+  static std::string error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    try {
+      resolve(a.multicast_get_granularity, "cuMulticastGetGranularity", 12010);
+      resolve(a.multicast_create, "cuMulticastCreate", 12010);
+      resolve(a.multicast_add_device, "cuMulticastAddDevice", 12010);
+      resolve(a.multicast_bind_mem, "cuMulticastBindMem", 12010);
+      resolve(a.multicast_unbind, "cuMulticastUnbind", 12010);
+      resolve(a.mem_export_to_shareable_handle, "cuMemExportToShareableHandle");
+      resolve(a.mem_import_from_shareable_handle, "cuMemImportFromShareableHandle");
+      resolve(a.device_get_attribute, "cuDeviceGetAttribute");
+      resolve(a.device_get, "cuDeviceGet");
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  if (!error.empty()) throw std::runtime_error(error);
   return a;
 }
 

@@ -22,6 +22,24 @@ struct Api {
 // Loads the entry points once; throws std::runtime_error naming a missing one.
 const Api& api();
 
+// The multicast entry points (NVLink SHARP / multimem). Separate from Api and resolved only on the first
+// multicast_api() call, i.e. only when multicast was requested: a driver without them must not break init.
+struct MulticastApi {
+  decltype(&cuMulticastGetGranularity) multicast_get_granularity;
+  decltype(&cuMulticastCreate) multicast_create;
+  decltype(&cuMulticastAddDevice) multicast_add_device;
+  decltype(&cuMulticastBindMem) multicast_bind_mem;
+  decltype(&cuMulticastUnbind) multicast_unbind;
+  decltype(&cuMemExportToShareableHandle) mem_export_to_shareable_handle;
+  decltype(&cuMemImportFromShareableHandle) mem_import_from_shareable_handle;
+  decltype(&cuDeviceGetAttribute) device_get_attribute;
+  decltype(&cuDeviceGet) device_get;
+};
+
+// Loads the multicast entry points once; throws std::runtime_error naming a missing one (and keeps
+// throwing on later calls, so a caller can fall back to peer-to-peer).
+const MulticastApi& multicast_api();
+
 // Throws std::runtime_error with the driver's message.
 void check(CUresult r, const char* what);
 

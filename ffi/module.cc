@@ -21,6 +21,8 @@
 
 namespace nb = nanobind;
 
+void bind_multicast(nb::module_& m);  // multicast_bindings.cc
+
 extern "C" XLA_FFI_Error* PkCollective(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
@@ -206,4 +208,6 @@ NB_MODULE(_pk_jax_ext, m) {
     if (!error.empty()) throw nb::value_error(error.c_str());
     return std::make_pair(g.ids, g.rank);
   });
+  // Multicast: the transport plan, fd passing, MulticastGroup with injected driver/transport (CPU tests).
+  bind_multicast(m);
 }

@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "../kernels/gemm.cuh"
+#include "../kernels/multimem_collectives.cuh"
 #include "../kernels/tp_gemm.cuh"
 #include "cuda_check.h"
 #include "peer_memory.h"
@@ -106,6 +107,7 @@ void Runtime::load_kernels_and_errors(size_t i, int ordinal) {
   PK_CUDA(configure_kernels());
   PK_CUDA(gemm::configure_once(ordinal));
   PK_CUDA(tp::configure());
+  PK_CUDA(multimem::configure());  // loads the multimem kernels only where the multicast policy allows it
   cudaDeviceProp prop;
   PK_CUDA(cudaGetDeviceProperties(&prop, ordinal));
   d.num_sms = prop.multiProcessorCount;  // under MPS: the SMs this process was given

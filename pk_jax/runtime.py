@@ -10,6 +10,7 @@ the group's GPUs, so there is no heap size to choose and no input is too large.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import jax
 
@@ -99,6 +100,25 @@ def stats() -> dict[str, int]:
     """Counters of the runtime: `staged_buffers`, buffers that went through the staging heap (multi-process
     jobs; 0 when every buffer lay in the memory shared at start-up)."""
     return {"staged_buffers": int(_ext.ext.staged_buffers()) if _ext.ext is not None else 0}
+
+
+def multicast_plan(group_size: int, nbytes: int, supported: Sequence[bool], *, num_hosts: int = 1,
+                   region_bytes: int | None = None) -> tuple[str, str]:
+    """("multimem" | "peer_to_peer", reason): the transport a collective over `group_size` GPUs moving
+    `nbytes` per GPU would take. `supported[r]`: whether member r's GPU reports multicast support
+    (CU_DEVICE_ATTRIBUTE_MULTICAST_SUPPORTED); `num_hosts`: hosts the group spans; `region_bytes`: bytes
+    per GPU of the group's multicast region (None: not limiting). The policy's refusal (see
+    multicast_policy) always wins. The multimem path is built and unit-tested but unmeasured on hardware."""
+    supported = [bool(s) for s in supported]
+    if len(supported) != group_size:
+        raise ValueError(f"multicast_plan: supported lists {len(supported)} GPUs for group_size={group_size}; "
+                         "pass one flag per member")
+    if nbytes < 0:
+        raise ValueError(f"multicast_plan: nbytes must be >= 0, got {nbytes}")
+    if _ext.ext is None:
+        return "peer_to_peer", "multicast refused: the CUDA extension is not installed"
+    return _ext.ext.multicast_plan(int(group_size), int(nbytes), supported, int(num_hosts),
+                                   -1 if region_bytes is None else int(region_bytes))
 
 
 def lowering_group(ctx, axis_name) -> tuple[object | None, str | None]:
