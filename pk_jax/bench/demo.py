@@ -90,7 +90,17 @@ def _rel_err(a: jax.Array, b: jax.Array) -> float:
 
 
 def run(reps: int = 10, dtype=jnp.bfloat16) -> list[dict]:
+    """Times every item this machine can run; rows in the results format (skipped items say why)."""
+    before = os.environ.get("PK_JAX_AUTOTUNE")
     os.environ.setdefault("PK_JAX_AUTOTUNE", "0")  # cached or default schedules: tuning takes minutes
+    try:
+        return _run(reps, dtype)
+    finally:
+        if before is None:
+            os.environ.pop("PK_JAX_AUTOTUNE", None)
+
+
+def _run(reps: int, dtype) -> list[dict]:
     devices = jax.devices()
     on_gpu = devices[0].platform == "gpu"
     g = len(devices)
