@@ -69,7 +69,7 @@ def test_vmap():
 
 
 def test_grad_with_rows_not_a_multiple_of_8():
-    # dB contracts over M: M = 5 (and a 1-D a, M = 1) must take the jnp.dot path, not the kernel.
+    # dB = aᵀ g contracts over M: M = 5 (and a 1-D a, M = 1), a K the kernel takes (only stored rows need % 8).
     for a_shape in [(5, 16), (16,)]:
         a, b = rand(8, a_shape), rand(9, (16, 24))
         ga, gb = jax.grad(lambda x, y: pk_jax.matmul(x, y, out_dtype=jnp.float32).sum(), argnums=(0, 1))(a, b)

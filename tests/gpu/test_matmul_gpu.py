@@ -89,7 +89,7 @@ def test_batched_and_grad():
     for g, r in ((ga, ra), (gb, rb)):
         g, r = np.asarray(g.astype(jnp.float32)), np.asarray(r)
         assert np.linalg.norm(g - r) / np.linalg.norm(r) < 2e-2
-    # M not a multiple of 8: dB = a^T @ g contracts over M, which the kernel cannot take -> jnp.dot.
+    # M = 100: dB = aᵀ g contracts over M, read in place (a, g stored (M, .)): the kernel with K = 100.
     a5 = rand((100, 512), jnp.bfloat16)
     g5 = jax.jit(jax.grad(lambda x, y: pk_jax.matmul(x, y, out_dtype=jnp.float32).sum(), argnums=1))(a5, b)
     r5 = np.asarray(a5, np.float32).sum(0)[:, None] * np.ones((1, 384), np.float32)
