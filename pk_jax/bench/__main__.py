@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
+    p.add_argument("--layouts", action="store_true",
+                   help="gemm: only the backward layouts' rows (NT, TN on the Llama-3-70B MLP backward shapes)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="multirank: process counts (default 2 4)")
     p.add_argument("--ranks-per-gpu", default="auto",
@@ -101,10 +103,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pk_jax.bench gemm: {results.device_description()} (uses GPU 0), {reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: pk_jax.matmul runs jnp.dot here; timings only exercise the plumbing)")
-        rows = gemm.run(quick=args.quick, reps=reps, tiles=args.variants)
+        rows = gemm.run(quick=args.quick, reps=reps, tiles=args.variants, plain=not args.layouts)
         results.write(out, args.suite, rows)
         print()
         results.print_gemm_table(rows)
+        results.print_layout_table(rows)
         print(f"\nwrote {out}")
         return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
     if args.suite == "tp_gemm":
