@@ -12,7 +12,8 @@ and cached on disk (pk_jax/autotune.py); keyword arguments override it (num_comm
 schedule="xla" runs the unfused composition, which the autotuner also picks where it is faster).
 Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple of 128, ...)
 the composition itself runs, with a one-time warning on GPUs. Gradients are those of the
-composition (the backward pass runs the XLA ops).
+composition, computed by fused kernels too (pk_jax/_tp_vjp.py: AG's backward is a GEMM+RS and a
+GEMM, RS's an AG+GEMM and a GEMM, AR's two GEMMs), in the input dtype.
 """
 
 from __future__ import annotations
@@ -57,6 +58,12 @@ class TpSpec:
     may_intra_sm: bool = False   # autotuned: the intra-SM kernel is a candidate
     composition: bool = True     # autotuned: the unfused composition is a candidate
     tile: int = autotune.AUTO_TILE  # the block tile (set by the autotuner; AUTO_TILE: the kernel picks)
+    # Backward pass only (pk_jax/_tp_vjp.py): its reduce-scatter/all-reduce deterministic; AG keeps the
+    # gathered x from the forward for dw (False: gathers x again in the backward, saving G m k memory);
+    # return_gathered: the caller sees AG's gathered x (its cotangent then adds into dx).
+    deterministic: bool = False
+    save_gathered: bool = True
+    return_gathered: bool = False
 
     def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.op == "all_gather_matmul":
@@ -69,7 +76,9 @@ class TpSpec:
     def lax_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The composition the kernel replaces (and its second output: gathered x / partial)."""
         name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
-        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w))
+        # Output in the product dtype (float32 accumulation inside), as jnp.dot: its VJP then stays in
+        # bf16/fp16 too (an f32 result would make the VJP cast the cotangent and operands to float32).
+        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.result_type(x, w))
         if self.op == "all_gather_matmul":
             gathered = jax.lax.all_gather(x, name, axis=0, tiled=True)
             return dot(gathered), gathered
@@ -243,7 +252,8 @@ SCHEDULES = {"all_gather_matmul": ("intra_sm", "comm_sms"), "matmul_reduce_scatt
 
 
 def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None,
-          deterministic: bool = True, schedule: str | None = None):
+          deterministic: bool = True, schedule: str | None = None, save_gathered: bool = True,
+          return_gathered: bool = False):
     x, w, g = _check(op, x, w, axis_name, num_comm_sms)
     intra_name, comm_name = SCHEDULES[op]
     if schedule not in (None, intra_name, comm_name, "xla"):
@@ -265,7 +275,8 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
     spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None,
                   intra_sm=schedule == intra_name,
                   may_intra_sm=schedule is None and intra_allowed and num_comm_sms is None,
-                  composition=schedule != comm_name)
+                  composition=schedule != comm_name, deterministic=deterministic, save_gathered=save_gathered,
+                  return_gathered=return_gathered)
     return _fused(x, w, _with_cached_store_add(spec, x, w))
 
 
@@ -275,24 +286,18 @@ def _fused(x, w, spec: TpSpec):
     return tuple(pk_tp_gemm_p.bind(x, w, spec=spec))
 
 
-def _fused_fwd(x, w, spec):
-    return _fused(x, w, spec), (x, w)
+def _install_vjp() -> None:
+    from pk_jax import _tp_vjp  # the backward pass (fused kernels in the input dtype) builds on this module
+
+    _fused.defvjp(_tp_vjp.fused_fwd, _tp_vjp.fused_bwd)
 
 
-def _fused_bwd(spec, res, cts):
-    x, w = res
-    if spec.op == "all_gather_matmul":  # the gathered x is a user-visible output: its cotangent counts
-        _, vjp = jax.vjp(spec.lax_apply, x, w)
-        return vjp(cts)
-    _, vjp = jax.vjp(lambda a, b: spec.lax_apply(a, b)[0], x, w)  # RS/AR: the second output is scratch
-    return vjp(cts[0])
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_install_vjp()
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return_gathered: bool = False,
-                      schedule: str | None = None, num_comm_sms: int | None = None):
+                      schedule: str | None = None, num_comm_sms: int | None = None, deterministic: bool = False,
+                      save_gathered: bool = True):
     """all_gather(x) @ w in one kernel.
 
     Args:
@@ -304,11 +309,16 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
         push x to the peers, then compute; the paper's schedule), "intra_sm" (one producer thread of
         every compute SM pushes pieces of x while the SM computes) or "xla" (the composition).
       num_comm_sms: "comm_sms" schedule: SMs that push x (None: autotuned; 0: the composition).
+      deterministic: the backward pass's reduce-scatter (dx = RS(dy w^T)) uses only schedules that give
+        identical bits every run (see `matmul_reduce_scatter`).
+      save_gathered: True (default): the backward pass's dw = gathered_x^T dy uses the gathered x that the
+        forward kernel wrote (G m k elements kept alive until then); False: gathers x again instead.
 
     Returns:
       (G m, n), or ((G m, n), (G m, k)) with return_gathered.
     """
-    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms, schedule=schedule)
+    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms, deterministic, schedule,
+                          save_gathered, return_gathered)
     return (out, gathered) if return_gathered else out
 
 
@@ -339,7 +349,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
         raise ValueError(f"pk_jax.matmul_reduce_scatter: scatter_dimension={scatter_dimension}; use 0 or 1")
     if scatter_dimension % 2 == 1:
         name = axis_name
-        return jax.lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.float32).astype(jnp.result_type(x, w)),
+        return jax.lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.result_type(x, w)),
                                     name, scatter_dimension=1, tiled=True)
     return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, deterministic, schedule)[0]
 
