@@ -2,11 +2,15 @@
 
 Megatron-style sequence-parallel pairing: the gradient of one fused op is the other fused op.
 
-  all_gather_matmul      y = AG(x) w      dx = RS(dy w^T)           matmul_reduce_scatter(dy, w^T)
-                                          dw = AG(x)^T dy           matmul(gathered_x^T, dy)
-  matmul_reduce_scatter  y = RS(h w)      (dh, AG(dy)) = AG(dy) w^T all_gather_matmul(dy, w^T, return_gathered)
-                                          dw = h^T AG(dy)           matmul(h^T, AG(dy))
-  matmul_all_reduce      y = AR(h w)      dh = dy w^T, dw = h^T dy  matmul (twice)
+  all_gather_matmul      y = AG(x) w      dx = RS(dy w^T)           matmul_reduce_scatter(dy, w, transpose_w)
+                                          dw = AG(x)^T dy           matmul(gathered_x, dy, transpose_a)
+  matmul_reduce_scatter  y = RS(h w)      (dh, AG(dy)) = AG(dy) w^T all_gather_matmul(dy, w, transpose_w,
+                                                                                      return_gathered)
+                                          dw = h^T AG(dy)           matmul(h, AG(dy), transpose_a)
+  matmul_all_reduce      y = AR(h w)      dh = dy w^T, dw = h^T dy  matmul (twice, transpose_b / transpose_a)
+
+Transposed operands are read in place (the layout flags), never copied. A forward with transpose_w
+(w stored (n, k)) flips them: dx = RS(dy w), dw = dy^T AG(x) (stored (n, k) like w), and so on.
 
 Every GEMM takes the operands' dtype (bf16/fp16 in, float32 accumulation inside, output in the input
 dtype), as jnp.dot's VJP does. The GEMMs of the composition's own VJP (the previous backward) ran in
@@ -49,18 +53,11 @@ def _name(spec):
     return spec.axis_name if len(spec.axis_name) > 1 else spec.axis_name[0]
 
 
-def _mm_tn(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a^T @ b (weight gradients: a (rows, k), b (rows, n) -> (k, n))."""
+def _weight_grad(spec, a: jax.Array, dy: jax.Array) -> jax.Array:
+    """d op(w) for the product a op(w) = y: a^T dy (k, n), or for w stored (n, k) dy^T a."""
     from pk_jax.matmul import matmul
 
-    return matmul(a.T, b)
-
-
-def _mm_nt(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b^T (input gradients: a (m, n), b (k, n) -> (m, k))."""
-    from pk_jax.matmul import matmul
-
-    return matmul(a, b.T)
+    return matmul(dy, a, transpose_a=True) if spec.transpose_w else matmul(a, dy, transpose_a=True)
 
 
 def fused_fwd(x, w, spec):
@@ -95,9 +92,10 @@ def _all_gather_matmul_bwd(spec, x0, w, kept, dy, d_gathered):
     from pk_jax.tp_gemm import matmul_reduce_scatter
 
     name = _name(spec)
-    dx = matmul_reduce_scatter(dy, w.T, name, deterministic=spec.deterministic)
+    # dx = RS(dy op(w)^T): w stored (k, n) is read transposed; stored (n, k) it is op(w)^T already.
+    dx = matmul_reduce_scatter(dy, w, name, deterministic=spec.deterministic, transpose_w=not spec.transpose_w)
     gathered = kept if spec.save_gathered else collectives.all_gather(kept, name, axis=0, tiled=True)
-    dw = _mm_tn(gathered, dy)
+    dw = _weight_grad(spec, gathered, dy)
     if spec.return_gathered:  # the caller saw the gathered x: its cotangent (zeros if unused) adds in
         dx = dx + collectives.reduce_scatter(d_gathered, name, scatter_dimension=0, tiled=True)
     return _like_primal(dx, _vma(x0)), _like_primal(dw, _vma(w))
@@ -106,14 +104,15 @@ def _all_gather_matmul_bwd(spec, x0, w, kept, dy, d_gathered):
 def _matmul_reduce_scatter_bwd(spec, h, w, dy):
     from pk_jax.tp_gemm import all_gather_matmul
 
-    dh, dy_gathered = all_gather_matmul(dy, w.T, _name(spec), return_gathered=True,
+    dh, dy_gathered = all_gather_matmul(dy, w, _name(spec), return_gathered=True, transpose_w=not spec.transpose_w,
                                         deterministic=spec.deterministic)
-    dw = _mm_tn(h, dy_gathered)
+    dw = _weight_grad(spec, h, dy_gathered)
     return _like_primal(dh, _vma(h)), _like_primal(dw, _vma(w))
 
 
 def _matmul_all_reduce_bwd(spec, h, w, dy):
     from pk_jax import collectives
+    from pk_jax.matmul import matmul
 
     # The transpose of psum: under vma typing a pvary (every member gets dy; no communication), without
     # it jax's psum transpose is a psum, kept here so results match the composition's gradient.
@@ -121,7 +120,8 @@ def _matmul_all_reduce_bwd(spec, h, w, dy):
         dy = insert_collective_pvary(spec.axis_name, dy)
     else:
         dy = collectives.all_reduce(dy, _name(spec))
-    return _like_primal(_mm_nt(dy, w), _vma(h)), _like_primal(_mm_tn(h, dy), _vma(w))
+    dh = matmul(dy, w, transpose_b=not spec.transpose_w)
+    return _like_primal(dh, _vma(h)), _like_primal(_weight_grad(spec, h, dy), _vma(w))
 
 
 def _composition_bwd(spec, res, cts):

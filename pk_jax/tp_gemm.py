@@ -6,7 +6,8 @@ tuple of axes), like the jax.lax composition each replaces:
   matmul_reduce_scatter(x, w, axis)   == lax.psum_scatter(jnp.dot(x, w), axis, tiled=True)
   matmul_all_reduce(x, w, axis)       == lax.psum(jnp.dot(x, w), axis)
 
-(jnp.dot with float32 accumulation, output in the input dtype.) The schedule (the SMs given to
+(jnp.dot with float32 accumulation, output in the input dtype.) `transpose_w=True` takes w stored
+(n, k) (e.g. a weight for an input gradient) and computes with wᵀ, read in place. The schedule (the SMs given to
 communication; for RS/AR also store-add vs deterministic pull) is autotuned once per shape and GPU
 and cached on disk (pk_jax/autotune.py); keyword arguments override it (num_comm_sms=0 or
 schedule="xla" runs the unfused composition, which the autotuner also picks where it is faster).
@@ -47,6 +48,15 @@ def kernel_kind(op: str, intra_sm: bool) -> int:
     return 5 if op == "all_gather_matmul" else OPS.index(op) + 2
 
 
+def _dot(a: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
+    """a (m, k) @ op(w) with w (k, n) or, transposed, (n, k): float32 accumulation, output in the
+    product dtype (jnp.dot's)."""
+    dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
+    # Output in the product dtype directly (float32 accumulation inside, as jnp.dot): the VJP then stays
+    # in bf16/fp16 too (an f32 result would make it cast the cotangent and operands to float32).
+    return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.result_type(a, w))
+
+
 @dataclasses.dataclass(frozen=True)
 class TpSpec:
     op: str
@@ -64,6 +74,11 @@ class TpSpec:
     deterministic: bool = False
     save_gathered: bool = True
     return_gathered: bool = False
+    transpose_w: bool = False    # w is stored (n, k): the product is x @ wᵀ
+
+    def n_of(self, w_shape: tuple[int, ...]) -> int:
+        """The output columns n of w as stored ((k, n), or (n, k) with transpose_w)."""
+        return w_shape[0] if self.transpose_w else w_shape[1]
 
     def out_shapes(self, m: int, n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
         if self.op == "all_gather_matmul":
@@ -76,9 +91,7 @@ class TpSpec:
     def lax_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
         """The composition the kernel replaces (and its second output: gathered x / partial)."""
         name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
-        # Output in the product dtype (float32 accumulation inside), as jnp.dot: its VJP then stays in
-        # bf16/fp16 too (an f32 result would make the VJP cast the cotangent and operands to float32).
-        dot = lambda a: jnp.dot(a, w, preferred_element_type=jnp.result_type(x, w))
+        dot = lambda a: _dot(a, w, self.transpose_w)
         if self.op == "all_gather_matmul":
             gathered = jax.lax.all_gather(x, name, axis=0, tiled=True)
             return dot(gathered), gathered
@@ -95,7 +108,7 @@ pk_tp_gemm_p.def_impl(functools.partial(dispatch.apply_primitive, pk_tp_gemm_p))
 
 
 def _abstract_eval(x, w, *, spec: TpSpec):
-    (m, k), n = x.shape, w.shape[1]
+    (m, k), n = x.shape, spec.n_of(w.shape)
     out_shape, aux_shape = spec.out_shapes(m, n, k)
     product = jnp.result_type(x.dtype, w.dtype)  # as jnp.dot (the fused kernel needs x.dtype == w.dtype)
     out = x.update(shape=out_shape, dtype=product)
@@ -122,8 +135,10 @@ def _warn_once(msg: str) -> None:
 
 
 def _cache_key(spec: TpSpec, m: int, n: int, k: int, dtype, gpu: str) -> str:
-    """The autotuner's cache key of an autotuned call (local x (m, k), w (k, n)) on GPU model `gpu`."""
-    choices = "+".join(c for c, on in (("intra_sm", spec.may_intra_sm), ("no_xla", not spec.composition)) if on)
+    """The autotuner's cache key of an autotuned call (local x (m, k), w (k, n) or (n, k) with
+    transpose_w: another layout is another kernel, timed on its own) on GPU model `gpu`."""
+    choices = "+".join(c for c, on in (("intra_sm", spec.may_intra_sm), ("no_xla", not spec.composition),
+                                       ("w_nk", spec.transpose_w)) if on)
     return autotune.key(spec.op, m, n, k, jnp.dtype(dtype).name, spec.group, gpu, choices)
 
 
@@ -134,7 +149,7 @@ def _with_cached_store_add(spec: TpSpec, x: jax.Array, w: jax.Array) -> TpSpec:
     any tuning, keeps the (m, n) output, which a pull choice needs."""
     if not spec.may_intra_sm or spec.op == "all_gather_matmul" or jax.default_backend() != "gpu":
         return spec
-    (m, k), n = x.shape, w.shape[1]
+    (m, k), n = x.shape, spec.n_of(w.shape)
     hit = autotune.entries().get(_cache_key(spec, m, n, k, x.dtype, jax.devices()[0].device_kind))
     if hit is None or int(hit["num_comm_sms"]) != autotune.INTRA_SM:
         return spec
@@ -145,7 +160,7 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
     """Autotunes the schedule over the first group of the mesh (every group has the same shape)."""
     from pk_jax.bench import timing
 
-    (m, k), n = x_aval.shape, w_aval.shape[1]
+    (m, k), n = x_aval.shape, spec.n_of(w_aval.shape)
     devices = {d.id: d for d in jax.devices()}
     member_ids, _ = table.members(table.mesh_ids[0])
     group_devs = [devices[i] for i in member_ids]
@@ -153,7 +168,7 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
     mesh = jax.sharding.Mesh(np.array(group_devs), ("pk_tune",))
     P = jax.sharding.PartitionSpec
     x_spec = P("pk_tune")  # local x blocks stacked on rows
-    w_global = (spec.group * k, n)
+    w_global = (spec.group * n, k) if spec.transpose_w else (spec.group * k, n)  # local w blocks stacked on rows
 
     # Ops per timed call, each on its own inputs (identical calls would be merged by XLA); as many as the
     # benchmark uses where memory allows: with fewer, the start skew between members weighs more and
@@ -205,8 +220,8 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
         choice = autotune.Choice(spec.num_comm_sms, spec.tile)
     else:
         choice = _tuned_schedule(spec, table, x_aval, w_aval)
-    if choice.num_comm_sms == 0:  # the autotuner (or the caller) found the unfused composition faster here
-        return _lax_lowering(ctx, x, w, spec=spec)
+    if choice.num_comm_sms == 0 or spec.transpose_w:  # the composition was faster here (or the
+        return _lax_lowering(ctx, x, w, spec=spec)      # transposed kernel, in the next commit, is missing)
     intra = choice.num_comm_sms == autotune.INTRA_SM
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
@@ -221,27 +236,30 @@ if _ext.available():
     mlir.register_lowering(pk_tp_gemm_p, _cuda_lowering, platform="cuda")
 
 
-def _check(fn: str, x, w, axis_name: AxisName, num_comm_sms: int | None) -> tuple[jax.Array, jax.Array, int]:
+def _check(fn: str, x, w, axis_name: AxisName, num_comm_sms: int | None,
+           transpose_w: bool = False) -> tuple[jax.Array, jax.Array, int]:
     x, w = jnp.asarray(x), jnp.asarray(w)
+    w_form = "(n, k) (transpose_w=True)" if transpose_w else "(k, n)"
     if x.ndim != 2 or w.ndim != 2:
-        raise ValueError(f"pk_jax.{fn}: x must be (m, k) and w (k, n); got x{x.shape}, w{w.shape}. "
+        raise ValueError(f"pk_jax.{fn}: x must be (m, k) and w {w_form}; got x{x.shape}, w{w.shape}. "
                          f"Reshape leading dimensions into m first.")
-    if x.shape[1] != w.shape[0]:
+    w_k = 1 if transpose_w else 0
+    if x.shape[1] != w.shape[w_k]:
         raise ValueError(f"pk_jax.{fn}: contraction sizes differ: x{x.shape}[1] = {x.shape[1]} but "
-                         f"w{w.shape}[0] = {w.shape[0]}")
+                         f"w{w.shape}[{w_k}] = {w.shape[w_k]} (w is {w_form})")
     if num_comm_sms is not None and (not isinstance(num_comm_sms, int) or num_comm_sms < 0):
         raise ValueError(f"pk_jax.{fn}: num_comm_sms={num_comm_sms!r}; pass None (autotune), a positive int, "
                          f"or 0 (run the unfused XLA composition)")
     return x, w, group_size(axis_name)
 
 
-def _fusable(op: str, x: jax.Array, w: jax.Array, g: int, intra_sm: bool) -> str | None:
+def _fusable(op: str, x: jax.Array, w: jax.Array, g: int, intra_sm: bool, transpose_w: bool) -> str | None:
     """Why the fused kernel (with or without comm SMs) cannot run this call (None: it can)."""
     if x.dtype != w.dtype or x.dtype not in KERNEL_DTYPES:
         return f"x and w are {x.dtype} and {w.dtype} (the kernel takes two bfloat16 or two float16 arrays)"
     if _ext.ext is None:
         return None  # CPU-only install: lowers to the composition anyway, silently
-    (m, k), n = x.shape, w.shape[1]
+    (m, k), n = x.shape, w.shape[0] if transpose_w else w.shape[1]
     why = _ext.ext.tp_gemm_unsupported(kernel_kind(op, intra_sm), g, m, n, k, 1)
     return why or None
 
@@ -252,9 +270,10 @@ SCHEDULES = {"all_gather_matmul": ("intra_sm", "comm_sms"), "matmul_reduce_scatt
 
 
 def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None,
-          deterministic: bool = True, schedule: str | None = None, save_gathered: bool = True,
-          return_gathered: bool = False):
-    x, w, g = _check(op, x, w, axis_name, num_comm_sms)
+          deterministic: bool = True, schedule: str | None = None, transpose_w: bool = False,
+          save_gathered: bool = True, return_gathered: bool = False):
+    transpose_w = bool(transpose_w)
+    x, w, g = _check(op, x, w, axis_name, num_comm_sms, transpose_w)
     intra_name, comm_name = SCHEDULES[op]
     if schedule not in (None, intra_name, comm_name, "xla"):
         raise ValueError(f"pk_jax.{op}: schedule={schedule!r}; use None (autotuned), {intra_name!r}, "
@@ -266,8 +285,8 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
                          f"deterministic=False, or schedule='pull' for identical bits")
     if schedule == "xla":
         num_comm_sms = 0
-    why_intra = _fusable(op, x, w, g, intra_sm=True)
-    why = why_intra if schedule == intra_name else _fusable(op, x, w, g, intra_sm=False)
+    why_intra = _fusable(op, x, w, g, intra_sm=True, transpose_w=transpose_w)
+    why = why_intra if schedule == intra_name else _fusable(op, x, w, g, intra_sm=False, transpose_w=transpose_w)
     if why and jax.default_backend() == "gpu":
         _warn_once(f"{op} runs the XLA composition: {why}")
     # The intra-SM AG is as deterministic as the other (no sums); store-add only with deterministic=False.
@@ -275,8 +294,8 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
     spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None,
                   intra_sm=schedule == intra_name,
                   may_intra_sm=schedule is None and intra_allowed and num_comm_sms is None,
-                  composition=schedule != comm_name, deterministic=deterministic, save_gathered=save_gathered,
-                  return_gathered=return_gathered)
+                  composition=schedule != comm_name, transpose_w=transpose_w, deterministic=deterministic,
+                  save_gathered=save_gathered, return_gathered=return_gathered)
     return _fused(x, w, _with_cached_store_add(spec, x, w))
 
 
@@ -296,19 +315,20 @@ _install_vjp()
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return_gathered: bool = False,
-                      schedule: str | None = None, num_comm_sms: int | None = None, deterministic: bool = False,
-                      save_gathered: bool = True):
-    """all_gather(x) @ w in one kernel.
+                      schedule: str | None = None, num_comm_sms: int | None = None, transpose_w: bool = False,
+                      deterministic: bool = False, save_gathered: bool = True):
+    """all_gather(x) @ op(w) in one kernel.
 
     Args:
       x: (m, k) rows of this member (the activations, sharded on rows over `axis_name`).
-      w: (k, n) local weights.
+      w: (k, n) local weights, or (n, k) with `transpose_w`.
       axis_name: the mesh axis (or tuple of axes) of the group, size G.
       return_gathered: also return the gathered x, (G m, k) (the backward pass of a layer needs it).
       schedule: None (default: autotuned once per shape and GPU), "comm_sms" (`num_comm_sms` whole SMs
         push x to the peers, then compute; the paper's schedule), "intra_sm" (one producer thread of
         every compute SM pushes pieces of x while the SM computes) or "xla" (the composition).
       num_comm_sms: "comm_sms" schedule: SMs that push x (None: autotuned; 0: the composition).
+      transpose_w: w is stored (n, k); computes all_gather(x) @ wᵀ reading w in place.
       deterministic: the backward pass's reduce-scatter (dx = RS(dy w^T)) uses only schedules that give
         identical bits every run (see `matmul_reduce_scatter`).
       save_gathered: True (default): the backward pass's dw = gathered_x^T dy uses the gathered x that the
@@ -318,18 +338,18 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
       (G m, n), or ((G m, n), (G m, k)) with return_gathered.
     """
     out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms, deterministic, schedule,
-                          save_gathered, return_gathered)
+                          transpose_w, save_gathered, return_gathered)
     return (out, gathered) if return_gathered else out
 
 
 def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, scatter_dimension: int = 0,
                           deterministic: bool = False, schedule: str | None = None,
-                          num_comm_sms: int | None = None) -> jax.Array:
-    """psum_scatter(x @ w, scatter_dimension, tiled=True) in one kernel.
+                          num_comm_sms: int | None = None, transpose_w: bool = False) -> jax.Array:
+    """psum_scatter(x @ op(w), scatter_dimension, tiled=True) in one kernel.
 
     Args:
       x: (m, k) with k this member's slice of the contraction.
-      w: (k, n).
+      w: (k, n), or (n, k) with `transpose_w`.
       scatter_dimension: 0 (rows; the fused kernel) or 1 (columns; runs the composition).
       deterministic: False (default): the fastest schedule, measured (see `schedule`); with the
         store-add schedule the order of the adds varies, so the last bits can differ between runs
@@ -341,6 +361,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
         unfused composition).
       num_comm_sms: pull schedule: SMs that reduce the tiles this member owns (None: autotuned;
         0: the unfused composition).
+      transpose_w: w is stored (n, k); computes x @ wᵀ reading w in place.
 
     Returns:
       (m / G, n) for scatter_dimension=0, (m, n / G) for 1.
@@ -348,19 +369,19 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
     if scatter_dimension not in (0, 1, -1, -2):
         raise ValueError(f"pk_jax.matmul_reduce_scatter: scatter_dimension={scatter_dimension}; use 0 or 1")
     if scatter_dimension % 2 == 1:
-        name = axis_name
-        return jax.lax.psum_scatter(jnp.dot(x, w, preferred_element_type=jnp.result_type(x, w)),
-                                    name, scatter_dimension=1, tiled=True)
-    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, deterministic, schedule)[0]
+        x, w, _ = _check("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, bool(transpose_w))
+        return jax.lax.psum_scatter(_dot(x, w, bool(transpose_w)), axis_name, scatter_dimension=1, tiled=True)
+    return _call("matmul_reduce_scatter", x, w, axis_name, num_comm_sms, deterministic, schedule, transpose_w)[0]
 
 
 def matmul_all_reduce(x: jax.Array, w: jax.Array, axis_name: AxisName, *, deterministic: bool = False,
-                      schedule: str | None = None, num_comm_sms: int | None = None) -> jax.Array:
-    """psum(x @ w) in one kernel: x (m, k) with k this member's contraction slice, w (k, n);
-    returns (m, n).
+                      schedule: str | None = None, num_comm_sms: int | None = None,
+                      transpose_w: bool = False) -> jax.Array:
+    """psum(x @ op(w)) in one kernel: x (m, k) with k this member's contraction slice, w (k, n) (or
+    (n, k) with `transpose_w`, read in place as wᵀ); returns (m, n).
 
     `deterministic`, `schedule` and `num_comm_sms` as in `matmul_reduce_scatter`; here "store_add"
     adds every tile into every member's output (G - 1 copies of the partial cross NVLink, as many as
     the pull schedule's 2 (G - 1) / G at G = 2), and "pull" has the owner of each tile sum it in rank
     order and write it to every member: identical bits on every member and every run."""
-    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms, deterministic, schedule)[0]
+    return _call("matmul_all_reduce", x, w, axis_name, num_comm_sms, deterministic, schedule, transpose_w)[0]

@@ -85,3 +85,71 @@ def test_inside_shard_map():
     f = jax.jit(jax.shard_map(lambda x, y: pk_jax.matmul(x, y), mesh=mesh, in_specs=(P("x"), P()), out_specs=P("x")))
     np.testing.assert_array_equal(np.asarray(f(a, b).astype(jnp.float32)),
                                   np.asarray(pk_jax.matmul(a, b).astype(jnp.float32)))
+
+
+LAYOUTS = [(False, False), (False, True), (True, False), (True, True)]
+
+
+def stored(x: jax.Array, transposed: bool) -> jax.Array:
+    """The operand as a caller stores it: x itself, or xᵀ laid out in memory (a copy, for the test)."""
+    return jnp.asarray(np.ascontiguousarray(np.asarray(x).T)) if transposed else x
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b", LAYOUTS)
+@pytest.mark.parametrize("dtype,out_dtype", [(jnp.bfloat16, None), (jnp.float16, jnp.float32)])
+def test_transposed_layouts_match_float32_reference(transpose_a, transpose_b, dtype, out_dtype):
+    m, n, k = 48, 40, 72
+    a, b = rand(10, (m, k), dtype), rand(11, (k, n), dtype)
+    got = jax.jit(lambda x, y: pk_jax.matmul(x, y, out_dtype=out_dtype, transpose_a=transpose_a,
+                                             transpose_b=transpose_b))(stored(a, transpose_a), stored(b, transpose_b))
+    want = np.asarray(a, np.float32) @ np.asarray(b, np.float32)
+    assert got.shape == (m, n) and got.dtype == jnp.dtype(out_dtype or dtype)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=5e-2)
+
+
+def test_transpose_b_keeps_leading_dims_of_a():
+    a, w = rand(12, (2, 3, 32)), rand(13, (24, 32))  # w stored (n, k)
+    got = pk_jax.matmul(a, w, transpose_b=True)
+    want = np.asarray(a, np.float32) @ np.asarray(w, np.float32).T
+    assert got.shape == (2, 3, 24)
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b", LAYOUTS)
+def test_transposed_layout_grads_match_dot(transpose_a, transpose_b):
+    a, b = rand(14, (32, 64), jnp.float16), rand(15, (64, 48), jnp.float16)
+    sa, sb = stored(a, transpose_a), stored(b, transpose_b)
+    loss = lambda c: (c.astype(jnp.float32) ** 2).sum()
+    ours = jax.grad(lambda x, y: loss(pk_jax.matmul(x, y, transpose_a=transpose_a, transpose_b=transpose_b)),
+                    argnums=(0, 1))(sa, sb)
+    ref = jax.grad(lambda x, y: loss(jnp.dot(x.T if transpose_a else x, y.T if transpose_b else y,
+                                             preferred_element_type=jnp.float32).astype(x.dtype)),
+                   argnums=(0, 1))(sa, sb)
+    for g, r, s in zip(ours, ref, (sa, sb)):
+        assert g.shape == s.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("transpose_a,transpose_b", LAYOUTS)
+def test_transposed_layout_vmap(transpose_a, transpose_b):
+    a, b = rand(16, (3, 16, 32)), rand(17, (3, 32, 8))
+    sa = jnp.swapaxes(a, 1, 2) if transpose_a else a
+    sb = jnp.swapaxes(b, 1, 2) if transpose_b else b
+    mm = lambda x, y: pk_jax.matmul(x, y, transpose_a=transpose_a, transpose_b=transpose_b)
+    per = jax.vmap(mm)(sa, sb)
+    shared = jax.vmap(mm, in_axes=(0, None))(sa, sb[0])
+    for i in range(3):
+        np.testing.assert_array_equal(np.asarray(per[i], np.float32), np.asarray(mm(sa[i], sb[i]), np.float32))
+        np.testing.assert_array_equal(np.asarray(shared[i], np.float32), np.asarray(mm(sa[i], sb[0]), np.float32))
+
+
+@pytest.mark.parametrize("a_shape,b_shape,kw,match", [
+    ((2, 8, 4), (8, 4), {"transpose_a": True}, r"2-D \(k, m\) with transpose_a=True"),
+    ((6, 4), (8, 4), {"transpose_a": True}, r"a\(6, 4\)\[0\] = 6 but b\(8, 4\)\[0\] = 8"),
+    ((4, 8), (8, 4), {"transpose_b": True}, r"b\(8, 4\)\[1\] = 4"),
+    ((8, 4), (6, 4), {"transpose_a": True, "transpose_b": True}, r"a\(8, 4\)\[0\] = 8 but b\(6, 4\)\[1\] = 4"),
+    ((4, 8), (8,), {"transpose_b": True}, r"b must be 2-D \(n, k\)"),
+])
+def test_transposed_shape_errors(a_shape, b_shape, kw, match):
+    with pytest.raises(ValueError, match=match):
+        pk_jax.matmul(jnp.ones(a_shape, jnp.bfloat16), jnp.ones(b_shape, jnp.bfloat16), **kw)

@@ -302,3 +302,86 @@ def test_cached_store_add_is_traced_without_the_partial(tmp_path, monkeypatch, o
     (eqn,) = _eqns(jax.make_jaxpr(f)(x, w).jaxpr, "pk_tp_gemm")
     assert eqn.outvars[1].aval.shape == ((0, n) if cached == autotune.INTRA_SM else (m, n))
     assert eqn.params["spec"].intra_sm == (cached == autotune.INTRA_SM)
+
+
+# transpose_w: w stored (n, k) (e.g. a weight read for an input gradient); the composition is x @ wᵀ.
+SPECS_W_NK = {"ag": ((P("x"), P()), P("x")), "rs": ((P(None, "x"), P(None, "x")), P("x")),
+              "ar": ((P(None, "x"), P(None, "x")), P())}
+OPS_W_NK = {"ag": lambda a, b: pk_jax.all_gather_matmul(a, b, "x", transpose_w=True),
+            "rs": lambda a, b: pk_jax.matmul_reduce_scatter(a, b, "x", transpose_w=True),
+            "ar": lambda a, b: pk_jax.matmul_all_reduce(a, b, "x", transpose_w=True)}
+
+
+def _float32_reference(op: str, x: np.ndarray, w_nk: np.ndarray, g: int) -> np.ndarray:
+    """The op's global result in float32 numpy (x, w_nk global): RS/AR sum the members' k slices, so
+    their (restacked) result is the whole product; AG gives every member the whole product, stacked."""
+    product = x.astype(np.float32) @ w_nk.astype(np.float32).T
+    return np.tile(product, (g, 1)) if op == "ag" else product
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+@pytest.mark.parametrize("g", [2, 4])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_transpose_w_matches_float32_reference(op, g, dtype):
+    mesh = Mesh(np.array(jax.devices()[:g]), ("x",))
+    x, w_nk = rand(31, (256, 128), dtype), rand(32, (64, 128), dtype)  # w stored (n, k)
+    in_specs, out_spec = SPECS_W_NK[op]
+    got = jax.jit(jax.shard_map(OPS_W_NK[op], mesh=mesh, in_specs=in_specs, out_specs=out_spec))(x, w_nk)
+    want = _float32_reference(op, np.asarray(x, np.float32), np.asarray(w_nk, np.float32), g)
+    assert got.shape == want.shape and got.dtype == jnp.dtype(dtype)
+    # RS/AR round each member's partial to the input dtype before the sum (as the composition does).
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=3e-2, atol=0.25)
+
+
+def test_transpose_w_scatter_dimension_1_and_return_gathered():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x, w_nk = rand(33, (256, 128)), rand(34, (64, 128))
+    g = jax.jit(jax.shard_map(lambda a, b: pk_jax.matmul_reduce_scatter(a, b, "x", scatter_dimension=1,
+                                                                         transpose_w=True),
+                              mesh=mesh, in_specs=(P(None, "x"), P(None, "x")), out_specs=P(None, "x")))
+    want = np.asarray(x, np.float32) @ np.asarray(w_nk, np.float32).T
+    np.testing.assert_allclose(np.asarray(g(x, w_nk), np.float32), want, rtol=3e-2, atol=0.25)
+    f = jax.jit(jax.shard_map(lambda a, b: pk_jax.all_gather_matmul(a, b, "x", return_gathered=True,
+                                                                     transpose_w=True),
+                              mesh=mesh, in_specs=(P("x"), P()), out_specs=(P("x"), P("x"))))
+    out, gathered = f(x, w_nk)
+    assert out.shape == (4 * 256, 64) and gathered.shape == (4 * 256, 128)
+    np.testing.assert_allclose(np.asarray(out[:256], np.float32), want, rtol=3e-2, atol=0.25)
+    np.testing.assert_array_equal(np.asarray(gathered[:256], np.float32), np.asarray(x, np.float32))
+
+
+def test_transpose_w_gradients_match_composition():
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    x, w_nk = rand(35, (256, 128), jnp.float32), rand(36, (64, 128), jnp.float32)
+    dot_t = lambda a, b: jnp.dot(a, b.T, preferred_element_type=jnp.float32)
+    refs = {"ag": lambda a, b: dot_t(jax.lax.all_gather(a, "x", tiled=True), b),
+            "rs": lambda a, b: jax.lax.psum_scatter(dot_t(a, b), "x", tiled=True),
+            "ar": lambda a, b: jax.lax.psum(dot_t(a, b), "x")}
+    for op in ("ag", "rs", "ar"):
+        in_specs, out_spec = SPECS_W_NK[op]
+        loss = lambda f: lambda a, b: jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(a, b).sum()
+        got = jax.grad(loss(OPS_W_NK[op]), argnums=(0, 1))(x, w_nk)
+        want = jax.grad(loss(refs[op]), argnums=(0, 1))(x, w_nk)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda x, w: pk_jax.matmul_all_reduce(x, w, "x", transpose_w=True), r"w\(32, 48\)\[1\] = 48 .*\(n, k\)"),
+    (lambda x, w: pk_jax.all_gather_matmul(x, w[None], "x", transpose_w=True), r"w \(n, k\) \(transpose_w=True\)"),
+    (lambda x, w: pk_jax.matmul_reduce_scatter(x, w, "x", scatter_dimension=1, transpose_w=True), "contraction"),
+])
+def test_transpose_w_errors(call, match):
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, w = rand(9, (64, 32)), rand(10, (32, 48))
+    with pytest.raises(ValueError, match=match):
+        jax.shard_map(call, mesh=mesh, in_specs=(P(), P()), out_specs=P(), check_vma=False)(x, w)
+
+
+def test_transpose_w_has_its_own_cache_key():
+    from pk_jax import tp_gemm
+
+    plain = tp_gemm.TpSpec("matmul_all_reduce", ("x",), 2, None, True)
+    nk = tp_gemm.TpSpec("matmul_all_reduce", ("x",), 2, None, True, transpose_w=True)
+    assert tp_gemm._cache_key(plain, 256, 128, 64, jnp.bfloat16, "H") != tp_gemm._cache_key(nk, 256, 128, 64, jnp.bfloat16, "H")
+    assert "w_nk" in tp_gemm._cache_key(nk, 256, 128, 64, jnp.bfloat16, "H")
