@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {collectives,gemm,tp_gemm,transfer,sync} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {collectives,gemm,tp_gemm,transfer,sync,model} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -33,7 +33,7 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["collectives", "gemm", "tp_gemm", "transfer", "sync"], help="which suite to run")
+    p.add_argument("suite", choices=["collectives", "gemm", "tp_gemm", "transfer", "sync", "model"], help="which suite to run")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
@@ -41,10 +41,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
+    p.add_argument("--group", type=int, default=None, help="model: mesh of the first G devices (default: all)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="model: T per step (default 8192 16384)")
+    p.add_argument("--widths", nargs="+", default=None, choices=["llama3-8b", "llama3-70b"],
+                   help="model: layer widths (default both)")
+    p.add_argument("--blocks", nargs="+", default=None, choices=["transformer_layer", "mlp_block"],
+                   help="model: what to time (default both)")
+    p.add_argument("--mlp", default="gelu", choices=["gelu", "swiglu"], help="model: MLP of the layer (default gelu)")
+    p.add_argument("--distributed", action="store_true",
+                   help="model: jax.distributed.initialize() first (one process per GPU; process 0 writes)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
     args = p.parse_args(argv)
     _ensure_flags()
     import jax
+
+    if args.distributed:
+        jax.distributed.initialize()  # coordinator, process count and id from the environment / cluster
 
     from pk_jax.bench import collectives, results
 
@@ -70,6 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     on_gpu = jax.devices()[0].platform == "gpu"
+    if args.suite == "model":
+        from pk_jax.bench import model
+
+        args.out = out
+        return model.main(args)
     if args.suite == "gemm":
         from pk_jax.bench import gemm
 
