@@ -23,8 +23,10 @@ constexpr int32_t kOpOfKind[6] = {kOpAllGatherMatmul,     kOpMatmulReduceScatter
 ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::AnyBuffer w,
                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> aux, int32_t kind, int32_t tile,
                    int32_t num_comm_sms, ffi::Span<const int64_t> mesh_ids, ffi::Span<const int64_t> mesh_shape,
-                   ffi::Span<const int64_t> group_axes) {
+                   ffi::Span<const int64_t> group_axes, int32_t transpose_w) {
   if (kind < 0 || kind > 5) return ffi::Error::InvalidArgument("pk_jax fused GEMM: unknown kind");
+  if (transpose_w != 0 && transpose_w != 1)
+    return ffi::Error::InvalidArgument("pk_jax fused GEMM: transpose_w must be 0 or 1");
   tp::Problem p{};
   p.kind = tp::Kind(kind);
   const LocalDevice* me = nullptr;
@@ -34,8 +36,9 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
                                         group_axes.size(), p.group, me, invalid);
   if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
   const auto dx = x.dimensions(), dw = w.dimensions();
-  if (dx.size() != 2 || dw.size() != 2 || dx[1] != dw[0])
-    return ffi::Error::InvalidArgument("pk_jax fused GEMM: expected x (m, k) and w (k, n)");
+  if (dx.size() != 2 || dw.size() != 2 || dx[1] != dw[transpose_w])
+    return ffi::Error::InvalidArgument(transpose_w ? "pk_jax fused GEMM: expected x (m, k) and w (n, k) (transpose_w=1)"
+                                                   : "pk_jax fused GEMM: expected x (m, k) and w (k, n) (transpose_w=0)");
   if (!to_elem_type(x.element_type(), p.type) || p.type == ElemType::kF32 || w.element_type() != x.element_type() ||
       out->element_type() != x.element_type())
     return ffi::Error::InvalidArgument("pk_jax fused GEMM: x, w and the output must share a bf16/f16 dtype");
@@ -43,7 +46,8 @@ ffi::Error tp_gemm(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::
   p.w = w.untyped_data();
   p.out = out->untyped_data();
   p.aux = aux->untyped_data();
-  p.m = int(dx[0]), p.k = int(dx[1]), p.n = int(dw[1]);
+  p.m = int(dx[0]), p.k = int(dx[1]), p.n = int(dw[1 - transpose_w]);
+  p.transpose_w = transpose_w == 1;
   // out: AG (G m, n), RS (m / G, n), AR (m, n). aux: AG gathered x (G m, k); RS/AR the partial product
   // (m, n), which store-add kernels leave untouched (then (0, n) where store-add was fixed at trace time).
   const int64_t g = p.group.size, op = kOpOfKind[kind];
@@ -76,5 +80,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkTpGemm, pk::tp_gemm,
                                   .Attr<int32_t>("num_comm_sms")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")
-                                  .Attr<ffi::Span<const int64_t>>("group_axes"),
+                                  .Attr<ffi::Span<const int64_t>>("group_axes")
+                                  .Attr<int32_t>("transpose_w"),
                               {ffi::Traits::kCmdBufferCompatible});

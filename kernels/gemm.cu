@@ -23,24 +23,31 @@ constexpr int stages_for() {
   return n > 8 ? 8 : int(n);
 }
 
-template <typename T, typename OutT, int WGS, int BN>
-using KernelFor = Kernel<T, OutT, WGS, BN, stages_for<T, OutT, WGS, BN>()>;
+// LAYOUT: bit 0 = A stored K x M (transpose_a), bit 1 = B stored N x K (transpose_b); see kLayouts.
+template <typename T, typename OutT, int WGS, int BN, int LAYOUT>
+using KernelFor = Kernel<T, OutT, WGS, BN, stages_for<T, OutT, WGS, BN>(), NoComm, (LAYOUT & 1) != 0, (LAYOUT & 2) != 0>;
 
-template <typename T, typename OutT, int TILE>
-using KernelOf = KernelFor<T, OutT, kTileShapes[TILE].rows / 64, kTileShapes[TILE].cols>;
+template <typename T, typename OutT, int TILE, int LAYOUT = 0>
+using KernelOf = KernelFor<T, OutT, kTileShapes[TILE].rows / 64, kTileShapes[TILE].cols, LAYOUT>;
+constexpr int kLayouts = 4;
+
+constexpr int layout_of(const Problem& p) { return (p.transpose_a ? 1 : 0) | (p.transpose_b ? 2 : 0); }
 
 template <typename T, typename OutT, int TILE>
 constexpr bool built() {
   return stages_for<T, OutT, kTileShapes[TILE].rows / 64, kTileShapes[TILE].cols>() >= 3;
 }
 
-template <typename T, typename OutT, int TILE>
+template <typename T, typename OutT, int TILE, int LAYOUT>
 void run(const Problem& p, int compute_sms, cudaStream_t stream) {
-  using K = KernelOf<T, OutT, TILE>;
+  using K = KernelOf<T, OutT, TILE, LAYOUT>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   Globals g{};
-  g.a = make_tensor_map_2d(p.a, p.in, p.m, p.k, p.k, K::BM, K::kBoxCols);
-  g.b = make_tensor_map_2d(p.b, p.in, p.k, p.n, p.n, K::BK, K::kBoxCols);
+  // Each operand's map is over the matrix as stored; the kernel's boxes read it in place.
+  g.a = p.transpose_a ? make_tensor_map_2d(p.a, p.in, p.k, p.m, p.m, K::BK, K::kBoxCols)
+                      : make_tensor_map_2d(p.a, p.in, p.m, p.k, p.k, K::BM, K::kBoxCols);
+  g.b = p.transpose_b ? make_tensor_map_2d(p.b, p.in, p.n, p.k, p.k, K::BN, K::kBoxCols)
+                      : make_tensor_map_2d(p.b, p.in, p.k, p.n, p.n, K::BK, K::kBoxCols);
   g.c = make_tensor_map_2d(p.c, p.out, p.m, p.n, p.n, 64, K::kOutBoxCols);
   g.m = p.m, g.n = p.n, g.k = p.k;
   g.grid.tiles_m = (p.m + K::BM - 1) / K::BM;
@@ -51,28 +58,47 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax matmul launch: ") + cudaGetErrorString(e));
 }
 
-template <typename T, typename OutT>
-void dispatch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
+template <typename T, typename OutT, int LAYOUT>
+void dispatch_tile(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   switch (tile) {
     case k128x256:
-      if constexpr (built<T, OutT, k128x256>()) return run<T, OutT, k128x256>(p, compute_sms, stream);
+      if constexpr (built<T, OutT, k128x256>()) return run<T, OutT, k128x256, LAYOUT>(p, compute_sms, stream);
       break;
     case k128x128:
-      return run<T, OutT, k128x128>(p, compute_sms, stream);
+      return run<T, OutT, k128x128, LAYOUT>(p, compute_sms, stream);
     case k64x128:
-      return run<T, OutT, k64x128>(p, compute_sms, stream);
+      return run<T, OutT, k64x128, LAYOUT>(p, compute_sms, stream);
   }
   throw std::invalid_argument(std::string("pk_jax matmul: tile ") + tile_name(tile) +
                               " is not built for these dtypes");
 }
 
 template <typename T, typename OutT>
-cudaError_t configure_types() {
+void dispatch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
+  switch (layout_of(p)) {
+    case 0: return dispatch_tile<T, OutT, 0>(p, tile, compute_sms, stream);
+    case 1: return dispatch_tile<T, OutT, 1>(p, tile, compute_sms, stream);
+    case 2: return dispatch_tile<T, OutT, 2>(p, tile, compute_sms, stream);
+    default: return dispatch_tile<T, OutT, 3>(p, tile, compute_sms, stream);
+  }
+}
+
+template <typename T, typename OutT, int LAYOUT>
+cudaError_t configure_layout() {
   cudaError_t e = cudaSuccess;
-  if constexpr (built<T, OutT, k128x256>()) e = lcsc::configure<KernelOf<T, OutT, k128x256>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, OutT, k128x128>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, OutT, k64x128>>();
+  if constexpr (built<T, OutT, k128x256>()) e = lcsc::configure<KernelOf<T, OutT, k128x256, LAYOUT>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, OutT, k128x128, LAYOUT>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, OutT, k64x128, LAYOUT>>();
   return e;
+}
+
+template <typename T, typename OutT>
+cudaError_t configure_types() {
+  static_assert(kLayouts == 4, "configure every layout");
+  cudaError_t e = configure_layout<T, OutT, 0>();
+  if (e == cudaSuccess) e = configure_layout<T, OutT, 1>();
+  if (e == cudaSuccess) e = configure_layout<T, OutT, 2>();
+  return e == cudaSuccess ? configure_layout<T, OutT, 3>() : e;
 }
 
 }  // namespace
@@ -151,7 +177,14 @@ int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   if (p.out != p.in && p.out != ElemType::kF32)
     throw std::invalid_argument("pk_jax matmul: out_dtype must be the input dtype or float32");
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) throw std::invalid_argument("pk_jax matmul: empty matrices");
-  if (p.k % 8 || p.n % 8) throw std::invalid_argument("pk_jax matmul: k and n must be multiples of 8 (TMA rows)");
+  // TMA rows are multiples of 16 bytes: the stored row length of each operand and of C.
+  if (p.transpose_a ? p.m % 8 : p.k % 8)
+    throw std::invalid_argument(std::string("pk_jax matmul: a is stored (") + (p.transpose_a ? "k, m" : "m, k") +
+                                "); its rows (" + (p.transpose_a ? "m" : "k") + ") must be a multiple of 8 (TMA rows)");
+  if (p.transpose_b ? p.k % 8 : p.n % 8)
+    throw std::invalid_argument(std::string("pk_jax matmul: b is stored (") + (p.transpose_b ? "n, k" : "k, n") +
+                                "); its rows (" + (p.transpose_b ? "k" : "n") + ") must be a multiple of 8 (TMA rows)");
+  if (p.n % 8) throw std::invalid_argument("pk_jax matmul: n must be a multiple of 8 (TMA rows of c)");
   if (tile == kAuto) tile = choose_tile(p, compute_sms);
   if (!tile_available(tile, p.in, p.out))
     throw std::invalid_argument(std::string("pk_jax matmul: tile ") + tile_name(tile) + " is not built for these dtypes");

@@ -1,4 +1,5 @@
-// Host interface of the single-GPU GEMM (kernels/gemm_kernel.cuh): C = A @ B, row-major.
+// Host interface of the single-GPU GEMM (kernels/gemm_kernel.cuh): C = op(A) @ op(B), row-major,
+// with either operand stored transposed (read in place).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -18,11 +19,12 @@ struct TileShape {
 inline constexpr TileShape kTileShapes[kNumTiles] = {{128, 256, 1.0}, {128, 128, 0.87}, {64, 128, 0.62}};
 
 struct Problem {
-  const void* a;  // M x K
-  const void* b;  // K x N
+  const void* a;  // M x K (transpose_a: K x M)
+  const void* b;  // K x N (transpose_b: N x K)
   void* c;        // M x N
   int m, n, k;
   ElemType in, out;  // in: bf16 or f16; out: in or f32
+  bool transpose_a = false, transpose_b = false;
 };
 
 const char* tile_name(int tile);

@@ -1,6 +1,9 @@
 // C = A @ B on the LCSC template: A (M x K) and B (K x N) row-major (as JAX stores them), T = bf16
 // or f16 in, fp32 accumulation, OutT out. A block computes a (64 * WGS) x BN tile; each consumer
 // warpgroup owns 64 rows of it (wgmma m64nBNk16, B read N-major straight from the TMA tile).
+// Transposed operands are read in place (the backward pass's layouts, no transposes in HBM):
+//   A_KM: A stored K x M (Aᵀ row-major): M-major smem boxes of 64 k-rows x 64 m, wgmma's transpose-A bit.
+//   B_NK: B stored N x K (Bᵀ row-major): one K-major box of BN n-rows x 64 k, no transpose-B bit.
 // The fused multi-GPU kernels reuse this struct's loader/consumer and add communication in the
 // storer or communicator.
 #pragma once
@@ -17,7 +20,7 @@
 namespace pk::gemm {
 
 struct Globals {
-  CUtensorMap a, b, c;  // boxes: A (BM x 64), B (64 x 64), C (64 x 128 bytes)
+  CUtensorMap a, b, c;  // boxes: A (BM x 64; A_KM: 64 x 64), B (64 x 64; B_NK: BN x 64), C (64 x 128 bytes)
   int m, n, k;
   TileGrid grid;
   int num_comm_sms;
@@ -72,7 +75,8 @@ struct NoComm {
   __device__ static void finish(const Globals&) {}
 };
 
-template <typename T, typename OutT, int WGS_, int BN_, int STAGES_, class Ext = NoComm>
+template <typename T, typename OutT, int WGS_, int BN_, int STAGES_, class Ext = NoComm, bool A_KM = false,
+          bool B_NK = false>
 struct Kernel {
   using Globals = typename Ext::Globals;
   using CommShared = typename Ext::CommShared;
@@ -92,9 +96,10 @@ struct Kernel {
   static constexpr uint32_t kStageBytes = uint32_t(BM * BK + BK * BN) * sizeof(T);
   static_assert(BN % kBoxCols == 0 && BN % kOutBoxCols == 0, "tile width");
 
+  // Both layouts of an operand fill the same bytes; warpgroup w's A rows start at a + w * 64 * BK either way.
   struct Stage {
-    alignas(1024) T a[BM * BK];  // one box: BM rows x 64 k, K-major, swizzled
-    alignas(1024) T b[BK * BN];  // BN/64 boxes of 64 k-rows x 64 n, N-major, swizzled
+    alignas(1024) T a[BM * BK];  // one box: BM rows x 64 k, K-major (A_KM: BM/64 boxes of 64 k x 64 m, M-major)
+    alignas(1024) T b[BK * BN];  // BN/64 boxes of 64 k-rows x 64 n, N-major (B_NK: one box of BN n x 64 k, K-major)
   };
   struct Shared {
     Stage stage[STAGES];
@@ -136,10 +141,20 @@ struct Kernel {
       Stage& dst = s.stage[st.pos.stage];
       uint64_t* full = &s.ring.full[st.pos.stage];
       tma::mbar_expect_tx(full, kStageBytes);
-      tma::load_tile_2d(dst.a, a_map, kb * BK, a_row, full);
+      if constexpr (A_KM) {  // map over (K rows, M cols): the tile's m range is columns
 #pragma unroll
-      for (int j = 0; j < BN / kBoxCols; ++j)
-        tma::load_tile_2d(dst.b + j * BK * kBoxCols, &g.b, tile.y * BN + j * kBoxCols, kb * BK, full);
+        for (int j = 0; j < BM / kBoxCols; ++j)
+          tma::load_tile_2d(dst.a + j * BK * kBoxCols, a_map, a_row + j * kBoxCols, kb * BK, full);
+      } else {
+        tma::load_tile_2d(dst.a, a_map, kb * BK, a_row, full);
+      }
+      if constexpr (B_NK) {  // map over (N rows, K cols), one BN-row box
+        tma::load_tile_2d(dst.b, &g.b, kb * BK, tile.y * BN, full);
+      } else {
+#pragma unroll
+        for (int j = 0; j < BN / kBoxCols; ++j)
+          tma::load_tile_2d(dst.b + j * BK * kBoxCols, &g.b, tile.y * BN + j * kBoxCols, kb * BK, full);
+      }
       st.pos.advance();
     }
   }
@@ -154,9 +169,14 @@ struct Kernel {
       wgmma::fence();
 #pragma unroll
       for (int kk = 0; kk < BK / 16; ++kk) {
-        const uint64_t da = wgmma::desc_sw128(in.a + st.warpgroup * 64 * BK + kk * 16, 16, 1024);
-        const uint64_t db = wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
-        wgmma::mma<T, BN, 0, 1>(acc, da, db, (kb | kk) != 0);
+        // K-major: a k step of 16 is 32 bytes into each swizzled 128-byte row (SBO 1024: 8-row groups).
+        // MN-major: 16 k-rows of 128 bytes (LBO: the next 64-wide MN box, SBO 1024: 8 k-rows).
+        const T* a_wg = in.a + st.warpgroup * 64 * BK;
+        const uint64_t da = A_KM ? wgmma::desc_sw128(a_wg + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024)
+                                 : wgmma::desc_sw128(a_wg + kk * 16, 16, 1024);
+        const uint64_t db = B_NK ? wgmma::desc_sw128(in.b + kk * 16, 16, 1024)
+                                 : wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
+        wgmma::mma<T, BN, A_KM ? 1 : 0, B_NK ? 0 : 1>(acc, da, db, (kb | kk) != 0);
       }
       wgmma::commit();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back

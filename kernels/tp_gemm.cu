@@ -27,13 +27,14 @@ using ExtFor = std::conditional_t<
 // pushers keep a 16 KB ring: with either, 128x128 fits 5 stages, not 6.
 template <int TILE, Kind KIND>
 constexpr int kStagesFor = is_intra_sm(KIND) && TILE == gemm::k128x128 ? 5 : kStages<TILE>;
-template <typename T, int TILE, Kind KIND>
-using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStagesFor<TILE, KIND>, ExtFor<T, TILE, KIND>>;
+// W_NK: w stored (n, k), read in place as wᵀ (gemm::Kernel's B_NK).
+template <typename T, int TILE, Kind KIND, bool W_NK = false>
+using KernelFor = gemm::Kernel<T, T, 2, kBN<TILE>, kStagesFor<TILE, KIND>, ExtFor<T, TILE, KIND>, false, W_NK>;
 
 
-template <typename T, int TILE, Kind KIND>
+template <typename T, int TILE, Kind KIND, bool W_NK>
 void run(const Problem& p, cudaStream_t stream) {
-  using K = KernelFor<T, TILE, KIND>;
+  using K = KernelFor<T, TILE, KIND, W_NK>;
   static_assert(lcsc::smem_bytes<K>() <= 227 * 1024, "shared memory");
   const int G = p.group.size;
   Globals g{};
@@ -41,7 +42,8 @@ void run(const Problem& p, cudaStream_t stream) {
   const int rows_a = ag ? G * p.m : p.m;  // rows of the GEMM's A and C
   g.a = make_tensor_map_2d(ag ? p.aux : p.x, p.type, rows_a, p.k, p.k, K::BM, K::kBoxCols);
   g.a_own = make_tensor_map_2d(p.x, p.type, p.m, p.k, p.k, K::BM, K::kBoxCols);
-  g.b = make_tensor_map_2d(p.w, p.type, p.k, p.n, p.n, K::BK, K::kBoxCols);
+  g.b = W_NK ? make_tensor_map_2d(p.w, p.type, p.n, p.k, p.k, K::BN, K::kBoxCols)
+             : make_tensor_map_2d(p.w, p.type, p.k, p.n, p.n, K::BK, K::kBoxCols);
   if constexpr (is_store_add(KIND)) {  // no partial product: C is never stored through the map (kept valid)
     g.c = make_tensor_map_2d(p.out, p.type, KIND == kMatmulAllReduceAdd ? p.m : p.m / G, p.n, p.n, 64,
                              K::kOutBoxCols);
@@ -70,29 +72,37 @@ void run(const Problem& p, cudaStream_t stream) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax fused GEMM launch: ") + cudaGetErrorString(e));
 }
 
-template <typename T, Kind KIND>
+template <typename T, Kind KIND, bool W_NK>
 void dispatch_tile(const Problem& p, int tile, cudaStream_t stream) {
-  if (tile == gemm::k128x256) run<T, gemm::k128x256, KIND>(p, stream);
-  else run<T, gemm::k128x128, KIND>(p, stream);
+  if (tile == gemm::k128x256) run<T, gemm::k128x256, KIND, W_NK>(p, stream);
+  else run<T, gemm::k128x128, KIND, W_NK>(p, stream);
+}
+
+template <typename T, Kind KIND>
+void dispatch_layout(const Problem& p, int tile, cudaStream_t stream) {
+  if (p.transpose_w) dispatch_tile<T, KIND, true>(p, tile, stream);
+  else dispatch_tile<T, KIND, false>(p, tile, stream);
 }
 
 template <typename T>
 void dispatch(const Problem& p, int tile, cudaStream_t stream) {
   switch (p.kind) {
-    case kAllGatherMatmul: return dispatch_tile<T, kAllGatherMatmul>(p, tile, stream);
-    case kMatmulReduceScatter: return dispatch_tile<T, kMatmulReduceScatter>(p, tile, stream);
-    case kMatmulAllReduce: return dispatch_tile<T, kMatmulAllReduce>(p, tile, stream);
-    case kMatmulReduceScatterAdd: return dispatch_tile<T, kMatmulReduceScatterAdd>(p, tile, stream);
-    case kMatmulAllReduceAdd: return dispatch_tile<T, kMatmulAllReduceAdd>(p, tile, stream);
-    case kAllGatherMatmulIntraSM: return dispatch_tile<T, kAllGatherMatmulIntraSM>(p, tile, stream);
+    case kAllGatherMatmul: return dispatch_layout<T, kAllGatherMatmul>(p, tile, stream);
+    case kMatmulReduceScatter: return dispatch_layout<T, kMatmulReduceScatter>(p, tile, stream);
+    case kMatmulAllReduce: return dispatch_layout<T, kMatmulAllReduce>(p, tile, stream);
+    case kMatmulReduceScatterAdd: return dispatch_layout<T, kMatmulReduceScatterAdd>(p, tile, stream);
+    case kMatmulAllReduceAdd: return dispatch_layout<T, kMatmulAllReduceAdd>(p, tile, stream);
+    case kAllGatherMatmulIntraSM: return dispatch_layout<T, kAllGatherMatmulIntraSM>(p, tile, stream);
   }
   throw std::invalid_argument("pk_jax fused GEMM: unknown op");
 }
 
 template <typename T, Kind KIND>
 cudaError_t configure_kind() {
-  cudaError_t e = lcsc::configure<KernelFor<T, gemm::k128x256, KIND>>();
-  return e == cudaSuccess ? lcsc::configure<KernelFor<T, gemm::k128x128, KIND>>() : e;
+  cudaError_t e = lcsc::configure<KernelFor<T, gemm::k128x256, KIND, false>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelFor<T, gemm::k128x128, KIND, false>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelFor<T, gemm::k128x256, KIND, true>>();
+  return e == cudaSuccess ? lcsc::configure<KernelFor<T, gemm::k128x128, KIND, true>>() : e;
 }
 
 template <typename T>

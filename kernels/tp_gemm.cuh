@@ -26,7 +26,7 @@ struct Problem {
   Kind kind;
   Group group;
   const void* x;  // AG: (m, k) rows of this member; RS/AR: (m, k) with k the local contraction slice
-  const void* w;  // (k, n)
+  const void* w;  // (k, n), or (n, k) with transpose_w
   void* out;      // AG: (G m, n); RS: (m / G, n); AR: (m, n)
   void* aux;      // AG: gathered x (G m, k); RS/AR: partial product (m, n), unused in store-add mode
   int m, n, k;    // x is m x k
@@ -34,6 +34,7 @@ struct Problem {
   int tile;       // gemm::Tile (128x256 or 128x128); kAuto picks
   int num_comm_sms;  // ignored (0) by the intra-SM kinds
   int num_sms;    // of this GPU
+  bool transpose_w;  // w is stored (n, k): the product is x @ wᵀ, w read in place
 };
 
 // Whether AR store-add relays through the row blocks' owners (MatmulStoreAdd): over > 2 members, or at 2

@@ -89,11 +89,9 @@ def _lax_lowering(ctx, a, b, *, out_dtype, tile, transpose_a, transpose_b):
 
 
 def _cuda_lowering(ctx, a, b, *, out_dtype, tile, transpose_a, transpose_b):
-    if transpose_a or transpose_b:  # the kernel's transposed layouts land in the next commit
-        return _lax_lowering(ctx, a, b, out_dtype=out_dtype, tile=tile, transpose_a=transpose_a,
-                             transpose_b=transpose_b)
     return jax.ffi.ffi_lowering("pk_matmul")(ctx, a, b, tile=np.int32(TILES.index(tile) - 1),
-                                              compute_sms=np.int32(0))
+                                              compute_sms=np.int32(0), transpose_a=np.int32(transpose_a),
+                                              transpose_b=np.int32(transpose_b))
 
 
 mlir.register_lowering(pk_matmul_p, _lax_lowering)

@@ -220,13 +220,13 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
         choice = autotune.Choice(spec.num_comm_sms, spec.tile)
     else:
         choice = _tuned_schedule(spec, table, x_aval, w_aval)
-    if choice.num_comm_sms == 0 or spec.transpose_w:  # the composition was faster here (or the
-        return _lax_lowering(ctx, x, w, spec=spec)      # transposed kernel, in the next commit, is missing)
+    if choice.num_comm_sms == 0:  # the autotuner (or the caller) found the unfused composition faster here
+        return _lax_lowering(ctx, x, w, spec=spec)
     intra = choice.num_comm_sms == autotune.INTRA_SM
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
         kind=np.int32(kernel_kind(spec.op, intra)), tile=np.int32(choice.tile),
-        num_comm_sms=np.int32(0 if intra else choice.num_comm_sms),
+        num_comm_sms=np.int32(0 if intra else choice.num_comm_sms), transpose_w=np.int32(spec.transpose_w),
         mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
         group_axes=np.asarray(table.group_axes, np.int64))
 

@@ -117,3 +117,6 @@ def test_gemm_bench_clis_write_results_format(suite, args, tmp_path):
         assert len(row["extra"]["mnk"]) == 3 and row["extra"]["check"] == "ok"
         if suite == "tp_gemm":
             assert {"bound_ms", "non_overlapped_fraction", "num_comm_sms"} <= row["extra"].keys()
+    if suite == "gemm":  # the default suite includes the backward layouts' rows
+        layouts = {(r["case"], r["extra"]["layout"], r["extra"]["shards"]) for r in doc["rows"] if "layout" in r["extra"]}
+        assert {("layout_NT", "NT", 1), ("layout_TN", "TN", 1)} <= layouts

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mlp", default="gelu", choices=["gelu", "swiglu"], help="model: MLP of the layer (default gelu)")
     p.add_argument("--distributed", action="store_true",
                    help="model: jax.distributed.initialize() first (one process per GPU; process 0 writes)")
+    p.add_argument("--layouts", action="store_true",
+                   help="gemm: only the backward layouts' rows (NT, TN on the Llama-3-70B MLP backward shapes)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
     args = p.parse_args(argv)
     _ensure_flags()
@@ -94,10 +96,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pk_jax.bench gemm: {results.device_description()} (uses GPU 0), {reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: pk_jax.matmul runs jnp.dot here; timings only exercise the plumbing)")
-        rows = gemm.run(quick=args.quick, reps=reps, tiles=args.variants)
+        rows = gemm.run(quick=args.quick, reps=reps, tiles=args.variants, plain=not args.layouts)
         results.write(out, args.suite, rows)
         print()
         results.print_gemm_table(rows)
+        results.print_layout_table(rows)
         print(f"\nwrote {out}")
         return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
     if args.suite == "tp_gemm":

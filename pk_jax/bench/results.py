@@ -86,6 +86,25 @@ def _gemm_line(r: dict) -> str:
             f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
 
 
+def print_layout_table(rows: Sequence[dict]) -> None:
+    """The transposed-layout rows (case layout_NT / layout_TN) with their shard count, if any."""
+    rows = [r for r in rows if r["case"].startswith("layout_")]
+    if not rows:
+        return
+    print()
+    head = (f"{'layout':<8}{'G':>3}  {'M x N x K':<20}{'tile':<9}{'ours ms':>10}{'TF/s':>7}{'dot ms':>10}{'TF/s':>7}"
+            f"{'ratio':>8}{'target':>8}  check")
+    _print_ruled(head, (_layout_line(r) for r in rows))
+
+
+def _layout_line(r: dict) -> str:
+    e = r["extra"]
+    goal = "" if e["target"] is None else f"{e['target']:.2f}{'' if e['meets_target'] else ' !'}"
+    return (f"{e['layout']:<8}{e['shards']:>3}  {'x'.join(map(str, e['mnk'])):<20}{e['tile']:<9}{r['ours_ms']:>10.4f}"
+            f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
+            f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
+
+
 def print_tp_table(rows: Sequence[dict]) -> None:
     head = (f"{'op':<23}{'N':>7}{'G':>3}{'ours ms':>10}{'XLA ms':>10}{'ratio':>7}{'target':>8}{'bound ms':>10}"
             f"{'gemm ms':>9}{'comm ms':>9}{'non-ovl':>8}{'sms':>6}{'intra ms':>9}{'det ms':>9}  check")

@@ -251,3 +251,65 @@ def test_uses_the_kernel():
     f = jax.jit(jax.shard_map(lambda a, b: pk_jax.matmul_all_reduce(a, b, "x", num_comm_sms=4), mesh=mesh,
                               in_specs=(P(None, "x"), P("x")), out_specs=P(), check_vma=False))
     assert "pk_tp_gemm" in f.lower(x, w).as_text()
+
+
+# transpose_w: w stored (n, k) (a weight read for an input gradient), computed as x @ wᵀ in place.
+def dot_t(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(a.dtype)
+
+
+OPS_W_NK = {
+    "ag": (lambda x, w, **kw: pk_jax.all_gather_matmul(x, w, "x", transpose_w=True, **kw),
+           lambda x, w: dot_t(jax.lax.all_gather(x, "x", tiled=True), w), (P("x"), P()), P("x")),
+    "rs": (lambda x, w, **kw: pk_jax.matmul_reduce_scatter(x, w, "x", transpose_w=True, **kw),
+           lambda x, w: jax.lax.psum_scatter(dot_t(x, w), "x", tiled=True), (P(None, "x"), P(None, "x")), P("x")),
+    "ar": (lambda x, w, **kw: pk_jax.matmul_all_reduce(x, w, "x", transpose_w=True, **kw),
+           lambda x, w: jax.lax.psum(dot_t(x, w), "x"), (P(None, "x"), P(None, "x")), P()),
+}
+# Every kernel kind: comm-SM AG / pull RS / pull AR, intra-SM AG, store-add RS / AR.
+MODES_W_NK = {"ag": [{"schedule": "comm_sms", "num_comm_sms": 8}, {"schedule": "intra_sm"}],
+              "rs": [{"schedule": "pull", "num_comm_sms": 8, "deterministic": True},
+                     {"schedule": "store_add", "deterministic": False}],
+              "ar": [{"schedule": "pull", "num_comm_sms": 8, "deterministic": True},
+                     {"schedule": "store_add", "deterministic": False}]}
+
+
+def run_w_nk(op, g, m, n, k, dtype=jnp.bfloat16, **kw):
+    """Local x (m, k) and w stored (n, k); returns ours, the composition and the float32 reference."""
+    ours, ref, (xs, ws), out_spec = OPS_W_NK[op]
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    x_shape = (g * m, k) if op == "ag" else (m, g * k)
+    w_shape = (n, k) if op == "ag" else (n, g * k)
+    make = lambda shape, spec: jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype),
+                                       out_shardings=NamedSharding(mesh, spec))(jax.random.key(next(_seed)))
+    x, w = make(x_shape, xs), make(w_shape, ws)
+    f = lambda fn: jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=(xs, ws), out_specs=out_spec, check_vma=False))
+    poison_allocator(4 * (g * m) * max(n, k) * 2, gpus()[:g])
+    mine = f(lambda a, b: ours(a, b, **kw))
+    assert "pk_tp_gemm" in mine.lower(x, w).as_text(), f"{op} {kw} transpose_w did not lower to the fused kernel"
+    got = np.asarray(mine(x, w).astype(jnp.float32))
+    pk_jax.runtime.check()
+    want = np.asarray(f(ref)(x, w).astype(jnp.float32))
+    full = np.asarray(x, np.float32) @ np.asarray(w, np.float32).T
+    return got, want, np.tile(full, (g, 1)) if op == "ag" else full
+
+
+@pytest.mark.parametrize("op,mode", [(op, m) for op in OPS_W_NK for m in MODES_W_NK[op]], ids=str)
+@pytest.mark.parametrize("g", group_sizes())
+@pytest.mark.parametrize("mnk", [(256, 256, 256), (512, 768, 1536), (256, 520, 256), (256, 256, 520)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_transpose_w_matches_composition_and_reference(op, mode, g, mnk):
+    m, n, k = mnk
+    if op != "ag":
+        m *= g  # the local rows of x must split into G row blocks of >= 128
+    got, want, full = run_w_nk(op, g, m, n, k, **mode)
+    assert_close(got, want)
+    assert_close(got, full)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_transpose_w_float16(op):
+    mode = MODES_W_NK[op][0]
+    got, want, full = run_w_nk(op, 2, 512, 256, 384, dtype=jnp.float16, **mode)
+    assert_close(got, want)
+    assert_close(got, full)
