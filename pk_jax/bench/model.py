@@ -8,6 +8,13 @@ causal half of 4 T^2 H hd) at the peak bf16 rate measured here (a 8192^3 jnp.dot
 GPU; `bound_speedup` = XLA ms / floor ms (the most any implementation could gain over XLA),
 `ours_bound_speedup` = ours ms / floor ms. Communication is not in the floor.
 
+Memory, Llama-3-70B widths, T = 16384, G = 1 (the largest default case): parameters 0.62 G x 2 B =
+1.24 GB (gelu; swiglu 1.7 GB) and as much for their gradients; saved activations ~4 GB (x, two norms,
+qkv 0.34 GB, attention output, the MLP's (T, f) input and gelu output 0.94 GB each); attention, one KV
+head (8 query heads) at a time under jax.checkpoint: float32 logits 8.6 GB, with the softmax and its
+gradient at most ~4x that live: well under 50 GB of the H200's 141 GB. Without the per-KV-head remat the
+64 heads' float32 logits alone take 69 GB, and their softmax and gradients would not fit.
+
 Group size: the mesh is all devices (`--group` takes the first G). Under jax.distributed (one process
 per GPU, `--distributed`) the mesh is global and only process 0 prints and writes files.
 """
