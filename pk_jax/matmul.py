@@ -37,9 +37,15 @@ def _dims(a_ndim: int, transpose_a: bool, transpose_b: bool) -> tuple:
 
 def _reference(a: jax.Array, b: jax.Array, out_dtype, transpose_a: bool = False,
                transpose_b: bool = False) -> jax.Array:
-    """op(a) @ op(b) in float32, cast to out_dtype (the fallback and the semantics)."""
-    acc = jnp.promote_types(jnp.result_type(a, b), jnp.float32)
-    return jax.lax.dot_general(a, b, _dims(a.ndim, transpose_a, transpose_b), preferred_element_type=acc).astype(out_dtype)
+    """op(a) @ op(b) with float32 accumulation in out_dtype (the fallback and the semantics). Where
+    out_dtype is the input dtype the dot outputs it directly, as jnp.dot does (XLA accumulates 16-bit
+    products in float32), so the jaxpr/HLO holds no float32 GEMM for bf16/fp16 GEMMs."""
+    in_dtype = jnp.result_type(a, b)
+    dims = _dims(a.ndim, transpose_a, transpose_b)
+    if jnp.dtype(out_dtype) in (in_dtype, jnp.dtype(jnp.float32)) and jnp.issubdtype(in_dtype, jnp.floating):
+        return jax.lax.dot_general(a, b, dims, preferred_element_type=out_dtype)
+    acc = jnp.promote_types(in_dtype, jnp.float32)
+    return jax.lax.dot_general(a, b, dims, preferred_element_type=acc).astype(out_dtype)
 
 
 def _abstract_eval(a, b, *, out_dtype, tile, transpose_a, transpose_b):

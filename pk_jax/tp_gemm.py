@@ -13,7 +13,8 @@ and cached on disk (pk_jax/autotune.py); keyword arguments override it (num_comm
 schedule="xla" runs the unfused composition, which the autotuner also picks where it is faster).
 Where the fused kernel cannot run (CPU, other dtypes, rows per member not a multiple of 128, ...)
 the composition itself runs, with a one-time warning on GPUs. Gradients are those of the
-composition (the backward pass runs it on pk_jax's collectives: TpSpec.pk_apply).
+composition, computed by fused kernels too (pk_jax/_tp_vjp.py: AG's backward is a GEMM+RS and a
+GEMM, RS's an AG+GEMM and a GEMM, AR's two GEMMs), in the input dtype.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ def _dot(a: jax.Array, w: jax.Array, transpose_w: bool) -> jax.Array:
     """a (m, k) @ op(w) with w (k, n) or, transposed, (n, k): float32 accumulation, output in the
     product dtype (jnp.dot's)."""
     dims = (((1,), (1 if transpose_w else 0,)), ((), ()))
-    return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.float32).astype(jnp.result_type(a, w))
+    # Output in the product dtype directly (float32 accumulation inside, as jnp.dot): the VJP then stays
+    # in bf16/fp16 too (an f32 result would make it cast the cotangent and operands to float32).
+    return jax.lax.dot_general(a, w, dims, preferred_element_type=jnp.result_type(a, w))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +68,12 @@ class TpSpec:
     may_intra_sm: bool = False   # autotuned: the intra-SM kernel is a candidate
     composition: bool = True     # autotuned: the unfused composition is a candidate
     tile: int = autotune.AUTO_TILE  # the block tile (set by the autotuner; AUTO_TILE: the kernel picks)
+    # Backward pass only (pk_jax/_tp_vjp.py): its reduce-scatter/all-reduce deterministic; AG keeps the
+    # gathered x from the forward for dw (False: gathers x again in the backward, saving G m k memory);
+    # return_gathered: the caller sees AG's gathered x (its cotangent then adds into dx).
+    deterministic: bool = False
+    save_gathered: bool = True
+    return_gathered: bool = False
     transpose_w: bool = False    # w is stored (n, k): the product is x @ wᵀ
 
     def n_of(self, w_shape: tuple[int, ...]) -> int:
@@ -288,7 +297,8 @@ SCHEDULES = {"all_gather_matmul": ("intra_sm", "comm_sms"), "matmul_reduce_scatt
 
 
 def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms: int | None,
-          deterministic: bool = True, schedule: str | None = None, transpose_w: bool = False):
+          deterministic: bool = True, schedule: str | None = None, transpose_w: bool = False,
+          save_gathered: bool = True, return_gathered: bool = False):
     transpose_w = bool(transpose_w)
     x, w, g = _check(op, x, w, axis_name, num_comm_sms, transpose_w)
     intra_name, comm_name = SCHEDULES[op]
@@ -311,7 +321,8 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
     spec = TpSpec(op, normalize_axis_name(axis_name), g, num_comm_sms, why is None,
                   intra_sm=schedule == intra_name,
                   may_intra_sm=schedule is None and intra_allowed and num_comm_sms is None,
-                  composition=schedule != comm_name, transpose_w=transpose_w)
+                  composition=schedule != comm_name, transpose_w=transpose_w, deterministic=deterministic,
+                  save_gathered=save_gathered, return_gathered=return_gathered)
     return _fused(x, w, _with_cached_store_add(spec, x, w))
 
 
@@ -321,24 +332,18 @@ def _fused(x, w, spec: TpSpec):
     return tuple(pk_tp_gemm_p.bind(x, w, spec=spec))
 
 
-def _fused_fwd(x, w, spec):
-    return _fused(x, w, spec), (x, w)
+def _install_vjp() -> None:
+    from pk_jax import _tp_vjp  # the backward pass (fused kernels in the input dtype) builds on this module
+
+    _fused.defvjp(_tp_vjp.fused_fwd, _tp_vjp.fused_bwd)
 
 
-def _fused_bwd(spec, res, cts):
-    x, w = res
-    if spec.op == "all_gather_matmul":  # the gathered x is a user-visible output: its cotangent counts
-        _, vjp = jax.vjp(spec.pk_apply, x, w)
-        return vjp(cts)
-    _, vjp = jax.vjp(lambda a, b: spec.pk_apply(a, b)[0], x, w)  # RS/AR: the second output is scratch
-    return vjp(cts[0])
-
-
-_fused.defvjp(_fused_fwd, _fused_bwd)
+_install_vjp()
 
 
 def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return_gathered: bool = False,
-                      schedule: str | None = None, num_comm_sms: int | None = None, transpose_w: bool = False):
+                      schedule: str | None = None, num_comm_sms: int | None = None, transpose_w: bool = False,
+                      deterministic: bool = False, save_gathered: bool = True):
     """all_gather(x) @ op(w) in one kernel.
 
     Args:
@@ -351,12 +356,16 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
         every compute SM pushes pieces of x while the SM computes) or "xla" (the composition).
       num_comm_sms: "comm_sms" schedule: SMs that push x (None: autotuned; 0: the composition).
       transpose_w: w is stored (n, k); computes all_gather(x) @ wᵀ reading w in place.
+      deterministic: the backward pass's reduce-scatter (dx = RS(dy w^T)) uses only schedules that give
+        identical bits every run (see `matmul_reduce_scatter`).
+      save_gathered: True (default): the backward pass's dw = gathered_x^T dy uses the gathered x that the
+        forward kernel wrote (G m k elements kept alive until then); False: gathers x again instead.
 
     Returns:
       (G m, n), or ((G m, n), (G m, k)) with return_gathered.
     """
-    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms, schedule=schedule,
-                          transpose_w=transpose_w)
+    out, gathered = _call("all_gather_matmul", x, w, axis_name, num_comm_sms, deterministic, schedule,
+                          transpose_w, save_gathered, return_gathered)
     return (out, gathered) if return_gathered else out
 
 

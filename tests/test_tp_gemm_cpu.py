@@ -83,8 +83,9 @@ def test_gradients_match_composition():
         loss = lambda f: lambda a, b: jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(a, b).sum()
         got = jax.grad(loss(ours), argnums=(0, 1))(x, w)
         want = jax.grad(loss(ref), argnums=(0, 1))(x, w)
-        for a, b in zip(got, want):
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        for a, b in zip(got, want):  # the backward is the fused pairing (pk_jax/_tp_vjp.py): other sum orders
+            a, b = np.asarray(a), np.asarray(b)
+            assert np.linalg.norm(a - b) <= 1e-6 * np.linalg.norm(b), (op, np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize("call,match", [

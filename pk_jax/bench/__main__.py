@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,multirank} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,multirank} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -33,9 +33,9 @@ def _ensure_flags() -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "multirank"],
-                   help="which suite to run (demo: one row per op family, under two minutes; multirank: the "
-                        "multi-process correctness suite, tests/multirank)")
+    p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "model", "multirank"],
+                   help="which suite to run (demo: one row per op family, under two minutes; model: a Llama-style "
+                        "layer's training step; multirank: the multi-process correctness suite, tests/multirank)")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
@@ -43,6 +43,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
+    p.add_argument("--group", type=int, default=None, help="model: mesh of the first G devices (default: all)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None, help="model: T per step (default 8192 16384)")
+    p.add_argument("--widths", nargs="+", default=None, choices=["llama3-8b", "llama3-70b"],
+                   help="model: layer widths (default both)")
+    p.add_argument("--blocks", nargs="+", default=None, choices=["transformer_layer", "mlp_block"],
+                   help="model: what to time (default both)")
+    p.add_argument("--mlp", default="gelu", choices=["gelu", "swiglu"], help="model: MLP of the layer (default gelu)")
+    p.add_argument("--distributed", action="store_true",
+                   help="model: jax.distributed.initialize() first (one process per GPU; process 0 writes)")
     p.add_argument("--layouts", action="store_true",
                    help="gemm: only the backward layouts' rows (NT, TN on the Llama-3-70B MLP backward shapes)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
@@ -58,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         return multirank.run(args.ranks, args.ranks_per_gpu, args.cpu, args.quick, args.calls, args.out)
     _ensure_flags()
     import jax
+
+    if args.distributed:
+        jax.distributed.initialize()  # coordinator, process count and id from the environment / cluster
 
     from pk_jax.bench import collectives, results
 
@@ -96,6 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         demo.plot(rows, os.path.splitext(out)[0] + ".png")
         print(f"\nwrote {out}")
         return 1 if any(r.get("extra", {}).get("check") == "MISMATCH" for r in rows) else 0
+    if args.suite == "model":
+        from pk_jax.bench import model
+
+        args.out = out
+        return model.main(args)
     if args.suite == "gemm":
         from pk_jax.bench import gemm
 

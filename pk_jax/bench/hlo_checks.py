@@ -1,0 +1,69 @@
+"""Inspecting lowered programs: which GEMMs they hold (and in which dtypes) and which pk_jax custom calls.
+
+Reads both StableHLO text (`jax.jit(f).lower(...).as_text()`, e.g. on CPU) and compiled HLO text
+(`....compile().as_text()`, after XLA's GPU passes turned dots into cuBLAS custom calls or GEMM
+fusions), so GPU tests and multi-rank scripts check a program the same way:
+
+    gemms = hlo_checks.gemms(text)
+    assert not hlo_checks.float32_gemms(gemms)
+    kinds = hlo_checks.custom_call_kinds(text, "pk_tp_gemm")
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+
+class Gemm(NamedTuple):
+    where: str                  # "dot_general" (StableHLO), "dot" (HLO, incl. inside GEMM fusions), "cublas"
+    operands: tuple[str, ...]   # element types, e.g. ("bf16", "bf16")
+    result: str
+    line: str
+
+
+_MLIR_DOT = re.compile(r"stablehlo\.dot_general .*?:\s*\(tensor<[^>]*?x?(\w+)>,\s*tensor<[^>]*?x?(\w+)>\)\s*->\s*"
+                       r"tensor<[^>]*?x?(\w+)>")
+_HLO_DOT = re.compile(r"=\s*(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+dot\((\w+)\[[^\]]*\](?:\{[^}]*\})?\s+%?[\w.-]+,\s*"
+                      r"(\w+)\[")
+_HLO_CUSTOM = re.compile(r"=\s*\(?(\w+)\[[^\]]*\].*?custom-call\((\w+)\[[^\]]*\](?:\{[^}]*\})?\s+%?[\w.-]+,\s*"
+                         r"(\w+)\[.*custom_call_target=\"([^\"]+)\"")
+
+
+def _elem(t: str) -> str:
+    """'512x64xbf16' tail or 'bf16' -> 'bf16'."""
+    return t.rsplit("x", 1)[-1] if "x" in t and not t.startswith("x") else t
+
+
+def gemms(text: str) -> list[Gemm]:
+    """Every GEMM of a lowered (StableHLO) or compiled (HLO) program with its operand and result types."""
+    out = []
+    for line in text.splitlines():
+        if "stablehlo.dot_general" in line and (m := _MLIR_DOT.search(line)):
+            out.append(Gemm("dot_general", (_elem(m[1]), _elem(m[2])), _elem(m[3]), line.strip()))
+        elif " dot(" in line and (m := _HLO_DOT.search(line)):
+            out.append(Gemm("dot", (m[2], m[3]), m[1], line.strip()))
+        elif "custom-call(" in line and "cublas" in line and (m := _HLO_CUSTOM.search(line)):
+            out.append(Gemm("cublas", (m[2], m[3]), m[1], line.strip()))
+    return out
+
+
+def float32_gemms(found: list[Gemm], results_too: bool = True) -> list[Gemm]:
+    """The GEMMs that run in float32: an f32 operand (an f32 GEMM), or (results_too) a 16-bit GEMM
+    with an f32 result (its gradient would then be an f32 GEMM)."""
+    return [g for g in found if "f32" in g.operands or (results_too and g.result == "f32")]
+
+
+def custom_call_kinds(text: str, target: str) -> list[int | None]:
+    """The `kind` attribute of every custom call to `target` (None where it has none), in program order."""
+    kinds = []
+    for line in text.splitlines():
+        if f'custom_call_target="{target}"' in line or f"custom_call @{target}(" in line:
+            m = re.search(r"\bkind\s*=\s*(-?\d+)", line)
+            kinds.append(int(m[1]) if m else None)
+    return kinds
+
+
+def describe(found: list[Gemm]) -> str:
+    """One line per GEMM, for failure messages."""
+    return "\n".join(f"  {g.where}: {'x'.join(g.operands)} -> {g.result}: {g.line[:160]}" for g in found)
