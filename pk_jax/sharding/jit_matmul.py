@@ -118,6 +118,12 @@ def matmul(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.ndim < 1 or w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"pk_jax.sharding.matmul: x must be (..., d) and w (d, f); got x{x.shape}, "
                          f"w{w.shape}. Transpose w if it is (f, d).")
+    explicit = jax.sharding.get_abstract_mesh().explicit_axes
+    if explicit:
+        raise ValueError(f"pk_jax.sharding.matmul: mesh axes {explicit} are Explicit (jax.make_mesh's default); "
+                         f"this op follows the partitioner's choices and needs Auto axes: make the mesh with "
+                         f"axis_types=(jax.sharding.AxisType.Auto,) * ndim, or wrap the call in "
+                         f"jax.sharding.auto_axes")
     if x.ndim == 1:
         return _matmul(x[None], w)[0]
     return _matmul(x, w)
