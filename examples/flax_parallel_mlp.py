@@ -77,10 +77,13 @@ def make_data(mesh, batch: int, seq: int, features: int, count: int = 4):
     return xs, [jnp.tanh(x @ teacher) for x in xs]
 
 
-def main(steps: int = 20) -> tuple[list[float], list[float]]:
+def main(steps: int = 20, features: int = 256, hidden: int = 512,
+         seq_per_device: int = 128) -> tuple[list[float], list[float]]:
+    """Trains both models; returns (pk_jax losses, plain XLA losses). The fused GPU kernels want
+    >= 128 rows per GPU (seq_per_device x 2 sequences per data shard)."""
     mesh = make_mesh()
-    features, hidden = 256, 512
-    xs, ys = make_data(mesh, batch=2 * mesh.shape["data"], seq=128 * mesh.shape["tensor"], features=features)
+    xs, ys = make_data(mesh, batch=2 * mesh.shape["data"], seq=seq_per_device * mesh.shape["tensor"],
+                       features=features)
     jit_matmul.decisions.clear()
     ours = train(make_model(mesh, features, hidden), mesh, xs, ys, steps=steps, lr=0.5)
     lowered = sorted({(role, d.name) for role, d in jit_matmul.decisions})

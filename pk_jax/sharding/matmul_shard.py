@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax._src import config, core
+from jax._src.lax.parallel import pvary
 
 import pk_jax
 from pk_jax.sharding.matmul_decision import Axes, MatmulDecision
@@ -37,6 +39,15 @@ def _prod(shape) -> int:
     return n
 
 
+def _same_varying_axes(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Inside shard_map with check_vma, lets a and b vary over the same axes, as jnp.dot does
+    implicitly (x replicated over tp times columns split over tp: x's cotangent is summed over tp)."""
+    if not config._check_vma.value:
+        return a, b
+    va, vb = core.typeof(a).mat.varying, core.typeof(b).mat.varying
+    return pvary(a, tuple(sorted(vb - va, key=str))), pvary(b, tuple(sorted(va - vb, key=str)))
+
+
 def run_shard(decision: MatmulDecision, a: jax.Array, b: jax.Array) -> jax.Array:
     """a (rows..., k_local) @ b (k_local, n_local) on one shard, with the decision's collective.
 
@@ -47,7 +58,7 @@ def run_shard(decision: MatmulDecision, a: jax.Array, b: jax.Array) -> jax.Array
         b = pk_jax.all_gather(b, _name(decision.gather_b_k), axis=0, tiled=True)
     group = _name(decision.group)
     if decision.op == "matmul":
-        return pk_jax.matmul(a, b)
+        return pk_jax.matmul(*_same_varying_axes(a, b))
     if decision.op == "matmul_all_reduce":
         y = pk_jax.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, group)
         return y.reshape(*a.shape[:-1], y.shape[-1])
