@@ -141,3 +141,30 @@ def test_explicit_axes_raise_naming_the_fix():
 def test_shape_errors_name_the_arguments():
     with pytest.raises(ValueError, match=r"x must be \(\.\.\., d\) and w \(d, f\)"):
         pks.matmul(jnp.ones((8, 4)), jnp.ones((5, 4)))
+
+
+def test_fused_op_lowering_inside_the_partitioner_finds_its_mesh_group(mesh):
+    """What the CUDA lowering of `pk_tp_gemm` needs (a concrete mesh and the group's axes) is there
+    when the op is lowered from the partition callback: probed through a CPU lowering rule."""
+    from jax.interpreters import mlir
+
+    from pk_jax import tp_gemm
+    from pk_jax.sharding import group_table
+
+    seen = []
+
+    def probe(ctx, x, w, *, spec):
+        seen.append((spec.op, group_table(ctx.module_context.axis_context, spec.axis_name)))
+        return tp_gemm._lax_lowering(ctx, x, w, spec=spec)
+
+    mlir.register_lowering(tp_gemm.pk_tp_gemm_p, probe, platform="cpu")
+    try:
+        x, w = _normal((64, 32)), _normal((32, 48))
+        shard = lambda s: NamedSharding(mesh, s)
+        jax.jit(pks.matmul, in_shardings=(shard(P("tp", None)), shard(P(None, "tp")))).lower(x, w).compile()
+    finally:
+        mlir.register_lowering(tp_gemm.pk_tp_gemm_p, tp_gemm._lax_lowering, platform="cpu")
+    (op, table), = seen
+    assert op == "all_gather_matmul" and table is not None
+    assert table.mesh_shape == (2, 4) and table.group_axes == (1,)
+    assert table.mesh_ids == tuple(d.id for d in mesh.devices.flat)
