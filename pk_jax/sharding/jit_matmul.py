@@ -16,6 +16,7 @@ Decisions are recorded when XLA partitions (at compile time) in `decisions` (a l
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +34,18 @@ def _spec(axes_per_dim) -> PartitionSpec:
 
 
 def _padded(sharding, ndim: int) -> tuple:
-    spec = tuple(sharding.spec) if isinstance(sharding, NamedSharding) else ()
+    if isinstance(sharding, NamedSharding):
+        spec = tuple(sharding.spec)
+    else:  # no mesh known at lowering: every operand is gathered and the matmul runs replicated
+        _warn_no_mesh()
+        spec = ()
     return spec + (None,) * (ndim - len(spec))
+
+
+@functools.cache
+def _warn_no_mesh() -> None:
+    warnings.warn("pk_jax.sharding.matmul: the partitioner gave shardings without a mesh, so the matmul runs "
+                  "replicated. Place the inputs with NamedShardings or call under jax.set_mesh(mesh).", stacklevel=2)
 
 
 def _partition(role: str, mesh, arg_shapes, result_shape):
