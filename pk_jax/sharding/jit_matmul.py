@@ -21,6 +21,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
+from jax._src.sharding_impls import GSPMDSharding
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pk_jax.sharding.matmul_decision import MatmulDecision, decide
@@ -54,10 +55,14 @@ def _partition(role: str, mesh, arg_shapes, result_shape):
     decision = decide(_padded(a.sharding, a.ndim), _padded(b.sharding, 2), _padded(wanted.sharding, a.ndim),
                       a.shape[:-1], dict(mesh.shape))
     decisions.append((role, decision))
-    shard = lambda s: NamedSharding(mesh, _spec(s))
+    if mesh.empty:  # GSPMD shardings without a mesh: everything replicated (decision: local "matmul")
+        replicated = GSPMDSharding.get_replicated(a.sharding._device_assignment)
+        shard = lambda s: replicated
+    else:
+        shard = lambda s: NamedSharding(mesh, _spec(s))
     arg_shardings = [shard(decision.b_spec), shard(decision.a_spec)]
     if len(arg_shapes) == 3:
-        arg_shardings.append(wanted.sharding)
+        arg_shardings.append(wanted.sharding if not mesh.empty else shard(()))
 
         def lower(w, x, like):
             del like  # only its sharding matters
