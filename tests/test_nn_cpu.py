@@ -110,3 +110,21 @@ def test_flax_example_loss_curve_matches_plain_xla():
     ours, ref = example.main(steps=6, features=64, hidden=128, seq_per_device=8)
     assert ours[-1] < ours[0]  # it trains
     np.testing.assert_allclose(ours, ref, rtol=1e-2)
+
+
+def test_flax_module_inside_shard_map(mesh):
+    """The same module on local parameter blocks: state specs from the parameters' sharding metadata."""
+    from flax import nnx
+    with jax.set_mesh(mesh):
+        model = nn.ParallelMLP(32, 64, axis_name="tensor", sequence_parallel=True, dtype=jnp.bfloat16,
+                               rngs=nnx.Rngs(1))
+    graphdef, state = nnx.split(model)
+    state_specs = nnx.get_partition_spec(state)
+    x_spec = P("data", "tensor", None)
+    x = _normal((4, 32, 32))
+    fn = jax.shard_map(lambda s, x: nnx.merge(graphdef, s)(x), mesh=mesh, in_specs=(state_specs, x_spec),
+                       out_specs=x_spec)
+    y = jax.jit(fn)(state, x)
+    want = _reference(x, state["up"]["kernel"][...], state["down"]["kernel"][...], state["up"]["bias"][...],
+                      state["down"]["bias"][...])
+    assert _rel(y, want) < BF16_TOL
