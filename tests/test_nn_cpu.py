@@ -35,7 +35,8 @@ def _rel(got, want) -> float:
 
 
 def _mlp_inputs():
-    return _normal((4, 32, 32)), _normal((32, 64), 32**-0.5), _normal((64, 32), 64**-0.5), _normal((64,)), _normal((32,))
+    return (_normal((4, 32, 32)), _normal((32, 64), 32**-0.5), _normal((64, 32), 64**-0.5), _normal((64,)),
+            _normal((32,)))
 
 
 def _reference(x, w1, w2, b1, b2):
