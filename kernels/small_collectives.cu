@@ -16,9 +16,9 @@
 namespace pk {
 namespace {
 
-constexpr int kSmallThreads = 512;
+constexpr int kSmallThreads = 256;  // launch_bounds(256, 1): up to 255 registers, the reductions use 138-148
 constexpr int kWordsPerThread = 8;   // LL lines each thread has in flight per phase
-constexpr int kSmallMaxCtas = 64;    // a few SMs suffice: the payload is at most 1 MiB
+constexpr int kSmallMaxCtas = 128;   // 2048 lines per CTA: 1 CTA per 8 KiB, 128 at 1 MiB
 
 // 4 bytes at byte offset `off` (even) of a buffer whose valid bytes end at `end`. 16-bit data may sit
 // at 2 (mod 4) (odd chunk sizes) and may end in half a word: those go by 16-bit halves.
@@ -112,26 +112,38 @@ __device__ __forceinline__ void for_words(int64_t n, F f) {
 }
 
 // Sums word idx[u] over the members in rank order: own from x (bytes [x_off, x_end) hold the words),
-// the others from their LL lines at line idx[u] of this device's area.
+// the others from their LL lines at line idx[u] of this device's area. Two members in flight: the
+// next member's lines load while this one's are checked and added (the loop over kMaxGroup unrolls,
+// so the two buffers stay in registers).
 template <typename T>
 __device__ __forceinline__ bool reduce_words(const SmallOpState& st, const char* x, int64_t x_off, int64_t x_end,
                                              const int64_t (&idx)[kWordsPerThread],
                                              const bool (&valid)[kWordsPerThread], uint32_t (&out)[kWordsPerThread]) {
   constexpr int U = kWordsPerThread;
-  float acc[U][2] = {};
-  bool ok = true;
-  for (int r = 0; r < st.g.size; ++r) {
-    uint32_t w[U];
-    if (r == st.g.rank) {
+  const Group& g = st.g;
+  const auto fetch = [&](int r, uint64_t(&v)[U]) {
+    const uint64_t* lines = st.in(r);
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        if (valid[u]) w[u] = load_word(x, x_off + 4 * idx[u], x_end);
-    } else {
-      ok = ll_receive<U>(st.in(r), idx, valid, st.flag[r], w, st.g, r) && ok;
+    for (int u = 0; u < U; ++u) {
+      if (!valid[u]) continue;
+      v[u] = r == g.rank ? uint64_t(load_word(x, x_off + 4 * idx[u], x_end)) : ll_load(lines + idx[u]);
     }
+  };
+  float acc[U][2] = {};
+  uint64_t v[2][U];
+  bool ok = true;
+  fetch(0, v[0]);
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (valid[u]) add_word<T>(acc[u], w[u]);
+  for (int r = 0; r < kMaxGroup; ++r) {
+    if (r >= g.size) break;
+    if (r + 1 < g.size) fetch(r + 1, v[(r + 1) & 1]);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (!valid[u]) continue;
+      uint32_t w = uint32_t(v[r & 1][u]);
+      if (r != g.rank && !ll_ready(v[r & 1][u], st.flag[r])) ok = ll_wait(st.in(r) + idx[u], st.flag[r], w, g, r) && ok;
+      add_word<T>(acc[u], w);
+    }
   }
 #pragma unroll
   for (int u = 0; u < U; ++u)
@@ -151,7 +163,7 @@ __device__ __forceinline__ void send_words(const SmallOpState& st, int r, const 
 
 // all_reduce one-shot: n bytes, W = ceil(n / 4) lines to every peer; every member sums all G.
 template <typename T>
-__global__ void __launch_bounds__(kSmallThreads) small_all_reduce_one_shot(Group g, const char* x, char* y, int64_t n) {
+__global__ void __launch_bounds__(kSmallThreads, 1) small_all_reduce_one_shot(Group g, const char* x, char* y, int64_t n) {
   PK_SMALL_PROLOGUE
   const int64_t words = (n + 3) / 4;
   // Send everything first, so a peer's receive never waits on this device's receive.
@@ -172,7 +184,7 @@ __global__ void __launch_bounds__(kSmallThreads) small_all_reduce_one_shot(Group
 // the other owners' words to them; (B) sum own chunk over all members, keep it and send it to every
 // peer (into their area's lines of this chunk: disjoint from the lines of (A)); (C) take the others'.
 template <typename T>
-__global__ void __launch_bounds__(kSmallThreads) small_all_reduce_two_shot(Group g, const char* x, char* y, int64_t n) {
+__global__ void __launch_bounds__(kSmallThreads, 1) small_all_reduce_two_shot(Group g, const char* x, char* y, int64_t n) {
   PK_SMALL_PROLOGUE
   const int64_t words = (n + 3) / 4, chunk = words / g.size, mine = g.rank * chunk;
   const auto other_word = [&](int64_t j) { return j < mine ? j : j + chunk; };  // j in [0, W - C)
@@ -203,47 +215,60 @@ __global__ void __launch_bounds__(kSmallThreads) small_all_reduce_two_shot(Group
       if (valid[u]) store_word(y, 4 * at[u], n, w[u]);
   });
   for_words(words - chunk, [&](const int64_t(&idx)[kWordsPerThread], const bool(&valid)[kWordsPerThread]) {
+    constexpr int U = kWordsPerThread;
+    const uint64_t* line[U];
+    uint32_t flag[U], w[U];
+    int owner[U];
+    int64_t at[U];
 #pragma unroll
-    for (int u = 0; u < kWordsPerThread; ++u) {
-      if (!valid[u]) continue;
-      const int64_t i = other_word(idx[u]);
-      const int owner = int(i / chunk);
-      uint32_t w;
-      ll_wait(st.in(owner) + i, st.flag[owner], w, g, owner);
-      store_word(y, 4 * i, n, w);
+    for (int u = 0; u < U; ++u) {
+      at[u] = valid[u] ? other_word(idx[u]) : 0;
+      owner[u] = int(at[u] / chunk);
+      line[u] = st.in(owner[u]) + at[u];
+      flag[u] = st.flag[owner[u]];
     }
+    ll_receive_each<U>(line, flag, owner, valid, w, g);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (valid[u]) store_word(y, 4 * at[u], n, w[u]);
   });
   st.finish();
 }
 
 // all_gather: x (nb bytes) to every peer; y = the G blocks in rank order (block s at s * nb).
-__global__ void __launch_bounds__(kSmallThreads) small_all_gather(Group g, const char* x, char* y, int64_t nb) {
+__global__ void __launch_bounds__(kSmallThreads, 1) small_all_gather(Group g, const char* x, char* y, int64_t nb) {
   PK_SMALL_PROLOGUE
   const int64_t words = (nb + 3) / 4;
   for_words(words, [&](const int64_t(&idx)[kWordsPerThread], const bool(&valid)[kWordsPerThread]) {
     for (int p = 1; p < g.size; ++p) send_words(st, (g.rank + p) % g.size, x, 0, nb, idx, valid, 0);
   });
   for_words(words * g.size, [&](const int64_t(&idx)[kWordsPerThread], const bool(&valid)[kWordsPerThread]) {
+    constexpr int U = kWordsPerThread;
+    const uint64_t* line[U];
+    uint32_t flag[U], w[U];
+    int src[U];
+    int64_t at[U];
+    bool remote[U];
 #pragma unroll
-    for (int u = 0; u < kWordsPerThread; ++u) {
-      if (!valid[u]) continue;
-      const int s = int(idx[u] / words);
-      const int64_t i = idx[u] - s * words;
-      uint32_t w;
-      if (s == g.rank) {
-        w = load_word(x, 4 * i, nb);
-      } else {
-        ll_wait(st.in(s) + i, st.flag[s], w, g, s);
-      }
-      store_word(y, s * nb + 4 * i, (s + 1) * nb, w);
+    for (int u = 0; u < U; ++u) {
+      src[u] = valid[u] ? int(idx[u] / words) : 0;
+      at[u] = idx[u] - src[u] * words;
+      remote[u] = valid[u] && src[u] != g.rank;
+      line[u] = st.in(src[u]) + at[u];
+      flag[u] = st.flag[src[u]];
+      if (valid[u] && !remote[u]) w[u] = load_word(x, 4 * at[u], nb);
     }
+    ll_receive_each<U>(line, flag, src, remote, w, g);
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (valid[u]) store_word(y, src[u] * nb + 4 * at[u], (src[u] + 1) * nb, w[u]);
   });
   st.finish();
 }
 
 // reduce_scatter: x = G chunks of cb bytes; chunk r goes to member r, which sums all G in rank order.
 template <typename T>
-__global__ void __launch_bounds__(kSmallThreads) small_reduce_scatter(Group g, const char* x, char* y, int64_t cb) {
+__global__ void __launch_bounds__(kSmallThreads, 1) small_reduce_scatter(Group g, const char* x, char* y, int64_t cb) {
   PK_SMALL_PROLOGUE
   const int64_t words = (cb + 3) / 4;
   for_words(words, [&](const int64_t(&idx)[kWordsPerThread], const bool(&valid)[kWordsPerThread]) {

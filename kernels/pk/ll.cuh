@@ -51,4 +51,26 @@ __device__ inline bool ll_receive(const uint64_t* lines, const int64_t (&idx)[U]
   return ok;
 }
 
+// U lines from possibly different senders (line[u], flag[u], peer[u]): all loads in flight first.
+template <int U>
+__device__ inline bool ll_receive_each(const uint64_t* const (&line)[U], const uint32_t (&flag)[U],
+                                       const int (&peer)[U], const bool (&valid)[U], uint32_t (&data)[U],
+                                       const Group& g) {
+  uint64_t v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (valid[u]) v[u] = ll_load(line[u]);
+  bool ok = true;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (!valid[u]) continue;
+    if (ll_ready(v[u], flag[u])) {
+      data[u] = uint32_t(v[u]);
+    } else {
+      ok = ll_wait(line[u], flag[u], data[u], g, peer[u]) && ok;
+    }
+  }
+  return ok;
+}
+
 }  // namespace pk
