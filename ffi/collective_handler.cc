@@ -7,6 +7,7 @@
 #include <string>
 
 #include "../kernels/collectives.cuh"
+#include "../kernels/small_collectives.cuh"
 #include "group_builder.h"
 #include "runtime.h"
 #include "staging.h"
@@ -18,6 +19,22 @@ namespace pk {
 namespace {
 
 constexpr size_t kBoxFields = 15;
+// `variant` values of the small-message path (pk_jax/_primitive.py VARIANT_SMALL*): all_gather and
+// reduce_scatter take kVariantSmall, all_reduce kVariantSmall (one-shot) or kVariantSmallTwoShot.
+constexpr int32_t kVariantSmall = 2;
+constexpr int32_t kVariantSmallTwoShot = 3;
+
+// The small path's op for (op, variant); false when the pair names none.
+bool small_op_for(int32_t op, int32_t variant, SmallOp& out) {
+  if (variant == kVariantSmallTwoShot && op == kOpAllReduce) return out = SmallOp::kAllReduceTwoShot, true;
+  if (variant != kVariantSmall) return false;
+  switch (op) {
+    case kOpAllReduce: out = SmallOp::kAllReduceOneShot; return true;
+    case kOpAllGather: out = SmallOp::kAllGather; return true;
+    case kOpReduceScatter: out = SmallOp::kReduceScatter; return true;
+    default: return false;
+  }
+}
 
 Box decode_box(ffi::Span<const int64_t> v) {
   Box b;
@@ -68,6 +85,21 @@ ffi::Error collective(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ff
     return ffi::Error::InvalidArgument("pk_jax: unknown op code " + std::to_string(op));
   if (reduces && !to_dtype(x.element_type(), dt))
     return ffi::Error::InvalidArgument("pk_jax: reductions support float32, bfloat16 and float16");
+  if (variant >= kVariantSmall) {
+    // Small path: peers write only into this device's control block (mapped everywhere, in every
+    // process), never into x or y, so no staging and no address publication.
+    SmallOp sop{};
+    if (!small_op_for(op, variant, sop))
+      return ffi::Error::InvalidArgument("pk_jax: no small-message path for " + std::string(op_name(op)) +
+                                         " variant " + std::to_string(variant));
+    if (op == kOpAllGather) dt = DType::kF32;  // copies bits; the kernel does not depend on the type
+    const int64_t bytes = op == kOpReduceScatter ? int64_t(y->size_bytes()) : int64_t(x.size_bytes());
+    const cudaError_t e = launch_small(g, sop, dt, x.untyped_data(), y->untyped_data(), bytes, lim, stream);
+    if (e != cudaSuccess)
+      return ffi::Error::Internal(std::string("pk_jax ") + op_name(op) + " (small-message path, " +
+                                  std::to_string(bytes) + " bytes) launch failed: " + cudaGetErrorString(e));
+    return ffi::Error::Success();
+  }
   BufferStaging staging(*me, stream);  // multi-process: buffers the peers cannot reach (rare)
   void *src = nullptr, *dst = nullptr;
   try {

@@ -235,6 +235,7 @@ std::string Runtime::describe(const ErrorRecord& e) const {
   std::string what = e.code == kTimeoutReady  ? "never started the op (its buffers were never published)"
                      : e.code == kTimeoutDone ? "never finished the op"
                      : e.code == kTimeoutItem ? "never delivered a tile or row chunk of the op"
+                     : e.code == kTimeoutSmall ? "never delivered its data of the small-message op"
                                               : "never sent the expected signal";
   return std::string("pk_jax ") + op_name(e.op) + ": " + name(e.device_slot) + " waited more than " +
          std::to_string(timeout_ns() / 1000000) + " ms for " + name(e.peer_slot) + ", which " + what +

@@ -2,6 +2,7 @@
 // all_to_all) and a pull reduction (reduce_scatter, one- and two-shot all_reduce). Both move data
 // directly between the members' XLA buffers; OpProtocol does the handshakes.
 #include "collectives.cuh"
+#include "small_collectives.cuh"
 #include "pk/op_protocol.cuh"
 #include "pk/vec.cuh"
 
@@ -253,6 +254,7 @@ std::vector<const void*> collective_kernels() {
   ReduceKernels<__half, 16>::all(out);
   ReduceKernels<__half, 2>::all(out);
   out.push_back(reinterpret_cast<const void*>(&wait_for_peer_kernel));
+  for (const void* k : small_collective_kernels()) out.push_back(k);
   return out;
 }
 

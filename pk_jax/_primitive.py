@@ -33,7 +33,7 @@ class CollectiveSpec:
     axis_name: tuple[Hashable, ...]
     out_shape: tuple[int, ...]
     box: Box | None  # None: this call has no GPU kernel path (e.g. empty array)
-    variant: int     # all_reduce: 0 one-shot, 1 two-shot
+    variant: int     # all_reduce: 0 one-shot, 1 two-shot; AG/A2A: 1 pull; >= 2 small path (_small_path.VARIANT_*)
     lax_kwargs: tuple[tuple[str, object], ...]
 
     @property

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _layout
+from pk_jax import _layout, _small_path
 from pk_jax._primitive import CollectiveSpec, bind
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
@@ -55,6 +55,19 @@ def _transport_variant(fn: str, transport: str) -> int:
     return int((DEFAULT_TRANSPORT if transport == "auto" else transport) == "pull")
 
 
+Algorithm = Literal["auto", "small", "bulk"]
+
+
+def _small_path_requested(fn: str, algorithm: str, fits: bool, why_not: str) -> bool:
+    """all_gather / reduce_scatter: whether to take the small-message path (see pk_jax._small_path)."""
+    if algorithm not in ("auto", "small", "bulk"):
+        raise ValueError(f"pk_jax.{fn}: algorithm={algorithm!r}; use 'auto', 'small' or 'bulk'")
+    if algorithm == "small" and not fits:
+        raise ValueError(f"pk_jax.{fn}: algorithm='small' cannot serve this call: {why_not}; "
+                         f"use algorithm='auto' or 'bulk'.")
+    return fits and (algorithm == "small" or (algorithm == "auto" and _small_path.auto_enabled()))
+
+
 def _check_split(fn: str, arg: str, value: int, x: jax.Array, g: int, tiled: bool) -> int:
     """The dimension cut into G blocks: divisible by G (tiled) or equal to G (not tiled)."""
     if x.ndim == 0:
@@ -71,7 +84,7 @@ def _check_split(fn: str, arg: str, value: int, x: jax.Array, g: int, tiled: boo
 
 
 def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0, tiled: bool = False,
-               transport: Transport = "auto") -> jax.Array:
+               transport: Transport = "auto", algorithm: Algorithm = "auto") -> jax.Array:
     """Gathers x from every member of the group, like `jax.lax.all_gather`.
 
     Args:
@@ -81,6 +94,10 @@ def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0, tiled: bool 
       tiled: False stacks the G blocks in a new axis at `axis` (shape s[:axis] + (G,) + s[axis:]);
         True concatenates them along `axis` (shape s with s[axis] * G).
       transport: "push", "pull" or "auto" (see DEFAULT_TRANSPORT); results are identical.
+      algorithm: "small" (LL lines into the peers' control blocks: one trip, no handshakes; x at
+        most _small_path.SMALL_MAX_BYTES and the blocks contiguous, i.e. all dims before `axis` of
+        size 1), "bulk" (the copy kernel), or "auto" (small while (G-1) x x's bytes <=
+        _small_path.AUTO_SEND_BYTES, with PK_JAX_SMALL_PATH=1 until measured). Results are identical.
 
     Returns:
       The gathered array, identical on every member.
@@ -91,12 +108,19 @@ def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0, tiled: bool 
         raise ValueError("pk_jax.all_gather: tiled=True needs x of rank >= 1 (x is a scalar)")
     axis = _check_axis("all_gather", "axis", axis, x.ndim if tiled else x.ndim + 1)
     variant = _transport_variant("all_gather", transport)
+    nbytes = x.size * x.dtype.itemsize
+    contiguous = _small_path.blocks_contiguous(x.shape, axis)
+    fits = contiguous and _small_path.copy_fits(nbytes, g, auto=algorithm == "auto")
+    why = (f"the blocks along axis {axis} are not contiguous (dims before it are not all 1)" if not contiguous
+           else f"x has {nbytes} bytes (small path: 1..{_small_path.SMALL_MAX_BYTES})")
+    if _small_path_requested("all_gather", algorithm, fits, why):
+        variant = _small_path.VARIANT_SMALL
     out, box = _layout.all_gather_box(x.shape, axis, tiled, g, x.dtype.itemsize)
     return _run("all_gather", x, axis_name, out, box, variant, (("axis", axis), ("tiled", tiled)))
 
 
 def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int = 0,
-                   tiled: bool = False) -> jax.Array:
+                   tiled: bool = False, algorithm: Algorithm = "auto") -> jax.Array:
     """Sums x over the group and keeps this member's block, like `jax.lax.psum_scatter`.
 
     Args:
@@ -105,6 +129,11 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
       scatter_dimension: the dimension that is split into G blocks; any, including the last.
       tiled: True: s[scatter_dimension] must be divisible by G and shrinks by G. False: it must
         equal G and is removed.
+      algorithm: "small" (LL lines: one trip, no handshakes; a block of at most
+        _small_path.SMALL_MAX_BYTES, contiguous: all dims before scatter_dimension of size 1),
+        "bulk" (the pull-reduce kernel), or "auto" (small while (G-1) x the block's bytes <=
+        _small_path.AUTO_SEND_BYTES, with PK_JAX_SMALL_PATH=1 until measured). Both sum in float32 in
+        rank order: identical bits.
 
     Returns:
       Block `rank` of the sum. Sums run in float32 in rank order, so every member's block is
@@ -114,37 +143,73 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
     g = group_size(axis_name)
     dim = _check_split("reduce_scatter", "scatter_dimension", scatter_dimension, x, g, tiled)
     out, box = _layout.reduce_scatter_box(x.shape, dim, tiled, g, x.dtype.itemsize)
-    return _run("reduce_scatter", x, axis_name, out, box, 0,
+    block_bytes = x.size * x.dtype.itemsize // g
+    contiguous = _small_path.blocks_contiguous(x.shape, dim)
+    fits = contiguous and _small_path.copy_fits(block_bytes, g, auto=algorithm == "auto")
+    why = (f"the blocks along scatter_dimension {dim} are not contiguous (dims before it are not all 1)"
+           if not contiguous else f"a block has {block_bytes} bytes (small path: 1..{_small_path.SMALL_MAX_BYTES})")
+    variant = _small_path.VARIANT_SMALL if _small_path_requested("reduce_scatter", algorithm, fits, why) else 0
+    return _run("reduce_scatter", x, axis_name, out, box, variant,
                 (("scatter_dimension", dim), ("tiled", tiled)))
 
 
-def all_reduce(x: jax.Array, axis_name: AxisName, *,
-               algorithm: Literal["auto", "one_shot", "two_shot"] = "auto") -> jax.Array:
+AllReduceAlgorithm = Literal["auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot"]
+
+
+def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorithm = "auto") -> jax.Array:
     """Sums x over the group, like `jax.lax.psum`.
 
     Args:
       x: any shape.
       axis_name: mesh axis name or tuple of names of the group (size G).
-      algorithm: "one_shot" (every member reads all G inputs: lowest latency), "two_shot" (each
-        member reduces 1/G and broadcasts it: least traffic), or "auto" (two-shot from
-        TWO_SHOT_MIN_BYTES up, when the array splits into G whole 16-byte chunks).
+      algorithm: the bulk kernels "one_shot" (every member reads all G inputs) and "two_shot" (each
+        member reduces 1/G and broadcasts it: least traffic); the small-message path (LL lines
+        into the peers' control blocks, no handshakes; x at most _small_path.SMALL_MAX_BYTES)
+        "small_one_shot", "small_two_shot" (x's 4-byte words divisible by G) or "small"
+        (picks one of those by size and G: _small_path.all_reduce_choice); or "auto": the small
+        path where _small_path.all_reduce_choice takes it (only with PK_JAX_SMALL_PATH=1 until the
+        small kernels are measured on GPUs), else two-shot from TWO_SHOT_MIN_BYTES
+        up when the array splits into G whole 16-byte chunks, else one-shot.
 
     Returns:
-      The sum, bitwise identical on every member (float32 accumulation in rank order).
+      The sum, bitwise identical on every member and across algorithms (float32 accumulation in
+      rank order).
     """
     x = _check_array("all_reduce", x)
     g = group_size(axis_name)
-    if algorithm not in ("auto", "one_shot", "two_shot"):
-        raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r}; use 'auto', 'one_shot' or 'two_shot'")
+    choices = ("auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot")
+    if algorithm not in choices:
+        raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r}; use one of {', '.join(map(repr, choices))}")
+    nbytes = x.size * x.dtype.itemsize
+    if algorithm == "small" or (algorithm == "auto" and _small_path.auto_enabled()):
+        small = _small_path.all_reduce_choice(nbytes, g, auto=algorithm == "auto")
+        if small is None and algorithm == "small":
+            raise ValueError(f"pk_jax.all_reduce: algorithm='small' serves 1..{_small_path.SMALL_MAX_BYTES} bytes; "
+                             f"x has {nbytes}. Use 'auto'.")
+        algorithm = small or algorithm
+    if algorithm.startswith("small_"):
+        _check_small_all_reduce(algorithm, nbytes, g)
+        variant = (_small_path.VARIANT_SMALL if algorithm == "small_one_shot"
+                   else _small_path.VARIANT_SMALL_TWO_SHOT)
+        out, box = _layout.all_reduce_box(x.shape, g, x.dtype.itemsize, two_shot=False)
+        return _run("all_reduce", x, axis_name, out, box, variant, ())
     out, two = _layout.all_reduce_box(x.shape, g, x.dtype.itemsize, two_shot=True)
     use_two = algorithm == "two_shot" or (
-        algorithm == "auto" and x.size * x.dtype.itemsize >= TWO_SHOT_MIN_BYTES
-        and two is not None and two.vec_bytes == 16)
+        algorithm == "auto" and nbytes >= TWO_SHOT_MIN_BYTES and two is not None and two.vec_bytes == 16)
     if use_two and two is None:
         raise ValueError(f"pk_jax.all_reduce: algorithm='two_shot' needs x.size ({x.size}) divisible by the "
                          f"group size {g}; use 'auto' or 'one_shot'.")
     box = two if use_two else _layout.all_reduce_box(x.shape, g, x.dtype.itemsize, two_shot=False)[1]
     return _run("all_reduce", x, axis_name, out, box, int(use_two), ())
+
+
+def _check_small_all_reduce(algorithm: str, nbytes: int, g: int) -> None:
+    if not 0 < nbytes <= _small_path.SMALL_MAX_BYTES:
+        raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r} serves 1..{_small_path.SMALL_MAX_BYTES} "
+                         f"bytes; x has {nbytes}. Use 'auto'.")
+    if algorithm == "small_two_shot" and _small_path.words(nbytes) % g:
+        raise ValueError(f"pk_jax.all_reduce: algorithm='small_two_shot' needs x's {_small_path.words(nbytes)} "
+                         f"4-byte words divisible by the group size {g}; use 'small_one_shot' or 'small'.")
 
 
 def all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat_axis: int, *,

@@ -10,6 +10,10 @@ constexpr int kMaxSlots = 8;      // device slots with a control block (local de
 constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
 constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
 constexpr int kMaxChunks = 4096;   // pushers on every SM: AG row chunks of x, store-add output row blocks
+// Small-message path (kernels/small_collectives.cu): LL lines per (parity, sender). Each line carries
+// 4 payload bytes, so a sender's payload per op is capped at kLLLines * 4 = 1 MiB; the LL area is
+// 2 x kMaxSlots x kLLLines x 8 B = 32 MiB per device (pk_jax/collectives.py SMALL_MAX_BYTES matches).
+constexpr int kLLLines = 1 << 18;
 
 // Error codes written by device code into a host-mapped ErrorRecord.
 enum ErrorCode : int32_t {
@@ -19,6 +23,7 @@ enum ErrorCode : int32_t {
   kTimeoutTest = 3,   // the self-test wait
   kTimeoutItem = 4,   // a peer never delivered a tile / row chunk of a fused op
   kOpMismatch = 5,    // a peer published for a different op (the members' op sequences diverged)
+  kTimeoutSmall = 6,  // a peer never delivered its LL lines of a small-message op
 };
 
 // Host-mapped, one per device: the first failure wins and stays until the runtime is reset.
@@ -52,6 +57,15 @@ struct alignas(128) ControlBlock {
   // member's row blocks (pk/chunk_counts.cuh, MatmulStoreAdd).
   // Peers add to it; the owner resets it at the end of the op.
   alignas(128) uint32_t chunk_count[kMaxSlots][kMaxChunks];
+  // Small-message path: its own epochs, separate from seq[] so the ready/done counters of the
+  // OpProtocol stay in step. ll_seq[slot]: small ops completed with that peer; ll_arrived: CTAs of
+  // the running small launch that finished (the last one advances ll_seq and resets it).
+  alignas(128) uint64_t ll_seq[kMaxSlots];
+  uint32_t ll_arrived;
+  // ll[parity][src][i]: LL line i from src: low 32 bits payload, high 32 bits the small-op epoch
+  // (low 32 bits) it belongs to; parity = epoch & 1. One 8-byte store is single-copy atomic, so a
+  // line whose flag matches carries that op's data: no fence, no separate ready flag.
+  alignas(128) uint64_t ll[2][kMaxSlots][kLLLines];
 };
 
 }  // namespace pk

@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="model: jax.distributed.initialize() first (one process per GPU; process 0 writes)")
     p.add_argument("--layouts", action="store_true",
                    help="gemm: only the backward layouts' rows (NT, TN on the Llama-3-70B MLP backward shapes)")
+    p.add_argument("--latency", action="store_true",
+                   help="collectives: the all_reduce latency sweep (4 KiB..8 MiB, decode shapes; chains of 64 ops)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<date>-<suite>-<device>.json)")
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="multirank: process counts (default 2 4)")
     p.add_argument("--ranks-per-gpu", default="auto",
@@ -150,10 +152,20 @@ def main(argv: list[str] | None = None) -> int:
           f"{'quick sizes' if quick else 'full sizes'}, {reps} reps", flush=True)
     if not on_gpu:
         print("  (no GPU: pk_jax ops run their jax.lax fallback here; timings only exercise the plumbing)")
-    rows = collectives.run(quick=quick, reps=reps, only=args.op, variants=args.variants)
-    results.write(out, args.suite, rows)
-    print()
-    results.print_table(rows)
+    if args.latency:
+        from pk_jax.bench import latency
+
+        if args.out is None:
+            out = out.replace("-collectives-", "-collectives-latency-")
+        rows = latency.run(reps=reps, variants=args.variants, quick=quick)
+        results.write(out, args.suite, rows)
+        print()
+        latency.print_table(rows)
+    else:
+        rows = collectives.run(quick=quick, reps=reps, only=args.op, variants=args.variants)
+        results.write(out, args.suite, rows)
+        print()
+        results.print_table(rows)
     print(f"\nwrote {out}")
     bad = [r for r in rows if "MISMATCH" in r["extra"]["check"]]
     return 1 if bad else 0

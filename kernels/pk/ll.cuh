@@ -1,0 +1,76 @@
+// LL ("low latency") lines for small messages, after NCCL's LL protocol: 8 bytes = 4 payload bytes +
+// a 4-byte flag (the op's epoch), written with one 8-byte store. An aligned 8-byte store is
+// single-copy atomic, so a reader that sees the flag also sees that op's payload: the data carries
+// its own ready signal, and a transfer costs one one-way NVLink trip instead of data + fence + flag.
+#pragma once
+#include <cstdint>
+#include "sync.cuh"
+
+namespace pk {
+
+__device__ __forceinline__ void ll_store(uint64_t* line, uint32_t data, uint32_t flag) {
+  const uint64_t v = (uint64_t(flag) << 32) | data;
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(line), "l"(v) : "memory");
+}
+
+__device__ __forceinline__ uint64_t ll_load(const uint64_t* line) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(line) : "memory");
+  return v;
+}
+
+__device__ __forceinline__ bool ll_ready(uint64_t v, uint32_t flag) { return uint32_t(v >> 32) == flag; }
+
+// Spins until the line carries `flag`; its payload goes to `data`. False after the bounded wait
+// gave up (kTimeoutSmall recorded against `peer_rank`).
+__device__ inline bool ll_wait(const uint64_t* line, uint32_t flag, uint32_t& data, const Group& g, int peer_rank) {
+  uint64_t v = 0;
+  const bool ok = wait_until([&] { return ll_ready(v = ll_load(line), flag); }, g, peer_rank, kTimeoutSmall);
+  data = uint32_t(v);
+  return ok;
+}
+
+// U lines at once (all loads in flight before the first check), then spins on the ones not ready.
+template <int U>
+__device__ inline bool ll_receive(const uint64_t* lines, const int64_t (&idx)[U], const bool (&valid)[U], uint32_t flag,
+                                  uint32_t (&data)[U], const Group& g, int peer_rank) {
+  uint64_t v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (valid[u]) v[u] = ll_load(lines + idx[u]);
+  bool ok = true;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (!valid[u]) continue;
+    if (ll_ready(v[u], flag)) {
+      data[u] = uint32_t(v[u]);
+    } else {
+      ok = ll_wait(lines + idx[u], flag, data[u], g, peer_rank) && ok;
+    }
+  }
+  return ok;
+}
+
+// U lines from possibly different senders (line[u], flag[u], peer[u]): all loads in flight first.
+template <int U>
+__device__ inline bool ll_receive_each(const uint64_t* const (&line)[U], const uint32_t (&flag)[U],
+                                       const int (&peer)[U], const bool (&valid)[U], uint32_t (&data)[U],
+                                       const Group& g) {
+  uint64_t v[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u)
+    if (valid[u]) v[u] = ll_load(line[u]);
+  bool ok = true;
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (!valid[u]) continue;
+    if (ll_ready(v[u], flag[u])) {
+      data[u] = uint32_t(v[u]);
+    } else {
+      ok = ll_wait(line[u], flag[u], data[u], g, peer[u]) && ok;
+    }
+  }
+  return ok;
+}
+
+}  // namespace pk

@@ -1,0 +1,220 @@
+"""The small-message path (LL lines, no handshakes) on GPUs: every size from 2 bytes to 8 MiB (odd
+sizes, 16-bit halves at 2 (mod 4) offsets), f32/bf16/f16, 1-3-D shapes, against a NumPy float32
+rank-order reference bit for bit (the kernels sum in float32 in rank order and round once), the same
+bits as the bulk path, interleaving with bulk ops and across groups, and 1,000 command-buffer replays."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import _small_path
+
+from .poison import poison_allocator
+
+MIN_GPUS = 2
+DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
+# Per-member bytes: odd element counts, 2 (mod 4), around the LL area's cap (1 MiB), up to 8 MiB.
+SIZES = [2, 4, 6, 10, 12, 100, 1022, 4096, 4098, 16384, 65534, 65536, 131074, 262144, 524290,
+         (1 << 20) - 2, 1 << 20, (1 << 20) + 4, 2 << 20, 8 << 20]
+_seed = itertools.count(777)
+
+
+def gpus() -> list:
+    try:
+        return jax.devices("gpu")
+    except RuntimeError:
+        return []
+
+
+def group_sizes() -> list[int]:
+    n = len(gpus())
+    return sorted({2, max(n, 2)})
+
+
+def np_dtype(dtype) -> np.dtype:
+    return np.dtype(ml_dtypes.bfloat16) if dtype == jnp.bfloat16 else np.dtype(dtype)
+
+
+def random_global(shape, dtype, mesh, spec) -> jax.Array:
+    make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(dtype),
+                   out_shardings=NamedSharding(mesh, spec))
+    return make(jax.random.key(next(_seed)))
+
+
+def run(mesh, fn, x, out_spec=P("x")) -> np.ndarray:
+    poison_allocator(max(x.nbytes, 1 << 20) * 2)
+    out = jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=out_spec, check_vma=False))(x)
+    pk_jax.runtime.check()
+    return np.asarray(out)
+
+
+def rank_order_sum(blocks: list[np.ndarray]) -> np.ndarray:
+    acc = np.zeros(blocks[0].shape, np.float32)
+    for b in blocks:
+        acc = (acc + b.astype(np.float32)).astype(np.float32)
+    return acc.astype(blocks[0].dtype)
+
+
+def assert_bits(a: np.ndarray, b: np.ndarray, what: str) -> None:
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    ua, ub = a.view(f"u{a.dtype.itemsize}"), b.view(f"u{b.dtype.itemsize}")
+    bad = int((ua != ub).sum())
+    assert bad == 0, f"{what}: {bad} of {a.size} elements differ (first at {np.argmax(ua != ub)})"
+
+
+def _elems(nbytes: int, dtype) -> int | None:
+    item = jnp.dtype(dtype).itemsize
+    return nbytes // item if nbytes % item == 0 else None
+
+
+# ---------------------------------------------------------------- all_reduce
+@pytest.mark.parametrize("g", group_sizes())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nbytes", SIZES)
+@pytest.mark.parametrize("algorithm", ["auto", "small", "small_one_shot", "small_two_shot"])
+def test_all_reduce_sizes(g, dtype, nbytes, algorithm):
+    n = _elems(nbytes, dtype)
+    if n is None:
+        pytest.skip("size not a whole number of elements")
+    if algorithm != "auto" and nbytes > _small_path.SMALL_MAX_BYTES:
+        pytest.skip("above the small path's cap (auto covers it)")
+    if algorithm == "small_two_shot" and _small_path.words(nbytes) % g:
+        pytest.skip("two-shot needs the words divisible by G")
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    x = random_global((g * n,), dtype, mesh, P("x"))
+    got = run(mesh, lambda v: pk_jax.all_reduce(v, "x", algorithm=algorithm), x)
+    want = rank_order_sum(np.split(np.asarray(x), g))
+    for r, blk in enumerate(np.split(got, g)):
+        assert_bits(blk, want, f"member {r}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("local_shape", [(3, 5, 7), (1, 8192), (16, 8192), (7, 13), (2, 3, 4, 40)])
+def test_all_reduce_dims_same_bits_as_bulk(dtype, local_shape):
+    g = len(gpus())
+    mesh = Mesh(np.array(gpus()), ("x",))
+    x = random_global((g * local_shape[0],) + local_shape[1:], dtype, mesh, P("x"))
+    small = run(mesh, lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), x)
+    bulk = run(mesh, lambda v: pk_jax.all_reduce(v, "x", algorithm="one_shot"), x)
+    assert_bits(small, bulk, "small vs bulk one-shot")
+    assert_bits(np.split(small, g)[0], rank_order_sum(np.split(np.asarray(x), g)), "vs NumPy")
+
+
+# ---------------------------------------------------------------- all_gather
+@pytest.mark.parametrize("g", group_sizes())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nbytes", [s for s in SIZES if s <= _small_path.SMALL_MAX_BYTES])
+@pytest.mark.parametrize("tiled", [True, False])
+def test_all_gather_sizes(g, dtype, nbytes, tiled):
+    n = _elems(nbytes, dtype)
+    if n is None:
+        pytest.skip("size not a whole number of elements")
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    x = random_global((g * n,), dtype, mesh, P("x"))
+    got = run(mesh, lambda v: pk_jax.all_gather(v, "x", axis=0, tiled=tiled, algorithm="small"), x)
+    want = np.asarray(x) if tiled else np.asarray(x).reshape(g, n)
+    for r, blk in enumerate(np.split(got, g)):
+        assert_bits(blk, want, f"member {r}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("local_shape,axis", [((1, 4097), 1), ((1, 3, 5), 1), ((4, 6), 0), ((1, 1, 9), 1)])
+def test_all_gather_dims(dtype, local_shape, axis):
+    g = len(gpus())
+    mesh = Mesh(np.array(gpus()), ("x",))
+    x = random_global((g * local_shape[0],) + local_shape[1:], dtype, mesh, P("x"))
+    small = run(mesh, lambda v: pk_jax.all_gather(v, "x", axis=axis, tiled=True, algorithm="small"), x)
+    ref = run(mesh, lambda v: jax.lax.all_gather(v, "x", axis=axis, tiled=True), x)
+    assert_bits(small, ref, "vs jax.lax.all_gather")
+
+
+# ---------------------------------------------------------------- reduce_scatter
+@pytest.mark.parametrize("g", group_sizes())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nbytes", [s for s in SIZES if s <= _small_path.SMALL_MAX_BYTES])
+def test_reduce_scatter_sizes(g, dtype, nbytes):
+    n = _elems(nbytes, dtype)  # one block; x holds G of them
+    if n is None:
+        pytest.skip("size not a whole number of elements")
+    mesh = Mesh(np.array(gpus()[:g]), ("x",))
+    x = random_global((g * g * n,), dtype, mesh, P("x"))
+    got = run(mesh, lambda v: pk_jax.reduce_scatter(v, "x", tiled=True, algorithm="small"), x)
+    xs = np.split(np.asarray(x), g)
+    for r, blk in enumerate(np.split(got, g)):
+        assert_bits(blk, rank_order_sum([np.split(xm, g)[r] for xm in xs]), f"member {r}")
+
+
+# ---------------------------------------------------------------- interleaving
+def test_small_and_bulk_ops_interleave_over_many_calls():
+    """Small-path epochs are separate from the ready/done protocol's: alternate both in one program,
+    many calls, every output checked (bits vs the same program with bulk algorithms only)."""
+    g = len(gpus())
+    mesh = Mesh(np.array(gpus()), ("x",))
+
+    def prog(small: bool):
+        s = "small" if small else "bulk"
+
+        def step(v):
+            a = pk_jax.all_reduce(v, "x", algorithm="small" if small else "one_shot")
+            b = pk_jax.all_reduce(a * 0.25, "x", algorithm="one_shot")
+            c = pk_jax.all_gather(b, "x", tiled=True, algorithm=s)
+            d = pk_jax.reduce_scatter(c, "x", tiled=True, algorithm=s)
+            return a, b, c, d
+
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4, check_vma=False))
+
+    f, ref = prog(True), prog(False)
+    xs = [random_global((g * 64, 96), jnp.bfloat16, mesh, P("x")) for _ in range(3)]
+    want = [[np.asarray(o) for o in ref(x)] for x in xs]
+    for i in range(300):
+        outs = f(xs[i % 3])
+        if i % 10 == 0:
+            for name, o, w in zip("abcd", outs, want[i % 3]):
+                assert_bits(np.asarray(o), w, f"call {i} output {name}")
+    pk_jax.runtime.check()
+
+
+def test_groups_of_different_axes_interleave():
+    """Per-pair epochs: small ops over the rows, columns and all of a 2-D mesh, alternated."""
+    n = len(gpus())
+    if n < 4:
+        pytest.skip("needs >= 4 GPUs for two axes of size >= 2")
+    mesh = Mesh(np.array(gpus()[:4]).reshape(2, 2), ("dp", "tp"))
+    x = random_global((2 * 8, 2 * 64), jnp.float32, mesh, P("dp", "tp"))
+
+    def step(v):
+        a = pk_jax.all_reduce(v, "tp", algorithm="small")
+        b = pk_jax.all_reduce(a, "dp", algorithm="small")
+        return pk_jax.all_reduce(b, ("dp", "tp"), algorithm="small")
+
+    def ref(v):
+        return jax.lax.psum(jax.lax.psum(jax.lax.psum(v, "tp"), "dp"), ("dp", "tp"))
+
+    spec = dict(mesh=mesh, in_specs=P("dp", "tp"), out_specs=P("dp", "tp"), check_vma=False)
+    f, r = jax.jit(jax.shard_map(step, **spec)), jax.jit(jax.shard_map(ref, **spec))
+    want = np.asarray(r(x))
+    for _ in range(50):
+        np.testing.assert_allclose(np.asarray(f(x)), want, rtol=1e-5, atol=1e-5)
+    pk_jax.runtime.check()
+
+
+# ---------------------------------------------------------------- command buffers
+def test_1000_command_buffer_replays():
+    """In a fresh process (XLA flags are read at start-up): see tests/gpu/small_replay.py."""
+    script = os.path.join(os.path.dirname(__file__), "small_replay.py")
+    res = subprocess.run([sys.executable, script, "1000"], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    print(res.stdout[-4000:], res.stderr[-2000:])
+    assert res.returncode == 0 and "PASS 1000 replays" in res.stdout, res.stdout[-2000:] + res.stderr[-2000:]

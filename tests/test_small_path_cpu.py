@@ -1,0 +1,152 @@
+"""The small-message path on CPU: its kernels' index math and LL protocol in a NumPy model under
+random interleavings (tests/small_kernel_emulator.py), the trace-time choice of path by size and
+group, errors that name the fix, and the fallback semantics of algorithm="small"."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax import _small_path
+
+import small_kernel_emulator as emu
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NP_DTYPES = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)]
+
+
+def _inputs(kind: str, g: int, elems: int, dtype: np.dtype, rng: np.random.Generator) -> list[bytes]:
+    total = elems * g if kind == "reduce_scatter" else elems
+    return [rng.standard_normal(total).astype(np.float32).astype(dtype).tobytes() for _ in range(g)]
+
+
+@pytest.mark.parametrize("g", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", NP_DTYPES, ids=lambda d: d.name)
+def test_model_matches_reference_under_random_schedules(g, dtype):
+    """A sequence of mixed small ops (so parities and epochs cycle) on every member, members running
+    at random relative speeds: every output equals the rank-order float32 reference bit for bit,
+    no writer overwrites an unread line, no deadlock."""
+    rng = np.random.default_rng(g * 100 + dtype.itemsize)
+    per_word = 4 // dtype.itemsize
+    ops = []
+    for k, elems in enumerate([1, 3, 7, 16, 33]):  # odd element counts: half words, 2 (mod 4) offsets
+        kinds = ["all_reduce_one_shot", "all_gather", "reduce_scatter"]
+        if (-(-elems // per_word)) % g == 0:
+            kinds.append("all_reduce_two_shot")
+        kind = kinds[k % len(kinds)]
+        ops.append(emu.Op(kind, _inputs(kind, g, elems, dtype, rng), dtype))
+    two_shot_elems = g * 8 * per_word  # 8 words per chunk
+    ops.append(emu.Op("all_reduce_two_shot", _inputs("all_reduce_two_shot", g, two_shot_elems, dtype, rng), dtype))
+    ops.append(emu.Op("all_reduce_one_shot", _inputs("all_reduce_one_shot", g, 5, dtype, rng), dtype))
+    for seed in range(3):
+        for op in ops:
+            op.outs = [bytearray(b"\xa5" * op.out_bytes) for _ in range(g)]
+        violations = emu.run(ops, lines=64, seed=seed)
+        assert violations == []
+        for op in ops:
+            want = emu.reference(op)
+            for r in range(g):
+                assert bytes(op.outs[r]) == want[r], f"{op.kind} member {r} seed {seed}"
+
+
+def test_small_max_bytes_matches_control_block():
+    text = (ROOT / "kernels/pk/control_block.h").read_text()
+    shift = int(re.search(r"kLLLines = 1 << (\d+);", text).group(1))
+    assert _small_path.SMALL_MAX_BYTES == 4 << shift
+
+
+@pytest.mark.parametrize("nbytes,g,want", [
+    (4, 2, "small_one_shot"),
+    (256 << 10, 2, "small_one_shot"),
+    (1 << 20, 2, "small_one_shot"),
+    ((1 << 20) + 4, 2, None),          # above the LL area
+    (64 << 10, 8, "small_one_shot"),   # 7 x 64 KiB sent
+    (256 << 10, 8, "small_two_shot"),  # 7 x 256 KiB too much for one-shot; 2 x 7/8 x 256 KiB fits
+    (1 << 20, 8, None),                # two-shot would send 1.75 MiB: the bulk path
+    ((256 << 10) + 4, 8, None),        # words not divisible by 8: no two-shot
+    (6, 4, "small_one_shot"),          # 2 words (3 bf16): one-shot only
+])
+def test_auto_all_reduce_choice(nbytes, g, want):
+    assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
+
+
+def _collective_variants(jaxpr) -> list[int]:
+    """`variant` of every pk_collective equation, looking inside nested jaxprs (shard_map's body)."""
+    found = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "pk_collective":
+            found.append(e.params["spec"].variant)
+        for v in e.params.values():
+            inner = getattr(v, "jaxpr", v)
+            if hasattr(inner, "eqns"):
+                found += _collective_variants(inner)
+    return found
+
+
+def _variant(fn, shape, dtype=jnp.bfloat16):
+    """The variant the API chose for fn over 8 members, x of global `shape` sharded along dim 0."""
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+    f = jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False)
+    found = _collective_variants(jax.make_jaxpr(f)(jax.ShapeDtypeStruct(shape, dtype)).jaxpr)
+    assert len(found) == 1
+    return found[0]
+
+
+def test_auto_keeps_the_bulk_path_until_the_small_one_is_enabled(monkeypatch):
+    monkeypatch.delenv("PK_JAX_SMALL_PATH", raising=False)
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == 0
+    assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True), (8 * 4, 64)) == 0
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 4, 1024)) == _small_path.VARIANT_SMALL
+
+
+def test_api_picks_small_path_by_size(monkeypatch):
+    monkeypatch.setenv("PK_JAX_SMALL_PATH", "1")
+    # 8 members, bf16: per-device shapes are the global ones / 8 along dim 0.
+    small, two, bulk = _small_path.VARIANT_SMALL, _small_path.VARIANT_SMALL_TWO_SHOT, 0
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == small            # 8 KiB
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 128, 1024)) == two            # 256 KiB
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 1024, 1024)) == 1             # 2 MiB: bulk two-shot
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="one_shot"), (8 * 4, 1024)) == bulk
+    assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True), (8 * 4, 64)) == small
+    assert _variant(lambda v: pk_jax.all_gather(v, "x", axis=1, tiled=True), (8 * 4, 64)) == bulk  # not contiguous
+    assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True, algorithm="bulk"), (8 * 4, 64)) == bulk
+    assert _variant(lambda v: pk_jax.reduce_scatter(v, "x", tiled=True), (8 * 16, 64)) == small
+    assert _variant(lambda v: pk_jax.reduce_scatter(v, "x", scatter_dimension=1, tiled=True), (8 * 16, 64)) == bulk
+
+
+def test_small_path_errors_name_the_fix():
+    with pytest.raises(ValueError, match="algorithm='small' serves"):
+        _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 2048, 1024))
+    with pytest.raises(ValueError, match="divisible by the group size 8"):
+        _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_two_shot"), (8, 3))
+    with pytest.raises(ValueError, match="not contiguous"):
+        _variant(lambda v: pk_jax.all_gather(v, "x", axis=1, tiled=True, algorithm="small"), (8 * 4, 64))
+    with pytest.raises(ValueError, match="use 'auto', 'small' or 'bulk'"):
+        _variant(lambda v: pk_jax.reduce_scatter(v, "x", tiled=True, algorithm="fast"), (8 * 16, 64))
+
+
+def test_small_algorithms_keep_fallback_semantics():
+    mesh = Mesh(np.array(jax.devices()[:8]), ("x",))
+
+    def run(fn, x, out_spec):
+        return np.asarray(jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P("x"), out_specs=out_spec,
+                                                check_vma=False))(x).astype(jnp.float32))
+
+    x = jax.random.normal(jax.random.key(3), (8 * 5, 3), jnp.float32).astype(jnp.bfloat16)
+    np.testing.assert_allclose(run(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), x, P()),
+                               run(lambda v: jax.lax.psum(v, "x"), x, P()), rtol=1e-2, atol=1e-2)
+    np.testing.assert_array_equal(run(lambda v: pk_jax.all_gather(v, "x", tiled=True, algorithm="small"), x, P()),
+                                  run(lambda v: jax.lax.all_gather(v, "x", tiled=True), x, P()))
+    x = jax.random.normal(jax.random.key(4), (8 * 8, 3), jnp.float32).astype(jnp.float16)  # 8 rows per device
+    np.testing.assert_allclose(
+        run(lambda v: pk_jax.reduce_scatter(v, "x", tiled=True, algorithm="small"), x, P("x")),
+        run(lambda v: jax.lax.psum_scatter(v, "x", tiled=True), x, P("x")), rtol=1e-2, atol=1e-2)
