@@ -88,25 +88,23 @@ def _ring_attention(q, k, v, axes, causal, layout, scale):
 
 def _ring_steps(axes: tuple, g: int, carry, kv, compute: Callable, send_after: Callable | None = None):
     """Runs `compute(step, kv, carry) -> carry` for steps 0..G-1 while the K/V pytree `kv` moves one hop
-    per step. The next block's ppermute is issued before the step's compute (overlap); steps 1..G-2 run
-    in a lax.scan so at most the current and the arriving block are alive. `send_after`, if given,
-    moves part of the carry one hop after each step's compute (the backward's dK/dV)."""
+    per step. Each step issues the next block's ppermute before its compute (so XLA can overlap them);
+    steps 1..G-1 run in one lax.scan, so at most the current and the arriving block are alive (the last
+    step's transfer is not needed; keeping the steps uniform keeps the program small). `send_after`, if
+    given, moves part of the carry one hop after each step's compute (the backward's dK/dV)."""
     send = lambda x: lax.ppermute(x, axes, [(i, (i + 1) % g) for i in range(g)])
 
-    def one(step, kv, carry, last):
-        nxt = None if last else send(kv)
+    def one(step, kv, carry):
+        nxt = send(kv) if g > 1 else kv
         carry = compute(step, kv, carry)
-        if send_after is not None:
+        if send_after is not None and g > 1:
             carry = send_after(carry, send)
         return nxt, carry
 
-    kv, carry = one(0, kv, carry, last=g == 1)
-    if g > 2:
-        def body(c, step):
-            return one(step, c[0], c[1], last=False), None
-        (kv, carry), _ = lax.scan(body, (kv, carry), jnp.arange(1, g - 1, dtype=jnp.int32))
+    kv, carry = one(0, kv, carry)
     if g > 1:
-        _, carry = one(g - 1, kv, carry, last=True)
+        (kv, carry), _ = lax.scan(lambda c, step: (one(step, *c), None), (kv, carry),
+                                  jnp.arange(1, g, dtype=jnp.int32))
     return carry
 
 
@@ -182,7 +180,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
         return state
 
     # dK/dV of the visiting block travel with it; after G hops each accumulator is back at its owner.
-    send_dkv = lambda state, send: (state[0], send(state[1]) if g > 1 else state[1])
+    send_dkv = lambda state, send: (state[0], send(state[1]))
     dq, (dk, dv) = _ring_steps(axes, g, (dq, dkv), (k, v), compute, send_after=send_dkv)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
