@@ -32,6 +32,7 @@ def random_qkv(seed: int, b: int, s: int, n: int, kv_heads: int, h: int, dtype=j
     return q.astype(dtype), k.astype(dtype), v.astype(dtype), d_out
 
 
+@jax.jit(static_argnames="causal")
 def reference(q, k, v, d_out, causal):
     """Whole-sequence float32 attention on one device, with the VJP of d_out."""
     f32 = lambda x: x.astype(jnp.float32)
@@ -41,18 +42,18 @@ def reference(q, k, v, d_out, causal):
 
 
 def sharded(attn, g: int, layout: str, q, k, v, d_out):
-    """Runs `attn(q, k, v)` inside shard_map over the sequence in `layout`; returns (out, dq, dk, dv) in
-    global order, forward and VJP in one jitted program."""
+    """Runs `attn(q, k, v)` inside shard_map over the sequence in `layout` (reordered on the host, outside
+    the compiled program); returns (out, dq, dk, dv) in global order, forward and VJP in one jitted call."""
     to = (lambda x: to_zigzag(x, g)) if layout == "zigzag" else (lambda x: x)
     back = (lambda x: from_zigzag(x, g)) if layout == "zigzag" else (lambda x: x)
     f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
 
     @jax.jit
     def run(q, k, v, d_out):
-        out, vjp = jax.vjp(f, to(q), to(k), to(v))
-        return (back(out), *(back(d) for d in vjp(to(d_out).astype(out.dtype))))
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(d_out.astype(out.dtype)))
 
-    return run(q, k, v, d_out)
+    return [back(x) for x in run(to(q), to(k), to(v), to(d_out))]
 
 
 def assert_all_close(got, want, tol, names=("out", "dq", "dk", "dv")):
