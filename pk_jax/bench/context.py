@@ -1,0 +1,211 @@
+"""`python -m pk_jax.bench context`: ring and Ulysses attention vs gathering K/V and attending locally.
+
+Contenders per row, timed in turns in one run (one jitted call per op, median of `reps`):
+- ours: pk_jax.ring_attention (layout zigzag / contiguous) or pk_jax.ulysses_attention;
+- baseline: all_gather K/V (jax.lax) + jax.nn.dot_product_attention of the local queries against the
+  whole sequence, masked by global positions when causal (cuDNN on GPUs where it accepts the call, XLA
+  otherwise);
+- attention alone (extra.attention_alone_ms): one device's share of the work without communication,
+  jax.nn.dot_product_attention over the whole sequence for B/G sequences (same FLOPs per device).
+`case` = fwd | fwd_bwd, + _causal, + _zigzag | _contiguous (ring); `shape` = [B, S, N, D], S the whole
+sequence; extra.peak_bytes = temp + arguments + outputs of the compiled per-device program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax.bench import timing
+
+AX = "sp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str             # ring_attention | ulysses_attention
+    b: int
+    s: int
+    n: int
+    d: int
+    causal: bool
+    layout: str         # zigzag | contiguous
+    backward: bool
+
+    @property
+    def name(self) -> str:
+        suffix = "_causal" if self.causal else ""
+        if self.op == "ring_attention":
+            suffix += f"_{self.layout}"
+        return ("fwd_bwd" if self.backward else "fwd") + suffix
+
+
+def cases(g: int, small: bool) -> list[Case]:
+    """Ring: B16 N16 D128, S 12288/24576; Ulysses: B16 N128 D128, S 2048/4096/8192 (small: tiny)."""
+    ring = (8, [32 * g], 4, 16) if small else (16, [12288, 24576], 16, 128)
+    uly = (8, [16 * g], 2 * g, 16) if small else (16, [2048, 4096, 8192], 128, 128)
+    out = []
+    for backward in (False, True):
+        b, sizes, n, d = ring
+        for s in sizes:
+            out.append(Case("ring_attention", b, s, n, d, False, "contiguous", backward))  # layouts equal
+            for layout in ("zigzag", "contiguous"):
+                out.append(Case("ring_attention", b, s, n, d, True, layout, backward))
+        b, sizes, n, d = uly
+        for s in sizes:
+            for causal in (False, True):
+                out.append(Case("ulysses_attention", b, s, n, d, causal, "contiguous", backward))
+    return out
+
+
+def _positions(c: Case, g: int, rank) -> jax.Array:
+    """Global positions of this member's local rows in the case's layout."""
+    t = c.s // g
+    if c.layout == "contiguous":
+        return rank * t + jnp.arange(t)
+    half = t // 2
+    return jnp.concatenate([rank * half + jnp.arange(half), (2 * g - 1 - rank) * half + jnp.arange(half)])
+
+
+def _gathered_attention(c: Case, g: int, implementation: str | None) -> Callable:
+    def fn(q, k, v):
+        k, v = (jax.lax.all_gather(x, AX, axis=1, tiled=True) for x in (k, v))
+        mask = None
+        if c.causal:
+            rank = jax.lax.axis_index(AX)
+            q_pos = _positions(c, g, rank)
+            kv_pos = jnp.concatenate([_positions(c, g, r) for r in range(g)])
+            mask = (q_pos[:, None] >= kv_pos[None, :])[None, None]
+        return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation=implementation)
+    return fn
+
+
+def _ours(c: Case) -> Callable:
+    if c.op == "ring_attention":
+        return lambda q, k, v: pk_jax.ring_attention(q, k, v, AX, causal=c.causal, layout=c.layout)
+    impl = "cudnn" if jax.devices()[0].platform == "gpu" else None
+    return lambda q, k, v: pk_jax.ulysses_attention(q, k, v, AX, causal=c.causal, implementation=impl)
+
+
+def _program(fn: Callable, mesh: Mesh | None, backward: bool) -> Callable:
+    body = fn if mesh is None else jax.shard_map(fn, mesh=mesh, in_specs=P(None, AX), out_specs=P(None, AX),
+                                                 check_vma=False)
+    if backward:
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(body(q, k, v).astype(jnp.float32)), (0, 1, 2)))
+    return jax.jit(body)
+
+
+def _peak_bytes(compiled) -> int | None:
+    m = compiled.memory_analysis()
+    if m is None:
+        return None
+    return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
+
+
+def _compile(jitted, args):
+    """(callable, peak bytes, error): a contender that fails to compile (e.g. out of memory) is reported."""
+    try:
+        compiled = jitted.lower(*args).compile()
+        return (lambda xs: compiled(*xs)), _peak_bytes(compiled), None
+    except Exception as e:  # noqa: BLE001 - reported in the row, the suite goes on
+        return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def _baseline(c: Case, g: int, mesh: Mesh, args):
+    """The all-gather baseline with cuDNN where it accepts the call, else XLA."""
+    impls = ["cudnn", None] if jax.devices()[0].platform == "gpu" else [None]
+    err = None
+    for impl in impls:
+        fn, peak, err = _compile(_program(_gathered_attention(c, g, impl), mesh, c.backward), args)
+        if fn is not None:
+            try:
+                jax.block_until_ready(fn(args))
+                return fn, peak, impl or "xla", None
+            except Exception as e:  # noqa: BLE001
+                err = f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    return None, None, None, err
+
+
+def _attention_alone(c: Case, g: int, dtype):
+    """One device's share without communication: B/G whole sequences (None if G does not divide B)."""
+    if c.b % g:
+        return None
+    impl = "cudnn" if jax.devices()[0].platform == "gpu" else None
+    shape = (c.b // g, c.s, c.n, c.d)
+    args = [jnp.zeros(shape, dtype)] * 3
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=c.causal, implementation=impl)
+    fn, _, err = _compile(_program(attend, None, c.backward), args)
+    return None if fn is None else (fn, args)
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
+    devices = jax.devices()
+    g = len(devices)
+    mesh = Mesh(np.array(devices), (AX,))
+    rows = []
+    for c in cases(g, small):
+        if only and c.op != only:
+            continue
+        if c.op == "ulysses_attention" and c.n % g:
+            print(f"  skip {c.op} {c.name} N={c.n}: G={g} does not divide the heads")
+            continue
+        sharding = NamedSharding(mesh, P(None, AX))
+        keys = jax.random.split(jax.random.key(len(rows)), 3)
+        make = jax.jit(lambda key: jax.random.normal(key, (c.b, c.s, c.n, c.d), jnp.float32).astype(dtype),
+                       out_shardings=sharding)
+        args = [make(key) for key in keys]
+        ours, peak, err = _compile(_program(_ours(c), mesh, c.backward), args)
+        if ours is None:
+            raise RuntimeError(f"pk_jax.bench context: {c.op} {c.name} failed to compile: {err}")
+        base, base_peak, base_impl, base_err = _baseline(c, g, mesh, args)
+        alone = _attention_alone(c, g, dtype)
+        got = ours(args)
+        check = "no baseline"
+        if base is not None:
+            want = base(args)
+            err_v = max(_rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            check = f"ok rel={err_v:.1e}" if err_v < 3e-2 else f"MISMATCH rel={err_v:.1e}"
+        fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else [])
+        times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
+        ours_ms = times[0]
+        base_ms = times[1] if base else None
+        alone_ms = times[-1] if alone else None
+        rows.append({
+            "op": c.op, "case": c.name, "shape": [c.b, c.s, c.n, c.d], "dtype": jnp.dtype(dtype).name, "group": g,
+            "ours_ms": round(ours_ms, 5), "baseline": f"all_gather K/V + jax.nn.dot_product_attention ({base_impl})",
+            "baseline_ms": None if base_ms is None else round(base_ms, 5),
+            "ratio": None if base_ms is None else round(base_ms / ours_ms, 4),
+            "extra": {"peak_bytes": peak, "baseline_peak_bytes": base_peak, "baseline_error": base_err,
+                      "attention_alone_ms": None if alone_ms is None else round(alone_ms, 5),
+                      "reps": reps, "check": check},
+        })
+        print(f"  {c.op:<18}{c.name:<26}{str(rows[-1]['shape']):<24} ours {ours_ms:9.3f} ms  "
+              f"base {'-' if base_ms is None else f'{base_ms:9.3f}'} ms  alone "
+              f"{'-' if alone_ms is None else f'{alone_ms:9.3f}'} ms  peak {peak / 2**20 if peak else 0:8.1f} MiB  "
+              f"{check}{'' if base_err is None else '  baseline: ' + base_err}", flush=True)
+        del args
+    return rows
+
+
+def print_table(rows) -> None:
+    head = f"{'op':<18}{'case':<26}{'shape':<24}{'G':>3}{'ours ms':>11}{'base ms':>11}{'ratio':>7}{'alone ms':>10}{'peak MiB':>10}  check"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        e = r["extra"]
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)
+        print(f"{r['op']:<18}{r['case']:<26}{str(r['shape']):<24}{r['group']:>3}{r['ours_ms']:>11.3f}"
+              f"{fmt(r['baseline_ms'], '11.3f'):>11}{fmt(r['ratio'], '7.2f'):>7}{fmt(e['attention_alone_ms'], '10.3f'):>10}"
+              f"{fmt(None if e['peak_bytes'] is None else e['peak_bytes'] / 2**20, '10.1f'):>10}  {e['check']}")

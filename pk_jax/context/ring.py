@@ -1,0 +1,188 @@
+"""Ring attention: the sequence sharded over a mesh axis, K/V shards passed around the ring.
+
+Inside `jax.shard_map`, every member keeps its query shard and its running (output, lse); the K/V
+shards travel one hop per step (`jax.lax.ppermute`, member r -> r+1), and each step attends the local
+queries to the visiting K/V by `block_attention` and merges by log-sum-exp. Only the local shard plus
+the visiting and the arriving K/V block are alive at any time: the steps run in a `lax.scan` whose
+carry holds one K/V block, and the next block's transfer is issued before the step's attention so
+XLA can overlap the two.
+
+The backward is a second ring (custom VJP, not autodiff of the forward loop, which would keep every
+step's K/V): dK/dV accumulators travel with the K/V blocks and arrive back at their owner after G
+hops, dQ stays local, and each pair recomputes its probabilities from the saved final lse.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pk_jax.context._varying import full_varying
+from pk_jax.context.block_attention import block_attention, block_attention_bwd
+from pk_jax.context.online_softmax import merge
+from pk_jax.context.ring_schedule import BlockPair, Layout, step_pairs
+from pk_jax.sharding import group_size, normalize_axis_name
+from pk_jax.sharding.mesh_groups import AxisName
+
+
+def check_attention_args(fn: str, q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    """Shapes as jax.nn.dot_product_attention: q (B, T, N, H); k, v (B, T, K, H), K dividing N."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"pk_jax.{fn}: {name} must be (batch, seq, heads, head_dim); got shape {x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"pk_jax.{fn}: {name} has dtype {x.dtype}; use a floating dtype (bf16, f16, f32)")
+    if k.shape != v.shape or k.dtype != v.dtype:
+        raise ValueError(f"pk_jax.{fn}: k {k.shape} {k.dtype} and v {v.shape} {v.dtype} must match")
+    if q.dtype != k.dtype:
+        raise TypeError(f"pk_jax.{fn}: q is {q.dtype} but k/v are {k.dtype}; cast them to one dtype")
+    if (q.shape[0], q.shape[1], q.shape[3]) != (k.shape[0], k.shape[1], k.shape[3]):
+        raise ValueError(f"pk_jax.{fn}: q {q.shape} and k {k.shape} must agree in batch, local sequence "
+                         f"length and head_dim (self-attention over one sharded sequence)")
+    if q.shape[2] % k.shape[2]:
+        raise ValueError(f"pk_jax.{fn}: k/v heads ({k.shape[2]}) must divide q heads ({q.shape[2]}) (GQA)")
+
+
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisName, *, causal: bool = False,
+                   layout: Layout = "zigzag", scale: float | None = None) -> jax.Array:
+    """Attention over a sequence sharded along `axis_name`, like jax.nn.dot_product_attention of the whole.
+
+    Call inside `jax.shard_map` with the sequence axis of q, k, v sharded over `axis_name` (G members).
+
+    Args:
+      q: (B, T, N, H) this member's queries, T = S / G.
+      k, v: (B, T, K, H), K dividing N (GQA: query head n uses K/V head n // (N / K)).
+      axis_name: the mesh axis (or tuple of axes) the sequence is sharded over.
+      causal: mask key positions after the query's global position.
+      layout: how the global sequence is spread. "contiguous": member r holds positions
+        [r T, (r+1) T). "zigzag": the sequence is cut into 2G chunks and member r holds chunks r and
+        2G-1-r (T must be even), which balances causal work; pk_jax.sharding.to_zigzag puts a global
+        array in that order before sharding, from_zigzag undoes it. Without `causal` the layouts
+        give the same result row for row.
+      scale: score scale, default 1/sqrt(H).
+
+    Returns:
+      (B, T, N, H) in q's dtype: this member's rows of the attention output.
+    """
+    check_attention_args("ring_attention", q, k, v)
+    if layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"pk_jax.ring_attention: layout={layout!r}; use 'zigzag' or 'contiguous'")
+    if causal and layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"pk_jax.ring_attention: layout='zigzag' needs an even local sequence length "
+                         f"(two chunks per member); got {q.shape[1]}. Pad the sequence to a multiple of 2G "
+                         f"or use layout='contiguous'.")
+    group_size(axis_name)  # raises a NameError naming the axis outside shard_map
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _ring_attention(q, k, v, normalize_axis_name(axis_name), bool(causal), layout, scale)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def _ring_attention(q, k, v, axes, causal, layout, scale):
+    return _forward(q, k, v, axes, causal, layout, scale)[0]
+
+
+def _ring_steps(axes: tuple, g: int, carry, kv, compute: Callable, send_after: Callable | None = None):
+    """Runs `compute(step, kv, carry) -> carry` for steps 0..G-1 while the K/V pytree `kv` moves one hop
+    per step. Each step issues the next block's ppermute before its compute (so XLA can overlap them);
+    steps 1..G-1 run in one lax.scan, so at most the current and the arriving block are alive (the last
+    step's transfer is not needed; keeping the steps uniform keeps the program small). `send_after`, if
+    given, moves part of the carry one hop after each step's compute (the backward's dK/dV)."""
+    send = lambda x: lax.ppermute(x, axes, [(i, (i + 1) % g) for i in range(g)])
+
+    def one(step, kv, carry):
+        nxt = send(kv) if g > 1 else kv
+        carry = compute(step, kv, carry)
+        if send_after is not None and g > 1:
+            carry = send_after(carry, send)
+        return nxt, carry
+
+    kv, carry = one(0, kv, carry)
+    if g > 1:
+        (kv, carry), _ = lax.scan(lambda c, step: (one(step, *c), None), (kv, carry),
+                                  jnp.arange(1, g, dtype=jnp.int32))
+    return carry
+
+
+def _slice(x: jax.Array, start, length: int) -> jax.Array:
+    return x if (isinstance(start, int) and start == 0 and length == x.shape[1]) else \
+        lax.dynamic_slice_in_dim(x, start, length, axis=1)
+
+
+def _update(x: jax.Array, part: jax.Array, start) -> jax.Array:
+    return part if part.shape == x.shape else lax.dynamic_update_slice_in_dim(x, part, start, axis=1)
+
+
+def _when(active, fn: Callable, state):
+    """fn(state) for a pair that is always computed; otherwise only on members where it is unmasked."""
+    return fn(state) if active is True else lax.cond(active, fn, lambda s: s, state)
+
+
+def _forward(q, k, v, axes, causal, layout, scale):
+    g = group_size(axes)
+    rank = lax.axis_index(axes)
+    out = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
+    lse = full_varying(q.shape[:3], -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
+
+    def pair_fwd(p: BlockPair, kv, state):
+        def run(state):
+            out, lse = state
+            o_b, l_b = block_attention(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
+                                       _slice(kv[1], p.kv_start, p.kv_len), scale=scale, causal=causal,
+                                       q_offset=p.q_offset, kv_offset=p.kv_offset)
+            o_new, l_new = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), o_b, l_b)
+            return _update(out, o_new, p.q_start), _update(lse, l_new, p.q_start)
+        return _when(p.active, run, state)
+
+    def compute(step, kv, state):
+        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
+            state = pair_fwd(p, kv, state)
+        return state
+
+    out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
+    return out.astype(q.dtype), lse
+
+
+def _fwd_rule(q, k, v, axes, causal, layout, scale):
+    out, lse = _forward(q, k, v, axes, causal, layout, scale)
+    return out, (q, k, v, out, lse)
+
+
+def _bwd_rule(axes, causal, layout, scale, res, d_out):
+    q, k, v, out, lse = res
+    g = group_size(axes)
+    rank = lax.axis_index(axes)
+    do = d_out.astype(q.dtype)
+    delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B, T, N)
+    like = (q, k, v, do)
+    dq = full_varying(q.shape, 0.0, jnp.float32, like=like, axes=axes)
+    dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2
+
+    def pair_bwd(p: BlockPair, kv, state):
+        def run(state):
+            dq, (dk, dv) = state
+            sl_q = lambda x: _slice(x, p.q_start, p.q_len)
+            sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
+            dq_b, dk_b, dv_b = block_attention_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
+                                                   sl_q(delta), scale=scale, causal=causal,
+                                                   q_offset=p.q_offset, kv_offset=p.kv_offset)
+            return (_update(dq, sl_q(dq) + dq_b, p.q_start),
+                    (_update(dk, sl_kv(dk) + dk_b, p.kv_start), _update(dv, sl_kv(dv) + dv_b, p.kv_start)))
+        return _when(p.active, run, state)
+
+    def compute(step, kv, state):
+        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
+            state = pair_bwd(p, kv, state)
+        return state
+
+    # dK/dV of the visiting block travel with it; after G hops each accumulator is back at its owner.
+    send_dkv = lambda state, send: (state[0], send(state[1]))
+    dq, (dk, dv) = _ring_steps(axes, g, (dq, dkv), (k, v), compute, send_after=send_dkv)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+_ring_attention.defvjp(_fwd_rule, _bwd_rule)

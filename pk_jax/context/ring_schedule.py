@@ -1,0 +1,68 @@
+"""Which (query block, key/value block) pairs a ring member computes at each step, and where they sit.
+
+At step s member r holds the K/V shard of member src = (r - s) mod G. Its own shard and the visiting
+one are cut into the pieces of the layout (contiguous: one piece of T positions; zigzag: two chunks
+of C = T/2, global chunks r and 2G-1-r of the 2G chunks), and a pair is emitted for every piece pair
+that is not fully masked:
+
+- non-causal: one pair, everything against everything.
+- contiguous, causal: step 0 the diagonal block; later steps the whole block when src < r, nothing
+  when src > r (decided at run time: `active`). Unbalanced by design (member G-1 does G blocks).
+- zigzag, causal: step 0: (q0, k0) and (q1, k1) on the diagonal, (q1, k0) full, (q0, k1) skipped at
+  trace time (chunk 2G-1-r always follows chunk r). Step s >= 1: (q1, k0) always (chunk src < G <=
+  2G-1-r), (q0, k1) never, and exactly one of (q0, k0) (when src < r) or (q1, k1) (when src > r): the
+  same piece index h on both sides, picked at run time. Every member computes two C x C blocks per
+  step: balanced, and no member branches.
+
+Slice starts, global offsets and `active` may be traced values (they depend on the member's index);
+everything else is static. Masks are applied from the global offsets, so a pair's result is right
+whatever its position; the schedule only decides what is skipped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+
+Layout = Literal["zigzag", "contiguous"]
+Index = int | jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPair:
+    q_start: Index      # first local query row of the pair
+    q_len: int
+    kv_start: Index     # first row of the visiting K/V shard
+    kv_len: int
+    q_offset: Index     # global position of query row q_start
+    kv_offset: Index    # global position of key row kv_start
+    active: bool | jax.Array = True   # False/traced: the pair is fully masked on some members
+
+
+def _zigzag_offset(member: Index, piece: Index, g: int, chunk: int) -> Index:
+    """Global position of piece 0 (chunk `member`) or piece 1 (chunk 2G-1-member) of a member."""
+    return jnp.where(piece == 0, member * chunk, (2 * g - 1 - member) * chunk)
+
+
+def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array, step: Index) -> list[BlockPair]:
+    """The pairs member `rank` computes at ring step `step` (a Python int 0 for the first step)."""
+    first = isinstance(step, int) and step == 0
+    src = (rank - step) % g
+    if not causal:
+        return [BlockPair(0, t_local, 0, t_local, 0, 0)]
+    if layout == "contiguous":
+        if first:
+            return [BlockPair(0, t_local, 0, t_local, rank * t_local, rank * t_local)]
+        return [BlockPair(0, t_local, 0, t_local, rank * t_local, src * t_local, active=src < rank)]
+    c = t_local // 2
+    off = lambda member, piece: _zigzag_offset(member, piece, g, c)
+    if first:
+        return [BlockPair(0, c, 0, c, off(rank, 0), off(rank, 0)),
+                BlockPair(c, c, 0, c, off(rank, 1), off(rank, 0)),
+                BlockPair(c, c, c, c, off(rank, 1), off(rank, 1))]
+    h = jnp.where(src < rank, 0, 1)
+    return [BlockPair(c, c, 0, c, off(rank, 1), off(src, 0)),
+            BlockPair(h * c, c, h * c, c, off(rank, h), off(src, h))]
