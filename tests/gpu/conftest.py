@@ -1,22 +1,16 @@
 """GPU tests: marked `gpu`, skipped cleanly without the compiled extension or enough CUDA GPUs
 (a test module sets MIN_GPUS; default 2)."""
 
-import jax
 import pytest
 
 import pk_jax
 
-
-def _gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
+from .devices import gpus
 
 
 def pytest_collection_modifyitems(config, items):
     here = __file__.rsplit("/", 1)[0]
-    have = len(_gpus())
+    have = len(gpus())
     for item in items:
         if str(item.fspath).startswith(here):
             item.add_marker(pytest.mark.gpu)

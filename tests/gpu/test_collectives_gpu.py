@@ -17,16 +17,10 @@ import pk_jax
 from pk_jax import _ext
 
 from .poison import poison_allocator
+from .devices import gpus
 
 DTYPES = [jnp.bfloat16, jnp.float16, jnp.float32]
 _seed = itertools.count(1234)
-
-
-def gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:  # no GPU backend: every test here is skipped by conftest
-        return []
 
 
 def mesh_1d(n: int) -> Mesh:

@@ -14,15 +14,9 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.sharding import from_zigzag, to_zigzag
+from .devices import gpus
 
 MIN_GPUS = 2
-
-
-def gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 def group_sizes() -> list[int]:

@@ -22,6 +22,7 @@ import pk_jax
 from pk_jax import _small_path
 
 from .poison import poison_allocator
+from .devices import gpus
 
 MIN_GPUS = 2
 DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -29,13 +30,6 @@ DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
 SIZES = [2, 4, 6, 10, 12, 100, 1022, 4096, 4098, 16384, 65534, 65536, 131074, 262144, 524290,
          (1 << 20) - 2, 1 << 20, (1 << 20) + 4, 2 << 20, 8 << 20]
 _seed = itertools.count(777)
-
-
-def gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 def group_sizes() -> list[int]:

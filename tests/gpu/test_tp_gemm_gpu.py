@@ -17,15 +17,9 @@ import pk_jax
 from pk_jax import _ext, autotune
 
 from .poison import poison_allocator
+from .devices import gpus
 
 _seed = itertools.count(777)
-
-
-def gpus() -> list:
-    try:
-        return jax.devices("gpu")
-    except RuntimeError:
-        return []
 
 
 def group_sizes() -> list[int]:
