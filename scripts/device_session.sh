@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call made of named stages, each under its own time limit, logging to $OUT/<stage>.log (at most
+# 8 files come back from a device call; suites add their JSON, multirank a .log too). Written for the first session with a GPU after
+# the multi-process, training, layouts, small-message, plain-jit and context work that no GPU had run.
+# Usage: STAGES="matmul ranks2 multirank2" PREBUILT=.prebuilt PK_JAX_COMMIT=<sha> bash scripts/device_session.sh
+# Stages (one GPU unless noted):
+#   matmul      GEMM GPU tests, every layout (NN/NT/TN/TT), poisoned outputs            ~2 min
+#   ranks2      2 ranks sharing GPU 0 under MPS: init + each op once vs NumPy            ~1 min
+#   multirank2  python -m pk_jax.bench multirank --ranks 2 (ops, grads, soak, faults)   ~3 min
+#   multirank4  the same at 4 ranks                                                      ~6 min
+#   layouts     python -m pk_jax.bench gemm --layouts (NT/TN vs cuBLAS, target 0.95)    ~1 min
+#   model       python -m pk_jax.bench model --group 1 (target fwd+bwd >= 0.98x XLA)     ~5 min
+#   demo        python -m pk_jax.bench demo                                              ~1 min
+#   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
+set -o pipefail
+: "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
+export PK_JAX_COMMIT PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/pk_jax_out}; mkdir -p "$OUT"
+if [ -n "${PREBUILT:-}" ]; then
+  cp "$PREBUILT"/_pk_jax_ext*.so pk_jax/ || exit 1
+else
+  python3 -m pip install --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+day=$(date +%F)
+
+stage() {  # name, seconds, command...
+  local name=$1 limit=$2; shift 2
+  echo "=== $name (limit ${limit}s) ==="
+  local t0=$SECONDS
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -25 "$OUT/$name.log"
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s ==="
+}
+
+for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
+  case $s in
+    matmul) stage matmul 240 python3 -m pytest tests/gpu/test_matmul_gpu.py -m gpu -q -x -rs ;;
+    ranks2) stage ranks2 180 python3 -m pk_jax.launch --share-gpu -n 2 --timeout 170 tests/launch_scripts/gpu_ranks.py ;;
+    multirank2) stage multirank2 300 python3 -m pk_jax.bench multirank --ranks 2 --out "$OUT/$day-multirank-2.json" ;;
+    multirank4) stage multirank4 450 python3 -m pk_jax.bench multirank --ranks 4 --out "$OUT/$day-multirank-4.json" ;;
+    layouts) stage layouts 240 python3 -m pk_jax.bench gemm --layouts --out "$OUT/$day-gemm-layouts.json" ;;
+    model) stage model 400 python3 -m pk_jax.bench model --group 1 --out "$OUT/$day-model.json" ;;
+    demo) stage demo 180 python3 -m pk_jax.bench demo --out "$OUT/$day-demo.json" ;;
+    gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
