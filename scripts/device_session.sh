@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call made of named stages, each under its own time limit, logging to $OUT/<stage>.log (at most
-# 8 files come back from a device call; suites add their JSON, multirank a .log too). Written for the first session with a GPU after
-# the multi-process, training, layouts, small-message, plain-jit and context work that no GPU had run.
+# One device call made of named stages, each under its own time limit, logging to $OUT/<stage>.log (at
+# most 8 files come back from a device call; suites add their JSON, multirank a .log too). Written for the
+# first session with a GPU after the multi-process, training, layouts, small-message, plain-jit and
+# context work that no GPU had run.
 # Usage: STAGES="matmul ranks2 multirank2" PREBUILT=.prebuilt PK_JAX_COMMIT=<sha> bash scripts/device_session.sh
 # Stages (one GPU unless noted):
 #   matmul      GEMM GPU tests, every layout (NN/NT/TN/TT), poisoned outputs            ~2 min
