@@ -49,48 +49,60 @@ def _warn_no_mesh() -> None:
                   "replicated. Place the inputs with NamedShardings or call under jax.set_mesh(mesh).", stacklevel=2)
 
 
-def _partition(role: str, mesh, arg_shapes, result_shape):
+def _partition(role: str, a_t: bool, b_t: bool, mesh, arg_shapes, result_shape):
     b, a = arg_shapes[0], arg_shapes[1]  # b first: see _make
     wanted = arg_shapes[2] if len(arg_shapes) == 3 else result_shape  # the "like" operand, if any
-    decision = decide(_padded(a.sharding, a.ndim), _padded(b.sharding, 2), _padded(wanted.sharding, a.ndim),
-                      a.shape[:-1], dict(mesh.shape))
+    # decide() reasons about a (rows..., k) and b (k, n); a stored (k, m) / b stored (n, k) are reversed.
+    a_spec = _padded(a.sharding, a.ndim)[::-1] if a_t else _padded(a.sharding, a.ndim)
+    b_spec = _padded(b.sharding, 2)[::-1] if b_t else _padded(b.sharding, 2)
+    rows = a.shape[1:] if a_t else a.shape[:-1]
+    decision = decide(a_spec, b_spec, _padded(wanted.sharding, len(rows) + 1), rows, dict(mesh.shape))
     decisions.append((role, decision))
     if mesh.empty:  # GSPMD shardings without a mesh: everything replicated (decision: local "matmul")
         replicated = GSPMDSharding.get_replicated(a.sharding._device_assignment)
         shard = lambda s: replicated
     else:
         shard = lambda s: NamedSharding(mesh, _spec(s))
-    arg_shardings = [shard(decision.b_spec), shard(decision.a_spec)]
+    arg_shardings = [shard(decision.b_spec[::-1] if b_t else decision.b_spec),
+                     shard(decision.a_spec[::-1] if a_t else decision.a_spec)]
     if len(arg_shapes) == 3:
         arg_shardings.append(wanted.sharding if not mesh.empty else shard(()))
 
         def lower(w, x, like):
             del like  # only its sharding matters
-            return run_shard(decision, x, w)
+            return run_shard(decision, x, w, transpose_a=a_t, transpose_b=b_t)
     else:
         def lower(w, x):
-            return run_shard(decision, x, w)
+            return run_shard(decision, x, w, transpose_a=a_t, transpose_b=b_t)
     return mesh, lower, shard(decision.out_spec), tuple(arg_shardings)
 
 
-def _reference(b, a, *like):
-    return jnp.dot(a, b, preferred_element_type=jnp.float32).astype(jnp.result_type(a, b))
+def _make(role: str, with_like: bool, transpose_a: bool = False, transpose_b: bool = False):
+    """A custom-partitioned op(a) @ op(b), called as op(b, a[, like]): a (..., k) or, transpose_a, a stored
+    (k, m); b (k, n) or, transpose_b, stored (n, k), read in place by the kernels (the backward's dx and dw).
+    Shardy resolves conflicting factor shardings in favour of the earlier operand; with b first, a
+    column-parallel weight's n sharding wins over a sequence-parallel input's row sharding, so the
+    result stays column-sharded (what the next, row-parallel, matmul wants) instead of being resharded
+    through an all-to-all."""
+    a_dims, rows = ("k m", "m") if transpose_a else ("... k", "...")
+    b_dims = "n k" if transpose_b else "k n"
+    dims = (((0,) if transpose_a else (-1,)), ((1,) if transpose_b else (0,)))
 
+    def reference(b, a, *like):
+        ca, cb = dims[0][0] % a.ndim, dims[1][0]
+        out = jax.lax.dot_general(a, b, (((ca,), (cb,)), ((), ())), preferred_element_type=jnp.float32)
+        return out.astype(jnp.result_type(a, b))
 
-def _make(role: str, with_like: bool):
-    """A custom-partitioned a @ b, called as op(b, a[, like]). Shardy resolves conflicting factor
-    shardings in favour of the earlier operand; with b first, a column-parallel weight's n sharding
-    wins over a sequence-parallel input's row sharding, so the result stays column-sharded (what the
-    next, row-parallel, matmul wants) instead of being resharded through an all-to-all."""
-    op = custom_partitioning(_reference)
-    rule = "k n, ... k, ... n -> ... n" if with_like else "k n, ... k -> ... n"
-    op.def_partition(functools.partial(_partition, role), sharding_rule=rule, reduction_factors=("k",))
+    op = custom_partitioning(reference)
+    rule = f"{b_dims}, {a_dims}" + (f", {rows} n" if with_like else "") + f" -> {rows} n"
+    op.def_partition(functools.partial(_partition, role, transpose_a, transpose_b), sharding_rule=rule,
+                     reduction_factors=("k",))
     return op
 
 
 _forward = _make("forward", with_like=False)
-_dx = _make("dx", with_like=True)
-_dw = _make("dw", with_like=True)
+_dx = _make("dx", with_like=True, transpose_b=True)                  # dy @ w^T, w read as stored (d, f)
+_dw = _make("dw", with_like=True, transpose_a=True)                  # x^T @ dy, x read as stored (T, d)
 
 
 @jax.custom_vjp
@@ -105,9 +117,9 @@ def _matmul_fwd(x, w):
 def _matmul_bwd(res, g):
     x, w = res
     g = g.astype(jnp.result_type(x, w))
-    dx = _dx(w.T, g, x)
+    dx = _dx(w, g, x)
     x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
-    dw = _dw(g2, x2.T, w)
+    dw = _dw(g2, x2, w)
     return dx.astype(x.dtype), dw.astype(w.dtype)
 
 

@@ -48,23 +48,30 @@ def _same_varying_axes(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array
     return pvary(a, tuple(sorted(vb - va, key=str))), pvary(b, tuple(sorted(va - vb, key=str)))
 
 
-def run_shard(decision: MatmulDecision, a: jax.Array, b: jax.Array) -> jax.Array:
+def run_shard(decision: MatmulDecision, a: jax.Array, b: jax.Array, *, transpose_a: bool = False,
+              transpose_b: bool = False) -> jax.Array:
     """a (rows..., k_local) @ b (k_local, n_local) on one shard, with the decision's collective.
+    transpose_a: a is stored (k_local, m_local); transpose_b: b is stored (n_local, k_local). The GEMMs
+    read them in place, except the fused ops' x, which has no transposed form: its local shard is
+    transposed first.
 
     Returns the local block of the result, sharded as `decision.out_spec`."""
     if decision.gather_a_k:
-        a = pk_jax.all_gather(a, _name(decision.gather_a_k), axis=a.ndim - 1, tiled=True)
+        a = pk_jax.all_gather(a, _name(decision.gather_a_k), axis=0 if transpose_a else a.ndim - 1, tiled=True)
     if decision.gather_b_k:
-        b = pk_jax.all_gather(b, _name(decision.gather_b_k), axis=0, tiled=True)
+        b = pk_jax.all_gather(b, _name(decision.gather_b_k), axis=1 if transpose_b else 0, tiled=True)
     group = _name(decision.group)
     if decision.op == "matmul":
-        return pk_jax.matmul(*_same_varying_axes(a, b))
+        a, b = _same_varying_axes(a, b)
+        return pk_jax.matmul(a, b, transpose_a=transpose_a, transpose_b=transpose_b)
+    if transpose_a:
+        a = a.T
     if decision.op == "matmul_all_reduce":
-        y = pk_jax.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, group)
+        y = pk_jax.matmul_all_reduce(a.reshape(-1, a.shape[-1]), b, group, transpose_w=transpose_b)
         return y.reshape(*a.shape[:-1], y.shape[-1])
     a2, rows = _rows_first(a, decision.row_dim)
     if decision.op == "all_gather_matmul":
-        y = pk_jax.all_gather_matmul(a2, b, group)
+        y = pk_jax.all_gather_matmul(a2, b, group, transpose_w=transpose_b)
     else:
-        y = pk_jax.matmul_reduce_scatter(a2, b, group)
+        y = pk_jax.matmul_reduce_scatter(a2, b, group, transpose_w=transpose_b)
     return _rows_back(y, rows, decision.row_dim)
