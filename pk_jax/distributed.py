@@ -36,6 +36,10 @@ _PREFIX = "pk_jax/init/"
 MAX_DOMAIN = 8  # GPUs (ranks) per host: kernels/pk/control_block.h kMaxSlots
 _lock = threading.Lock()
 _info: DistributedInfo | None = None
+# The probe buffers whose allocations were exported as XLA's shared region. Kept alive for the job:
+# with a per-buffer allocator (XLA_PYTHON_CLIENT_ALLOCATOR=platform) freeing a probe frees the region
+# the peers mapped, and a later buffer at that address would be taken for shared memory.
+_probes: list = []
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,7 +189,7 @@ def _initialize(native, gpus: Sequence) -> DistributedInfo:
         probe, ptr = native.probe_pointer(d)
         ctrl, _begins, _sizes, handles, why_not = native.add_local_device(
             d.local_hardware_id, d.id, plan.slot_of[d.id], rank, ptr, _staging_bytes())
-        del probe  # XLA's allocator keeps the region
+        _probes.append(probe)  # the exported region must outlive the job (see _probes)
         if why_not:
             shared = False
             print(f"pk_jax: rank {rank}: XLA's GPU memory cannot be shared ({why_not}); every buffer the peers "

@@ -21,7 +21,8 @@ MASK32 = 0xFFFFFFFF
 
 @dataclasses.dataclass
 class Member:
-    """One GPU's control-block state of the small path (slot = rank here)."""
+    """One GPU's control-block state of the small path, indexed by device slot (ll[parity][sender
+    slot][line], ll_seq[peer slot]); `group` is the number of devices (slots)."""
 
     lines: int
     group: int
@@ -57,12 +58,15 @@ def pack_word(acc: list[float], dtype: np.dtype) -> int:
 
 
 class Op:
-    """One small op on every member: kind in all_reduce_one_shot / all_reduce_two_shot /
-    all_gather / reduce_scatter; xs[r] the bytes of member r's input."""
+    """One small op on every member of its group: kind in all_reduce_one_shot / all_reduce_two_shot /
+    all_gather / reduce_scatter; xs[r] the bytes of rank r's input; slots[r] the device of rank r
+    (default: rank r is device r), as Group::slot maps ranks to control-block slots."""
 
-    def __init__(self, kind: str, xs: list[bytes], dtype: np.dtype):
+    def __init__(self, kind: str, xs: list[bytes], dtype: np.dtype, slots: list[int] | None = None):
         self.kind, self.xs, self.dtype = kind, xs, np.dtype(dtype)
         self.g = len(xs)
+        self.slots = list(range(self.g)) if slots is None else list(slots)
+        assert len(self.slots) == self.g and len(set(self.slots)) == self.g
         n = len(xs[0])
         self.payload = n // self.g if kind == "reduce_scatter" else n  # bytes per receiver (`bytes` arg)
         self.out_bytes = n * self.g if kind == "all_gather" else self.payload
@@ -72,26 +76,29 @@ class Op:
 WAITING, PROGRESS = 0, 1
 
 
-def run_member(members: list[Member], me: int, ops: list[Op], violations: list[str]) -> Iterator[int]:
-    """Member `me` runs `ops` in order; yields WAITING while spinning on a line, PROGRESS elsewhere."""
-    g = len(members)
-    mine = members[me]
+def run_member(members: list[Member], device: int, ops: list[Op], violations: list[str]) -> Iterator[int]:
+    """Device `device` runs the `ops` it is a member of, in order; yields WAITING while spinning on a
+    line, PROGRESS elsewhere. Areas and epochs are by slot, index math by rank, as in the kernels."""
+    mine = members[device]
     for op in ops:
-        flag = [(mine.ll_seq[r] + 1) & MASK32 for r in range(g)]  # prologue: epochs by peer
+        if device not in op.slots:
+            continue
+        g, slot, me = op.g, op.slots, op.slots.index(device)
+        flag = [(mine.ll_seq[slot[r]] + 1) & MASK32 for r in range(g)]  # prologue: epochs by peer
         x = op.xs[me]
         y = op.outs[me]
 
         def send(r: int, line: int, w: int) -> None:
-            area = members[r].ll[flag[r] & 1, me]
+            area = members[slot[r]].ll[flag[r] & 1, device]
             old = int(area[line])
             # The peer must have consumed the line's previous content (two ops back) already: a writer
             # at most one op ahead never meets an unread line. Unread = epoch one behind ours on it.
-            if old >> 32 == (flag[r] - 2) & MASK32 and members[r].ll_seq[me] < flag[r] - 2:
-                violations.append(f"member {me} overwrote unread line {line} of member {r}")
+            if old >> 32 == (flag[r] - 2) & MASK32 and members[slot[r]].ll_seq[device] < flag[r] - 2:
+                violations.append(f"device {device} overwrote unread line {line} of device {slot[r]}")
             area[line] = np.uint64((flag[r] << 32) | w)
 
         def receive(r: int, line: int):
-            area = mine.ll[flag[r] & 1, r]
+            area = mine.ll[flag[r] & 1, slot[r]]
             while int(area[line]) >> 32 != flag[r]:
                 yield WAITING
             return int(area[line]) & MASK32
@@ -142,13 +149,13 @@ def run_member(members: list[Member], me: int, ops: list[Op], violations: list[s
                 store_word(y, 4 * i, n, (yield from receive(i // chunk, i)))
         for r in range(g):  # finish: the last CTA advances the epochs
             if r != me:
-                mine.ll_seq[r] += 1
+                mine.ll_seq[slot[r]] += 1
 
 
 def run(ops: list[Op], lines: int, seed: int) -> list[str]:
-    """Runs `ops` on every member under a random interleaving. Returns protocol violations (none
-    expected); raises on deadlock."""
-    g = ops[0].g
+    """Runs `ops` (each on its group's devices) on every device under a random interleaving. Returns
+    protocol violations (none expected); raises on deadlock."""
+    g = max(max(op.slots) for op in ops) + 1  # devices
     members = [Member(lines, g) for _ in range(g)]
     violations: list[str] = []
     gens = {r: run_member(members, r, ops, violations) for r in range(g)}

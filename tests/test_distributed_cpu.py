@@ -86,6 +86,7 @@ def test_exchange_maps_same_host_peers_and_sets_every_delta(tmp_path):
         expect = sorted([ids[r], i, slot[ids[p]], _mapped(p, ids[r], i)] for p in local if p != r for i in range(2))
         assert sorted(calls["delta"]) == expect
         assert calls["finish"] == [r]
+        assert calls["probes_alive"] == [True], "the probe buffer (XLA's exported region) was freed"
 
 
 def test_exchange_with_two_gpus_per_process(tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import types
+import weakref
 
 import jax
 
@@ -25,15 +26,22 @@ def mapped_address(process: int, owner: int, region: int) -> int:
     return (process + 1) << 40 | owner << 20 | region << 12
 
 
+class FakeBuffer:
+    """A stand-in for a jax.Array (weak-referenceable, so the test sees whether it was freed)."""
+
+
 class FakeNative:
     def __init__(self):
         self.calls = {"add": [], "attach": [], "delta": [], "finish": []}
+        self.probes = []
 
     def pci_bus_id(self, ordinal):
         return os.environ["FAKE_PCI"] + f":{ordinal}"
 
     def probe_pointer(self, device):
-        return None, 0xDEAD0000 + device.id
+        probe = FakeBuffer()  # stands in for the live XLA buffer
+        self.probes.append(weakref.ref(probe))
+        return probe, 0xDEAD0000 + device.id
 
     def add_local_device(self, ordinal, device_id, slot, process, probe_ptr, staging_bytes):
         self.calls["add"].append([ordinal, device_id, slot, process, probe_ptr])
@@ -55,6 +63,8 @@ cpu_only = os.environ.get("FAKE_NATIVE") == "none"  # a CPU process: no GPU, no 
 native = None if cpu_only else FakeNative()
 gpus = [] if cpu_only else [types.SimpleNamespace(id=100 + GPUS_PER_PROCESS * rank + i, local_hardware_id=i) for i in range(GPUS_PER_PROCESS)]
 info = distributed._initialize(native, gpus)
+if native:  # every exported probe buffer is still alive after start-up (its region stays allocated)
+    native.calls["probes_alive"] = [ref() is not None for ref in native.probes]
 with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
     json.dump({"info": {k: list(v) if isinstance(v, tuple) else v for k, v in vars(info).items()},
                "calls": native.calls if native else {}}, f)
