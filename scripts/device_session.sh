@@ -9,6 +9,7 @@
 #   ranks2      2 ranks sharing GPU 0 under MPS: init + each op once vs NumPy            ~1 min
 #   multirank2  python -m pk_jax.bench multirank --ranks 2 (ops, grads, soak, faults)   ~3 min
 #   multirank4  the same at 4 ranks                                                      ~6 min
+#   small2      multirank at 2 ranks with the small-message path on (PK_JAX_SMALL_PATH=1) ~3 min
 #   layouts     python -m pk_jax.bench gemm --layouts (NT/TN vs cuBLAS, target 0.95)    ~1 min
 #   model       python -m pk_jax.bench model --group 1 (target fwd+bwd >= 0.98x XLA)     ~5 min
 #   demo        python -m pk_jax.bench demo                                              ~1 min
@@ -41,6 +42,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     matmul) stage matmul 240 python3 -m pytest tests/gpu/test_matmul_gpu.py -m gpu -q -x -rs ;;
     ranks2) stage ranks2 180 python3 -m pk_jax.launch --share-gpu -n 2 --timeout 170 tests/launch_scripts/gpu_ranks.py ;;
     multirank2) stage multirank2 300 python3 -m pk_jax.bench multirank --ranks 2 --out "$OUT/$day-multirank-2.json" ;;
+    small2) stage small2 300 env PK_JAX_SMALL_PATH=1 python3 -m pk_jax.bench multirank --ranks 2 --calls 100 \
+              --out "$OUT/$day-multirank-2-small.json" ;;
     multirank4) stage multirank4 450 python3 -m pk_jax.bench multirank --ranks 4 --out "$OUT/$day-multirank-4.json" ;;
     layouts) stage layouts 240 python3 -m pk_jax.bench gemm --layouts --out "$OUT/$day-gemm-layouts.json" ;;
     model) stage model 400 python3 -m pk_jax.bench model --group 1 --out "$OUT/$day-model.json" ;;
