@@ -8,8 +8,11 @@ import numpy as np
 
 def random_routing(rng: np.random.Generator, g: int, tokens: int, top_k: int, num_experts: int,
                    kind: str) -> np.ndarray:
-    """(G, T, K) distinct expert ids per token. kind: uniform | skewed (3 hot experts take most choices) |
-    empty_expert (expert 1 never chosen) | idle_member (no token picks member 1's experts; needs G >= 2)."""
+    """(G, T, K) expert ids. kind: uniform | skewed (3 hot experts take most choices) | empty_expert (expert 1
+    never chosen) | idle_member (no token picks member 1's experts; needs G >= 2), all distinct per token;
+    repeats: uniform with repeats allowed (a token may pick one expert twice)."""
+    if kind == "repeats":
+        return rng.integers(0, num_experts, (g, tokens, top_k)).astype(np.int32)
     scores = rng.standard_normal((g, tokens, num_experts))
     local = num_experts // g
     if kind == "skewed":

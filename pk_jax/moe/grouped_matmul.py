@@ -18,6 +18,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pk_jax.context._varying import full_varying, varying_axes
+
 TILE_ROWS = 128
 
 
@@ -35,8 +37,8 @@ def _pairs(group_sizes: jax.Array, m: int, tile: int) -> tuple[jax.Array, jax.Ar
     static pair count bound (inactive pairs point at group 0 with an empty row range)."""
     e = group_sizes.shape[0]
     sizes = group_sizes.astype(jnp.int32)
-    ends = jnp.minimum(jnp.cumsum(sizes), m)
-    starts = jnp.minimum(ends - sizes, m)
+    cum_sizes = jnp.cumsum(sizes)
+    ends, starts = jnp.minimum(cum_sizes, m), jnp.minimum(cum_sizes - sizes, m)
     nonempty = ends > starts
     per_group = jnp.where(nonempty, (ends - 1) // tile - starts // tile + 1, 0)
     bound = -(-m // tile) + e - 1
@@ -57,6 +59,7 @@ def _tile_rows(tile: int, m: int) -> int:
 def grouped_matmul_tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_rows: int = TILE_ROWS,
                          out_dtype=None) -> jax.Array:
     """(m, k) x (E, k, n) -> (m, n) by the (row tile, group) scan; rows past sum(group_sizes) are zero."""
+    x, w = jnp.asarray(x), jnp.asarray(w)
     m, n = x.shape[0], w.shape[2]
     tile = _tile_rows(tile_rows, m)
     m_pad = -(-m // tile) * tile
@@ -72,13 +75,15 @@ def grouped_matmul_tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, 
         cur = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, cur + part, t * tile, 0), None
 
-    out, _ = jax.lax.scan(step, jnp.zeros((m_pad, n), jnp.float32), (tiles, groups, starts, ends))
+    out, _ = jax.lax.scan(step, full_varying((m_pad, n), 0, jnp.float32, (x, w, group_sizes)),
+                          (tiles, groups, starts, ends))
     return out[:m].astype(out_dtype or x.dtype)
 
 
 def grouped_weight_grad_tiled(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
                               tile_rows: int = TILE_ROWS, out_dtype=None) -> jax.Array:
     """(m, k), (m, n) -> (E, k, n): dw[e] = x_e^T dy_e over group e's rows, by the same pair scan."""
+    x, dy = jnp.asarray(x), jnp.asarray(dy)
     m, k, n, e = x.shape[0], x.shape[1], dy.shape[1], group_sizes.shape[0]
     tile = _tile_rows(tile_rows, m)
     m_pad = -(-m // tile) * tile
@@ -94,7 +99,8 @@ def grouped_weight_grad_tiled(x: jax.Array, dy: jax.Array, group_sizes: jax.Arra
         part = jnp.dot(xt.T, jax.lax.dynamic_slice_in_dim(dyp, t * tile, tile), preferred_element_type=jnp.float32)
         return dw.at[grp].add(part), None
 
-    dw, _ = jax.lax.scan(step, jnp.zeros((e, k, n), jnp.float32), (tiles, groups, starts, ends))
+    dw, _ = jax.lax.scan(step, full_varying((e, k, n), 0, jnp.float32, (x, dy, group_sizes)),
+                         (tiles, groups, starts, ends))
     return dw.astype(out_dtype or x.dtype)
 
 
@@ -109,7 +115,7 @@ def _weight_grad(x, dy, group_sizes, w_dtype, tile_rows):
     gs = group_sizes.astype(jnp.int32)
 
     def on_cpu():
-        zero_w = jnp.zeros((gs.shape[0], x.shape[1], dy.shape[1]), jnp.float32)
+        zero_w = full_varying((gs.shape[0], x.shape[1], dy.shape[1]), 0, jnp.float32, (x, dy, gs))
         _, vjp = jax.vjp(lambda w: jax.lax.ragged_dot(x.astype(jnp.float32), w, gs), zero_w)
         return vjp(dy.astype(jnp.float32))[0].astype(w_dtype)
 
@@ -130,7 +136,14 @@ def _grouped_bwd(tile_rows, res, dy):
     x, w, group_sizes = res
     dx = _forward(dy, jnp.swapaxes(w, 1, 2), group_sizes, tile_rows).astype(x.dtype)
     dw = _weight_grad(x, dy, group_sizes, w.dtype, tile_rows)
-    return dx, dw, None
+    return _unvary_like(dx, x), _unvary_like(dw, w), None
+
+
+def _unvary_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
+    """Inside shard_map, an operand invariant over an axis that the cotangent varies over (e.g. weights
+    replicated over the token axis) was implicitly broadcast: its cotangent is the sum over that axis."""
+    extra = tuple(sorted(varying_axes(grad) - varying_axes(primal), key=str))
+    return jax.lax.psum(grad, extra) if extra else grad
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
