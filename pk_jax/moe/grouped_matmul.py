@@ -7,7 +7,7 @@ Reference paths (the fused Hopper grouped GEMM will replace them on GPUs):
   (row tile, group) pairs, as MegaBlocks schedules its grouped GEMM: rows are cut into tiles of `tile_rows`,
   and each pair multiplies one tile (rows outside the group masked) by that group's matrix. A tile meets
   at most the groups that start inside it, so there are at most ceil(m / tile) + E - 1 pairs: the work is
-  m * k * n plus at most (E - 1) tiles' worth, and the memory one tile and one expert matrix at a time.
+  m_used * k * n plus at most (E - 1) tiles' worth (pairs past the rows in use skip their GEMM), and the memory one tile and one expert matrix at a time.
 The VJP is two grouped GEMMs on the same paths: dx = grouped(dy, w^T), dw[e] = x_e^T dy_e.
 """
 
@@ -66,14 +66,17 @@ def grouped_matmul_tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, 
     xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
     tiles, groups, starts, ends, _ = _pairs(group_sizes, m, tile)
 
-    def step(out, pair):
+    def add_pair(out, pair):
         t, grp, lo, hi = pair
         rows = t * tile + jnp.arange(tile)
         mask = ((rows >= lo) & (rows < hi))[:, None]
         xt = jnp.where(mask, jax.lax.dynamic_slice_in_dim(xp, t * tile, tile), 0)
         part = jnp.dot(xt, w[grp], preferred_element_type=jnp.float32)
         cur = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
-        return jax.lax.dynamic_update_slice_in_dim(out, cur + part, t * tile, 0), None
+        return jax.lax.dynamic_update_slice_in_dim(out, cur + part, t * tile, 0)
+
+    def step(out, pair):  # pairs past the real rows (the static bound assumes every row is used) skip their GEMM
+        return jax.lax.cond(pair[3] > pair[2], lambda o: add_pair(o, pair), lambda o: o, out), None
 
     out, _ = jax.lax.scan(step, full_varying((m_pad, n), 0, jnp.float32, (x, w, group_sizes)),
                           (tiles, groups, starts, ends))
@@ -91,13 +94,16 @@ def grouped_weight_grad_tiled(x: jax.Array, dy: jax.Array, group_sizes: jax.Arra
     dyp = jnp.pad(dy, ((0, m_pad - m), (0, 0)))
     tiles, groups, starts, ends, _ = _pairs(group_sizes, m, tile)
 
-    def step(dw, pair):
+    def add_pair(dw, pair):
         t, grp, lo, hi = pair
         rows = t * tile + jnp.arange(tile)
         mask = ((rows >= lo) & (rows < hi))[:, None]
         xt = jnp.where(mask, jax.lax.dynamic_slice_in_dim(xp, t * tile, tile), 0)
         part = jnp.dot(xt.T, jax.lax.dynamic_slice_in_dim(dyp, t * tile, tile), preferred_element_type=jnp.float32)
-        return dw.at[grp].add(part), None
+        return dw.at[grp].add(part)
+
+    def step(dw, pair):
+        return jax.lax.cond(pair[3] > pair[2], lambda d: add_pair(d, pair), lambda d: d, dw), None
 
     dw, _ = jax.lax.scan(step, full_varying((e, k, n), 0, jnp.float32, (x, dy, group_sizes)),
                          (tiles, groups, starts, ends))
