@@ -11,10 +11,12 @@ from pk_jax.distributed import DistributedInfo, initialize
 from pk_jax.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
 from pk_jax.context import ring_attention, ulysses_attention
 from pk_jax.matmul import matmul
+from pk_jax import moe
+from pk_jax.moe import grouped_matmul
 from pk_jax.tp_gemm import all_gather_matmul, matmul_all_reduce, matmul_reduce_scatter
 
 __all__ = [
-    "DistributedInfo", "initialize", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "extension_available", "matmul",
-    "matmul_all_reduce", "matmul_reduce_scatter", "reduce_scatter", "ring_attention", "runtime", "ulysses_attention",
+    "DistributedInfo", "initialize", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all", "extension_available", "grouped_matmul", "matmul",
+    "matmul_all_reduce", "matmul_reduce_scatter", "moe", "reduce_scatter", "ring_attention", "runtime", "ulysses_attention",
 ]
 __version__ = "0.1.0"

@@ -1,4 +1,4 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,context,multirank} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,context,moe,multirank} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -34,12 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "model", "context",
-                                     "multirank"],
+                                     "moe", "multirank"],
                    help="which suite to run (demo: one row per op family, under two minutes; model: a Llama-style "
-                        "layer's training step; context: ring/Ulysses attention; multirank: the multi-process "
+                        "layer's training step; context: ring/Ulysses attention; moe: expert parallelism; multirank: the multi-process "
                         "correctness suite, tests/multirank)")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
-    p.add_argument("--small", action="store_true", help="context: tiny sizes (same as --quick; default on CPU)")
+    p.add_argument("--small", action="store_true", help="context, moe: tiny sizes (same as --quick; default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
@@ -159,6 +159,21 @@ def main(argv: list[str] | None = None) -> int:
         results.write(out, args.suite, rows)
         print()
         context.print_table(rows)
+        print(f"\nwrote {out}")
+        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
+    if args.suite == "moe":  # runs at group 1 too
+        from pk_jax.bench import moe
+
+        reps = args.reps or 20
+        small = args.small or args.quick or not on_gpu
+        print(f"pk_jax.bench moe: {results.device_description()}, {'small' if small else 'full'} sizes, "
+              f"{reps} reps", flush=True)
+        if not on_gpu:
+            print("  (no GPU: timings only exercise the plumbing)")
+        rows = moe.run(small=small, reps=reps, only=args.op)
+        results.write(out, args.suite, rows)
+        print()
+        moe.print_table(rows)
         print(f"\nwrote {out}")
         return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
     if len(jax.devices()) < 2:

@@ -1,0 +1,234 @@
+"""`python -m pk_jax.bench moe`: expert-parallel dispatch, combine, grouped_matmul and moe_mlp.
+
+Rows: op = dispatch | combine | grouped_matmul | moe_mlp; shape = [T, hidden, experts, top_k] (T tokens per
+member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
+receiver (dispatch: its rows; combine: the rows back at the busiest sender; moe_mlp: both) / time.
+Baselines, timed in turns in the same run:
+- dispatch: jax.lax.ragged_all_to_all of the sender-sorted rows (GPU only: XLA:CPU lacks it), which
+  leaves rows source-major (not regrouped by expert);
+- grouped_matmul: jax.lax.ragged_dot, and (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu;
+- moe_mlp: GShard-style dispatch + capacity-padded einsum (capacity factor 1.25; it drops, so no check).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax.bench import timing
+from pk_jax.moe import routing
+
+AX = "ep"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    t: int
+    h: int
+    e: int
+    k: int
+    f: int
+    routing: str
+    backward: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.routing}_{'fwd_bwd' if self.backward else 'fwd'}"
+
+
+def cases(g: int, small: bool) -> list[Case]:
+    """Full: T 4096, H 4096, (E 64, K 4, F 1408) and (E 8 rounded up to G, K 2, F 4096); small: tiny."""
+    shapes = [(64, 64, max(8, g), 2, 128)] if small else [(4096, 4096, 64, 4, 1408), (4096, 4096, max(8, g), 2, 4096)]
+    out = []
+    for op in ("dispatch", "combine", "grouped_matmul", "moe_mlp"):
+        for t, h, e, k, f in shapes:
+            for kind in ("uniform", "skewed"):
+                for backward in (False, True):
+                    out.append(Case(op, t, h, e, k, f, kind, backward))
+    return out
+
+
+def _ids(c: Case, g: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    scores = rng.standard_normal((g * c.t, c.e))
+    if c.routing == "skewed":
+        scores[:, [0, c.e // 2]] += 2.0
+    return np.argsort(-scores, axis=-1)[:, :c.k].astype(np.int32)
+
+
+def _ragged_a2a_dispatch(x, ids, e: int):
+    """Baseline: the sender's rows sorted by expert, exchanged by jax.lax.ragged_all_to_all (source-major)."""
+    g = jax.lax.axis_size(AX)
+    sizes = routing.routing_sizes(g, e, x.shape[0], ids.shape[1], None, None)
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    rows = x[order // ids.shape[1]]
+    sent = jnp.zeros(e, jnp.int32).at[ids.reshape(-1)].add(1).reshape(g, -1).sum(1)
+    recv = jax.lax.all_to_all(sent, AX, 0, 0, tiled=True)
+    recv_off = jnp.cumsum(recv) - recv
+    out_off = jax.lax.all_to_all(recv_off, AX, 0, 0, tiled=True)
+    out = jnp.zeros((sizes.recv_rows, x.shape[1]), x.dtype)
+    return jax.lax.ragged_all_to_all(rows, out, jnp.cumsum(sent) - sent, sent, out_off, recv, axis_name=AX)
+
+
+def _capacity_einsum_mlp(x, ids, wts, wg, wu, wd):
+    """Baseline: GShard one-hot dispatch with capacity factor 1.25, all_to_all, per-expert einsums, back."""
+    g = jax.lax.axis_size(AX)
+    local, t, k = wg.shape[0], x.shape[0], ids.shape[1]
+    e = local * g
+    cap = routing.expert_capacity(t, k, e, 1.25)
+    keep = routing.capacity_keep(ids.reshape(-1), e, t, k, cap).reshape(t, k)
+    onehot = jax.nn.one_hot(ids, e, dtype=jnp.int32)                    # (T, K, E)
+    prio = jnp.swapaxes(onehot, 0, 1).reshape(k * t, e)                 # choice-major priority
+    pos = (jnp.cumsum(prio, 0) - prio).reshape(k, t, e).swapaxes(0, 1)  # slot of each choice in its expert
+    slot = jnp.sum(pos * onehot, -1)
+    disp = (jax.nn.one_hot(ids, e, dtype=x.dtype)[..., None] * jax.nn.one_hot(slot, cap, dtype=x.dtype)[:, :, None]
+            * keep[..., None, None].astype(x.dtype))                   # (T, K, E, C)
+    xe = jnp.einsum("tkec,th->ech", disp, x).reshape(g, local, cap, -1)
+    xe = pk_jax.all_to_all(xe, AX, 0, 0, tiled=True).reshape(g, local, cap, -1)
+    hid = jax.nn.silu(jnp.einsum("glch,lhf->glcf", xe, wg)) * jnp.einsum("glch,lhf->glcf", xe, wu)
+    ye = pk_jax.all_to_all(jnp.einsum("glcf,lfh->glch", hid, wd), AX, 0, 0, tiled=True).reshape(e, cap, -1)
+    return jnp.einsum("tkec,tk,ech->th", disp, wts.astype(x.dtype), ye)
+
+
+def _program(fn: Callable, mesh: Mesh, in_specs, backward: bool, diff: tuple[int, ...]) -> Callable:
+    body = jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=P(AX), check_vma=False)
+    if backward:
+        return jax.jit(jax.grad(lambda *a: jnp.sum(body(*a).astype(jnp.float32) ** 2), diff))
+    return jax.jit(body)
+
+
+def _try(jitted, args):
+    try:
+        compiled = jitted.lower(*args).compile()
+        jax.block_until_ready(compiled(*args))
+        return (lambda xs: compiled(*xs)), None
+    except Exception as e:  # noqa: BLE001 - reported in the row, the suite goes on
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
+
+
+def _rel_err(a, b) -> float:
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def _contenders(c: Case, g: int, mesh: Mesh, dtype):
+    """(args, ours, [(name, baseline)], bytes at the busiest receiver) of one case."""
+    rng = np.random.default_rng(1)
+    shard = NamedSharding(mesh, P(AX))
+    put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), shard)
+    ids = put(_ids(c, g, 0), jnp.int32)
+    x = put(rng.standard_normal((g * c.t, c.h)) / 4)
+    wts = put(rng.uniform(0.1, 1.0, (g * c.t, c.k)))
+    local = c.e // g
+    disp = lambda x, ids: pk_jax.moe.dispatch(x, ids, AX, num_experts=c.e)
+    # rows per receiver, for the busiest receiver's bytes and the grouped_matmul groups
+    info = jax.jit(jax.shard_map(lambda x, ids: (disp(x, ids)[2].received[None], disp(x, ids)[1]), mesh=mesh,
+                                 in_specs=P(AX), out_specs=P(AX)))(x, ids)
+    busiest = int(np.max(info[0]))
+    row_bytes = c.h * jnp.dtype(dtype).itemsize
+    bases = []
+    if c.op == "dispatch":
+        ours = _program(lambda x, ids: disp(x, ids)[0], mesh, P(AX), c.backward, (0,))
+        args = [x, ids]
+        if not c.backward:
+            bases.append(("lax.ragged_all_to_all", _program(lambda x, ids: _ragged_a2a_dispatch(x, ids, c.e), mesh,
+                                                             P(AX), False, (0,))))
+        moved = busiest * row_bytes
+    elif c.op == "combine":
+        def comb(x, ids, wts):
+            recv, _, hdl = disp(x, ids)
+            return pk_jax.moe.combine(recv, wts, hdl)
+        ours = _program(comb, mesh, P(AX), c.backward, (0, 2))
+        args = [x, ids, wts]
+        moved = 2 * busiest * row_bytes  # timed with its dispatch (the handle comes from it)
+    elif c.op == "grouped_matmul":
+        rows = routing.worst_case_recv_rows(g, c.t, c.k)
+        counts = np.asarray(info[1]).reshape(g, local)[int(np.argmax(info[0]))]
+        gs = jax.device_put(jnp.asarray(counts, jnp.int32), jax.devices()[0])
+        xm = jax.device_put(jnp.asarray(rng.standard_normal((rows, c.h)) / 4, dtype), jax.devices()[0])
+        wm = jax.device_put(jnp.asarray(rng.standard_normal((local, c.h, c.f)) / 64, dtype), jax.devices()[0])
+        one = lambda f: jax.jit(jax.grad(lambda a, b, s: jnp.sum(f(a, b, s).astype(jnp.float32) ** 2), (0, 1))
+                                if c.backward else f)
+        ours = one(lambda a, b, s: pk_jax.grouped_matmul(a, b, s))
+        args = [xm, wm, gs]
+        bases.append(("lax.ragged_dot", one(lambda a, b, s: jax.lax.ragged_dot(a, b, s))))
+        if jax.devices()[0].platform == "gpu" and not c.backward:
+            try:
+                from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
+                mg = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, block_m=64, block_n=256,
+                                                                block_k=64, max_concurrent_steps=4, grid_block_n=2)
+                bases.append(("pallas ragged_dot_mgpu", jax.jit(mg)))
+            except Exception:  # noqa: BLE001 - optional baseline
+                pass
+        moved = int(counts.sum()) * row_bytes  # no exchange: the bytes of the busiest member's rows
+    else:
+        wsh = lambda *s: put(rng.standard_normal((c.e,) + s) / np.sqrt(s[0]))
+        wg, wu, wd = wsh(c.h, c.f), wsh(c.h, c.f), wsh(c.f, c.h)
+        mlp = lambda x, ids, wts, a, b, d: pk_jax.moe.moe_mlp(x, ids, wts, a, b, d, AX)
+        ours = _program(mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))
+        args = [x, ids, wts, wg, wu, wd]
+        bases.append(("dispatch + capacity-padded einsum (cf 1.25)",
+                      _program(_capacity_einsum_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
+        moved = 2 * busiest * row_bytes
+    return args, ours, bases, moved
+
+
+def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
+    devices = jax.devices()
+    g = len(devices)
+    mesh = Mesh(np.array(devices), (AX,))
+    rows = []
+    for c in cases(g, small):
+        if only and c.op != only:
+            continue
+        args, ours_jit, bases, moved = _contenders(c, g, mesh, dtype)
+        ours, err = _try(ours_jit, args)
+        if ours is None:
+            raise RuntimeError(f"pk_jax.bench moe: {c.op} {c.name} failed: {err}")
+        fns, names, errors = [ours], [], {}
+        for name, b in bases:
+            fn, berr = _try(b, args)
+            if fn is None:
+                errors[name] = berr
+            else:
+                fns.append(fn)
+                names.append(name)
+        check = "no baseline"
+        if c.op == "grouped_matmul" and len(fns) > 1:
+            e = max(_rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(fns[1](args))))
+            check = f"ok rel={e:.1e}" if e < 3e-2 else f"MISMATCH rel={e:.1e}"
+        times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
+        base = dict(zip(names, times[1:]))
+        rows.append({
+            "op": c.op, "case": c.name, "shape": [c.t, c.h, c.e, c.k], "dtype": jnp.dtype(dtype).name, "group": g,
+            "ours_ms": round(times[0], 5), "baseline": names[0] if names else None,
+            "baseline_ms": round(times[1], 5) if names else None,
+            "ratio": round(times[1] / times[0], 4) if names else None,
+            "extra": {"gbps": round(moved / times[0] / 1e6, 2), "busiest_bytes": moved, "ffn": c.f, "reps": reps,
+                      "baselines_ms": {k: round(v, 5) for k, v in base.items()}, "baseline_errors": errors,
+                      "check": check},
+        })
+        print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours {times[0]:9.3f} ms  "
+              f"{rows[-1]['extra']['gbps']:8.1f} GB/s  "
+              + "  ".join(f"{k} {v:9.3f} ms" for k, v in base.items())
+              + "".join(f"  [{k}: {v}]" for k, v in errors.items()) + f"  {check}", flush=True)
+    return rows
+
+
+def print_table(rows) -> None:
+    head = f"{'op':<15}{'case':<18}{'shape':<24}{'G':>3}{'ours ms':>11}{'GB/s':>9}{'base ms':>11}{'ratio':>7}  baseline"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        fmt = lambda x, spec: "-" if x is None else format(x, spec)
+        print(f"{r['op']:<15}{r['case']:<18}{str(r['shape']):<24}{r['group']:>3}{r['ours_ms']:>11.3f}"
+              f"{r['extra']['gbps']:>9.1f}{fmt(r['baseline_ms'], '11.3f'):>11}{fmt(r['ratio'], '7.2f'):>7}  "
+              f"{r['baseline'] or '-'}")

@@ -1,0 +1,43 @@
+"""moe_mlp: an expert-parallel SwiGLU MoE layer: dispatch -> grouped gate/up -> SwiGLU -> grouped down -> combine."""
+
+from __future__ import annotations
+
+import jax
+
+from pk_jax.moe.dispatch import combine, dispatch
+from pk_jax.moe.grouped_matmul import grouped_matmul
+from pk_jax.sharding import group_size
+from pk_jax.sharding.mesh_groups import AxisName
+
+
+def moe_mlp(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+            w_down: jax.Array, axis_name: AxisName, *, capacity: int | None = None,
+            recv_rows: int | None = None) -> jax.Array:
+    """The routed experts' contribution of a SwiGLU MoE layer, experts sharded over `axis_name`.
+
+    Call inside `jax.shard_map` with tokens and experts sharded over `axis_name` (G members, L experts each,
+    E = L * G; member r holds experts r*L .. r*L + L - 1).
+
+    Args:
+      x: (T, H) this member's tokens.
+      topk_ids: (T, K) int global expert ids in [0, E); topk_weights: (T, K) their weights (e.g. softmax
+        of the chosen router logits); gradients flow to x, topk_weights and the expert weights.
+      w_gate, w_up: (L, H, F) this member's experts; w_down: (L, F, H).
+      capacity, recv_rows: as pk_jax.moe.dispatch (default: nothing drops).
+
+    Returns:
+      (T, H) in x's dtype: sum_k topk_weights[t, k] * (silu(x_t W_gate[e]) * (x_t W_up[e])) W_down[e] for
+      e = topk_ids[t, k]; dropped choices add zero.
+    """
+    g = group_size(axis_name)
+    local = w_gate.shape[0]
+    if w_gate.ndim != 3 or w_up.shape != w_gate.shape or w_down.shape != (local, w_gate.shape[2], w_gate.shape[1]):
+        raise ValueError(f"pk_jax.moe.moe_mlp: w_gate and w_up must be (L, H, F) and w_down (L, F, H), got "
+                         f"{w_gate.shape}, {w_up.shape}, {w_down.shape}")
+    if x.ndim != 2 or x.shape[1] != w_gate.shape[1]:
+        raise ValueError(f"pk_jax.moe.moe_mlp: x must be (T, H) with H = {w_gate.shape[1]} (w_gate's dim 1), "
+                         f"got {x.shape}")
+    recv, counts, handle = dispatch(x, topk_ids, axis_name, num_experts=local * g, capacity=capacity,
+                                    recv_rows=recv_rows)
+    hidden = jax.nn.silu(grouped_matmul(recv, w_gate, counts)) * grouped_matmul(recv, w_up, counts)
+    return combine(grouped_matmul(hidden, w_down, counts), topk_weights, handle)

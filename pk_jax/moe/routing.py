@@ -1,0 +1,148 @@
+"""The routing layout of expert parallelism: where each (token, choice) assignment goes and comes back.
+
+Experts are sharded over a mesh axis of G members, L = E / G consecutive experts each (expert e lives on
+member e // L as its local expert e % L). Each member holds T tokens with K choices each (T * K
+assignments, assignment a = t * K + k). The layout is computed inside the op with jnp: a stable sort of
+the assignments by expert (which is by (destination, local expert), position order within an expert),
+per-destination offsets by cumsum, and one all-to-all of the (G, L) counts so that every member knows
+what it will receive. Senders use a padded buffer of S rows per destination (the reference exchange);
+receivers regroup what arrives into R rows, expert-major, source-major within an expert.
+
+Dropping (both deterministic, both documented on pk_jax.moe.dispatch):
+- capacity C: each member sends at most C rows to each expert, as in GShard / Switch (the capacity of a
+  group, here a member's local batch, per expert). Priority: choice rank first, then token position: every
+  token's first choice before any second choice, earlier tokens before later ones. The rest drop.
+- recv_rows R below the worst case: the rows past R in the receiver's output order (last local experts,
+  last sources, last positions) drop.
+A dropped assignment receives nothing and contributes zero to combine (the token keeps its residual).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pk_jax.sharding.mesh_groups import AxisName
+
+
+@dataclasses.dataclass(frozen=True)
+class RoutingSizes:
+    """Static sizes of one routing: G members, E experts (L per member), T tokens, K choices, S padded send
+    rows per destination, R output rows per member, C capacity per (member, expert) or None."""
+    g: int
+    num_experts: int
+    tokens: int
+    top_k: int
+    send_rows: int
+    recv_rows: int
+    capacity: int | None
+
+    @property
+    def local_experts(self) -> int:
+        return self.num_experts // self.g
+
+
+def routing_sizes(g: int, num_experts: int, tokens: int, top_k: int, capacity: int | None,
+                  recv_rows: int | None) -> RoutingSizes:
+    """The static sizes, defaults included: S = T * K without capacity (every assignment to one member),
+    min(T * K, L * C) with it; R = G * S unless the caller bounds it."""
+    local = num_experts // g
+    send = tokens * top_k if capacity is None else min(tokens * top_k, local * capacity)
+    return RoutingSizes(g, num_experts, tokens, top_k, send, g * send if recv_rows is None else recv_rows, capacity)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RoutingHandle:
+    """What combine (and the backward of dispatch) needs to send rows back. Returned by pk_jax.moe.dispatch.
+
+    Arrays (per member):
+      send_assignment: (G * S,) the assignment a = t * K + k in each send slot (dest-major), T * K if empty.
+      assignment_slot: (T * K,) each assignment's send slot, G * S if dropped by capacity.
+      recv_source_row: (R,) for each output row, its row in the received (G * S) buffer, G * S if empty.
+      expert_counts: (L,) rows per local expert in the output (after any recv_rows overflow).
+      received: () rows that arrived before the recv_rows bound; received - sum(expert_counts) dropped here.
+      sent: () assignments this member sent (T * K minus its capacity drops).
+    """
+    send_assignment: jax.Array
+    assignment_slot: jax.Array
+    recv_source_row: jax.Array
+    expert_counts: jax.Array
+    received: jax.Array
+    sent: jax.Array
+    axis_name: AxisName = dataclasses.field(metadata=dict(static=True))
+    sizes: RoutingSizes = dataclasses.field(metadata=dict(static=True))
+
+
+def _exclusive_cumsum(x: jax.Array, axis: int = -1) -> jax.Array:
+    return jnp.cumsum(x, axis=axis) - x
+
+
+def capacity_keep(expert: jax.Array, num_experts: int, tokens: int, top_k: int, capacity: int) -> jax.Array:
+    """(T * K,) bool: which assignments fit their expert's capacity, GShard priority (choice rank, then token).
+
+    expert: (T * K,) expert of assignment a = t * K + k.
+    """
+    a = jnp.arange(tokens * top_k, dtype=jnp.int32)
+    priority = (a % top_k) * tokens + a // top_k
+    # Sort by (expert, priority); an assignment's rank among its expert's is its index minus the expert's start.
+    order = jnp.lexsort((priority, expert))
+    counts = jnp.zeros(num_experts, jnp.int32).at[expert].add(1)
+    rank_sorted = jnp.arange(tokens * top_k, dtype=jnp.int32) - _exclusive_cumsum(counts)[expert[order]]
+    rank = jnp.zeros(tokens * top_k, jnp.int32).at[order].set(rank_sorted)
+    return rank < capacity
+
+
+def plan(topk_ids: jax.Array, axis_name: AxisName, sizes: RoutingSizes) -> RoutingHandle:
+    """Computes the routing layout of this member's assignments (inside shard_map over `axis_name`)."""
+    g, e, t, k, s, r = sizes.g, sizes.num_experts, sizes.tokens, sizes.top_k, sizes.send_rows, sizes.recv_rows
+    local = sizes.local_experts
+    n = t * k
+    expert = topk_ids.reshape(n).astype(jnp.int32)
+    keep = (jnp.ones(n, bool) if sizes.capacity is None
+            else capacity_keep(expert, e, t, k, sizes.capacity))
+    key = jnp.where(keep, expert, e)  # dropped assignments sort last
+    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # by (dest, local expert), position within
+    counts = jnp.zeros(e + 1, jnp.int32).at[key].add(1)[:e]  # kept rows per global expert
+    per_dest = counts.reshape(g, local).sum(axis=1)
+    dest_start = _exclusive_cumsum(per_dest)
+    sorted_key = key[order]
+    sorted_dest = jnp.minimum(sorted_key // local, g - 1)
+    slot_in_dest = jnp.arange(n, dtype=jnp.int32) - dest_start[sorted_dest]
+    sorted_slot = jnp.where(sorted_key < e, sorted_dest * s + slot_in_dest, g * s)
+    assignment_slot = jnp.zeros(n, jnp.int32).at[order].set(sorted_slot)
+    send_assignment = jnp.full(g * s + 1, n, jnp.int32).at[sorted_slot].set(order)[:g * s]
+
+    # Every member learns how many rows of each of its local experts each source sends (int32: jax.lax,
+    # a few bytes; pk_jax.all_to_all moves floating-point payloads).
+    recv_counts = counts.reshape(g, local)
+    if g > 1:
+        recv_counts = jax.lax.all_to_all(recv_counts, axis_name, 0, 0, tiled=True)  # (source, local expert)
+    src_expert_start = _exclusive_cumsum(recv_counts, axis=1)  # offset of (source, expert) in that source's rows
+    by_expert = recv_counts.T.reshape(local * g)  # output order: expert-major, source-major within
+    bounds = jnp.cumsum(by_expert)
+    received = bounds[-1]
+    rows = jnp.arange(r, dtype=jnp.int32)
+    seg = jnp.minimum(jnp.searchsorted(bounds, rows, side="right"), local * g - 1).astype(jnp.int32)
+    expert_of_row, source_of_row = seg // g, seg % g
+    within = rows - (bounds[seg] - by_expert[seg])
+    src_row = source_of_row * s + src_expert_start[source_of_row, expert_of_row] + within
+    recv_source_row = jnp.where(rows < received, src_row, g * s)
+
+    expert_totals = recv_counts.sum(axis=0)
+    expert_counts = jnp.clip(r - _exclusive_cumsum(expert_totals), 0, expert_totals)
+    return RoutingHandle(send_assignment, assignment_slot, recv_source_row, expert_counts, received,
+                         keep.sum(dtype=jnp.int32), axis_name, sizes)
+
+
+def worst_case_recv_rows(g: int, tokens: int, top_k: int) -> int:
+    """Rows a member may receive with no dropping: G * T * K (every member's every choice to it)."""
+    return g * tokens * top_k
+
+
+def expert_capacity(tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
+    """GShard / Switch capacity per (member, expert): ceil(factor * T * K / E)."""
+    return max(1, math.ceil(capacity_factor * tokens * top_k / num_experts))
