@@ -26,6 +26,7 @@ void bind_multicast(nb::module_& m);  // multicast_bindings.cc
 extern "C" XLA_FFI_Error* PkCollective(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
 
 namespace {
 
@@ -95,6 +96,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_collective"] = handler_capsule(reinterpret_cast<void*>(&PkCollective));
     d["pk_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkMatmul));
     d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
+    d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {

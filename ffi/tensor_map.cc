@@ -32,4 +32,26 @@ CUtensorMap make_tensor_map_2d(const void* base, ElemType type, uint64_t rows, u
   return map;
 }
 
+CUtensorMap make_tensor_map_bthd(const void* base, ElemType type, uint64_t batch, uint64_t seq, uint64_t heads,
+                                 uint64_t head_dim, uint32_t box_rows) {
+  const uint64_t esize = uint64_t(elem_bytes(type));
+  if (reinterpret_cast<uintptr_t>(base) % 16)
+    throw std::runtime_error("pk_jax: TMA needs 16-byte aligned array addresses");
+  if ((head_dim * esize) % 128) throw std::runtime_error("pk_jax: 4-D attention maps need head_dim * 2 bytes % 128 == 0");
+  if (type == ElemType::kF32) throw std::runtime_error("pk_jax: attention maps are 16-bit");
+  const CUtensorMapDataType dt =
+      type == ElemType::kBF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+  CUtensorMap map;
+  const cuuint64_t dims[4] = {head_dim, heads, seq, batch};
+  const cuuint64_t strides[3] = {head_dim * esize, heads * head_dim * esize, seq * heads * head_dim * esize};
+  const cuuint32_t box[4] = {uint32_t(128 / esize), 1, box_rows, 1};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  driver::check(driver::api().tensor_map_encode_tiled(
+                    &map, dt, 4, const_cast<void*>(base), dims, strides, box, elem_strides,
+                    CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                    CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                "cuTensorMapEncodeTiled (4-D)");
+  return map;
+}
+
 }  // namespace pk

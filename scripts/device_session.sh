@@ -13,6 +13,7 @@
 #   layouts     python -m pk_jax.bench gemm --layouts (NT/TN vs cuBLAS, target 0.95)    ~1 min
 #   model       python -m pk_jax.bench model --group 1 (target fwd+bwd >= 0.98x XLA)     ~5 min
 #   demo        python -m pk_jax.bench demo                                              ~1 min
+#   attention   our attention kernel's GPU tests (implementation="pk"), then its bench    ~5 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -47,6 +48,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     multirank4) stage multirank4 450 python3 -m pk_jax.bench multirank --ranks 4 --out "$OUT/$day-multirank-4.json" ;;
     layouts) stage layouts 240 python3 -m pk_jax.bench gemm --layouts --out "$OUT/$day-gemm-layouts.json" ;;
     model) stage model 400 python3 -m pk_jax.bench model --group 1 --out "$OUT/$day-model.json" ;;
+    attention) stage attention-tests 300 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs
+               stage attention 280 python3 -m pk_jax.bench attention --out "$OUT/$day-attention.json" ;;
     demo) stage demo 180 python3 -m pk_jax.bench demo --out "$OUT/$day-demo.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;

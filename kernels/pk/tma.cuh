@@ -102,6 +102,22 @@ __device__ __forceinline__ void store_tile_2d(const void* tmap, int col, int row
                : "memory");
 }
 
+// 4-D boxes (e.g. (B, T, N, D) attention operands: coordinates (d, head, t, batch)); out-of-bounds
+// parts read as zeros and are not written, as in 2-D.
+__device__ __forceinline__ void load_tile_4d(void* smem_dst, const void* tmap, int c0, int c1, int c2, int c3,
+                                             uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+      ::"r"(smem_addr(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void store_tile_4d(const void* tmap, int c0, int c1, int c2, int c3, const void* smem_src) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+               ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
 // Element-wise add of the box into global memory (the reduction a GEMM + reduce-scatter needs).
 __device__ __forceinline__ void store_add_tile_2d(const void* tmap, int col, int row, const void* smem_src) {
   asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];"

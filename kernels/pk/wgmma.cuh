@@ -64,4 +64,20 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t
   }
 }
 
+// d (+)= A(64 x 16, registers) * B(16 x N, shared) for T = bf16 or f16; `a` holds the thread's four
+// pairs of A in the accumulator layout (see wgmma_ops.cuh), e.g. probabilities converted in place.
+template <typename T, int N, int TRANS_B>
+__device__ __forceinline__ void mma_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc_b, uint32_t scale_d) {
+  constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
+  static_assert(kBf16 || std::is_same_v<T, __half>, "wgmma: bf16 or f16 operands");
+  if constexpr (N == 128) {
+    if constexpr (kBf16) mma_rs_m64n128k16_bf16<TRANS_B>(d, a, desc_b, scale_d);
+    else mma_rs_m64n128k16_f16<TRANS_B>(d, a, desc_b, scale_d);
+  } else {
+    static_assert(N == 64, "wgmma (A from registers): N is 64 or 128");
+    if constexpr (kBf16) mma_rs_m64n64k16_bf16<TRANS_B>(d, a, desc_b, scale_d);
+    else mma_rs_m64n64k16_f16<TRANS_B>(d, a, desc_b, scale_d);
+  }
+}
+
 }  // namespace pk::wgmma

@@ -1,4 +1,5 @@
-"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,context,moe,multirank} [--quick] [--out FILE]`.
+"""pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,context,moe,
+attention,multirank} [--quick] [--out FILE]`.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -34,9 +35,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "model", "context",
-                                     "moe", "multirank"],
+                                     "moe", "attention", "multirank"],
                    help="which suite to run (demo: one row per op family, under two minutes; model: a Llama-style "
-                        "layer's training step; context: ring/Ulysses attention; moe: expert parallelism; multirank: the multi-process "
+                        "layer's training step; context: ring/Ulysses attention; moe: expert parallelism; attention: "
+                        "the one-GPU attention kernel vs cuDNN; multirank: the multi-process "
                         "correctness suite, tests/multirank)")
     p.add_argument("--quick", action="store_true", help="small sizes (default on CPU)")
     p.add_argument("--small", action="store_true", help="context, moe: tiny sizes (same as --quick; default on CPU)")
@@ -45,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
-                   help="also time the non-default variants (collectives: pull transport; gemm: every tile)")
+                   help="also time the non-default variants (collectives: pull transport; gemm: every tile; "
+                        "attention: the full sweep, 64k..512k tokens, 16..128 heads)")
     p.add_argument("--group", type=int, default=None, help="model: mesh of the first G devices (default: all)")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="model: T per step (default 8192 16384)")
     p.add_argument("--widths", nargs="+", default=None, choices=["llama3-8b", "llama3-70b"],
@@ -146,6 +149,19 @@ def main(argv: list[str] | None = None) -> int:
         results.print_tp_table(rows)
         print(f"\nwrote {out}")
         return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
+    if args.suite == "attention":
+        from pk_jax.bench import attention
+
+        reps = args.reps or 10
+        print(f"pk_jax.bench attention: {results.device_description()} (uses GPU 0), {reps} reps", flush=True)
+        if not on_gpu:
+            print("  (no GPU: both sides run XLA at tiny sizes; timings only exercise the plumbing)")
+        rows = attention.run(quick=args.quick, reps=reps, full=args.variants)
+        results.write(out, args.suite, rows)
+        print()
+        attention.print_table(rows)
+        print(f"\nwrote {out}")
+        return 1 if any(r["extra"]["check"] != "ok" for r in rows) else 0
     if args.suite == "context":
         from pk_jax.bench import context
 

@@ -1,0 +1,117 @@
+// Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128.
+#include "attention.cuh"
+
+#include <cmath>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+#include "attention_kernel.cuh"
+
+namespace pk::attention {
+namespace {
+
+constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
+constexpr int kMaxDevices = 64;
+
+// As many K/V stages as fit beside Q and the output slots (at most 4; 2 at head_dim 128, as FA3).
+template <int D>
+constexpr int stages_for() {
+  constexpr size_t stage = size_t(2) * 128 * D * 2;          // K and V tiles of 128 keys
+  constexpr size_t fixed = size_t(128) * D * 2 * 2 + 4096;  // Q tile, two output slots, barriers, alignment
+  constexpr size_t n = (kSmemLimit - fixed) / stage;
+  return n > 4 ? 4 : int(n);
+}
+
+template <typename T, int D>
+using KernelOf = Kernel<T, D, stages_for<D>()>;
+
+template <typename T, int D>
+void run(const Problem& p, int compute_sms, cudaStream_t stream) {
+  using K = KernelOf<T, D>;
+  static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
+  static_assert(K::STAGES >= 2, "at least two K/V stages");
+  Globals g{};
+  g.q = make_tensor_map_bthd(p.q, p.type, p.batch, p.tq, p.heads, D, K::BM);
+  g.k = make_tensor_map_bthd(p.k, p.type, p.batch, p.tk, p.kv_heads, D, K::BKV);
+  g.v = make_tensor_map_bthd(p.v, p.type, p.batch, p.tk, p.kv_heads, D, K::BKV);
+  g.o = make_tensor_map_bthd(p.o, p.type, p.batch, p.tq, p.heads, D, 64);
+  g.lse = p.lse;
+  g.offsets = p.offsets;
+  g.batch = p.batch, g.tq = p.tq, g.tk = p.tk, g.heads = p.heads, g.kv_heads = p.kv_heads;
+  g.scale = p.scale;
+  g.scale_log2 = p.scale * 1.4426950408889634f;
+  g.causal = p.causal ? 1 : 0;
+  g.num_comm_sms = 0;
+  const cudaError_t e = lcsc::launch<K>(g, compute_sms, stream);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention launch: ") + cudaGetErrorString(e));
+}
+
+template <typename T>
+cudaError_t configure_type() {
+  cudaError_t e = lcsc::configure<KernelOf<T, 64>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128>>() : e;
+}
+
+// Per GPU, once: every kernel configured and the SM count read.
+struct DeviceSetup {
+  std::once_flag once;
+  cudaError_t status = cudaErrorInvalidDevice;
+  int sms = 0;
+};
+
+const DeviceSetup* setup(int ordinal) {
+  static DeviceSetup devices[kMaxDevices];
+  if (ordinal < 0 || ordinal >= kMaxDevices) return nullptr;
+  DeviceSetup& d = devices[ordinal];
+  std::call_once(d.once, [&] {
+    int prev = 0;
+    d.status = cudaGetDevice(&prev);
+    if (d.status == cudaSuccess) d.status = cudaSetDevice(ordinal);
+    if (d.status == cudaSuccess) d.status = configure();
+    if (d.status == cudaSuccess) d.status = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, ordinal);
+    cudaSetDevice(prev);
+  });
+  return &d;
+}
+
+}  // namespace
+
+cudaError_t configure() {
+  const cudaError_t e = configure_type<__nv_bfloat16>();
+  return e == cudaSuccess ? configure_type<__half>() : e;
+}
+
+cudaError_t configure_once(int ordinal) {
+  const DeviceSetup* d = setup(ordinal);
+  return d ? d->status : cudaErrorInvalidDevice;
+}
+
+int num_sms(int ordinal) {
+  const DeviceSetup* d = setup(ordinal);
+  return d && d->status == cudaSuccess ? d->sms : 0;
+}
+
+void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
+  if (p.type == ElemType::kF32) throw std::invalid_argument("pk_jax attention: q, k, v must be bfloat16 or float16");
+  if (p.head_dim != 64 && p.head_dim != 128)
+    throw std::invalid_argument("pk_jax attention: head_dim must be 64 or 128, got " + std::to_string(p.head_dim));
+  if (p.batch <= 0 || p.tq <= 0 || p.tk <= 0 || p.heads <= 0 || p.kv_heads <= 0)
+    throw std::invalid_argument("pk_jax attention: empty q or k/v (batch, lengths and heads must be > 0)");
+  if (p.heads % p.kv_heads)
+    throw std::invalid_argument("pk_jax attention: kv_heads (" + std::to_string(p.kv_heads) +
+                                ") must divide the query heads (" + std::to_string(p.heads) + ")");
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale))
+    throw std::invalid_argument("pk_jax attention: scale must be a finite positive number");
+  if (p.offsets == nullptr) throw std::invalid_argument("pk_jax attention: offsets buffer missing");
+  const bool bf16 = p.type == ElemType::kBF16;
+  if (p.head_dim == 64) {
+    if (bf16) run<__nv_bfloat16, 64>(p, compute_sms, stream);
+    else run<__half, 64>(p, compute_sms, stream);
+  } else {
+    if (bf16) run<__nv_bfloat16, 128>(p, compute_sms, stream);
+    else run<__half, 128>(p, compute_sms, stream);
+  }
+}
+
+}  // namespace pk::attention

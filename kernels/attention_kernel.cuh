@@ -1,0 +1,322 @@
+// Attention forward, O = softmax(scale * Q Kᵀ + mask) V with its log-sum-exp, on the LCSC template
+// (pk/lcsc.cuh), after FlashAttention-3's structure. q (B, Tq, N, D), k and v (B, Tk, Nkv, D) as JAX
+// stores them (GQA: query head h reads kv head h / (N / Nkv)), T = bf16 or f16, D = 64 or 128.
+// A task is one 128-row query tile of one (batch, head); two consumer warpgroups own 64 rows each.
+//   loader:   Q tile once per task, then K and V tiles of BKV keys through a ring (separate K / V
+//             barriers, so S = Q Kᵀ starts before V has landed). 4-D TMA maps read (B, T, N, D) in
+//             place; rows past a sequence's end read as zeros.
+//   consumer: S = Q Kᵀ by wgmma (Q and K K-major from smem), the mask, online softmax in registers
+//             (exp2 with the scale folded in), P converted to 16 bits in registers and used as the A
+//             operand of O += P V (V read MN-major, the transpose-B bit, as the GEMM reads B).
+//   storer:   O tiles by TMA (clipped at the sequence end); the consumers write LSE rows directly.
+// Causal masks are placed by global positions: query row i sits at q_offset + i, key j at
+// kv_offset + j, and the row sees the key when q_offset + i >= kv_offset + j (offsets come from
+// device memory so ring attention can pass traced values). Fully masked key blocks are skipped;
+// blocks that cross the diagonal or the key sequence's end are masked. A row that sees no key
+// gets O = 0 and LSE = -inf. Ext is the hook for a later ring communicator (NoRing: none).
+#pragma once
+#include <cuda.h>
+#include <math_constants.h>
+
+#include "pk/acc_store.cuh"
+#include "pk/lcsc.cuh"
+#include "pk/pipeline.cuh"
+#include "pk/tma.cuh"
+#include "pk/wgmma.cuh"
+
+namespace pk::attention {
+
+struct Globals {
+  CUtensorMap q, k, v, o;  // 4-D maps (d, head, t, batch); boxes of 64 d x rows (q: BM, k/v: BKV, o: 64)
+  float* lse;              // (B, N, Tq) float32, or nullptr
+  const int* offsets;      // device int32[2]: q_offset, kv_offset
+  int batch, tq, tk, heads, kv_heads;
+  float scale, scale_log2;  // softmax scale, and scale * log2(e) for exp2
+  int causal;
+  int num_comm_sms;  // SMs given to a communicator (0: none yet)
+};
+
+// What one task covers: the query tile, its (batch, head) and the key blocks it visits.
+struct Work {
+  int q0, head, kv_head, batch;
+  int q_offset, kv_offset;
+  int kv_blocks;  // key blocks [0, kv_blocks) hold a key some row of the tile sees
+};
+
+// Ring-attention hook: a communicator could move K/V blocks between GPUs; this version has none.
+struct NoRing {
+  struct CommShared {};
+  static constexpr bool kHasCommunicator = false;
+  __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
+  __device__ static void finish(const Globals&) {}
+};
+
+template <typename T, int D_, int STAGES_, class Ext = NoRing>
+struct Kernel {
+  using Globals = attention::Globals;
+  using CommShared = typename Ext::CommShared;
+  static constexpr int D = D_, STAGES = STAGES_;
+  static constexpr int WGS = 2, BM = 64 * WGS, BKV = 128;
+  static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
+  static constexpr int kConsumerWarpgroups = WGS;
+  static constexpr int kProducerRegs = 40;
+  static constexpr int kConsumerRegs = 232;  // S (64) + O (D/2) + P (32) fp32/16-bit registers and the row state
+  static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
+  static constexpr bool kTaskCounter = false;
+  static constexpr bool kHasPusher = false;
+  static constexpr uint32_t kQBytes = uint32_t(BM * D) * sizeof(T);
+  static constexpr uint32_t kKvBytes = uint32_t(BKV * D) * sizeof(T);  // one K (or V) tile
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(sizeof(T) == 2, "16-bit inputs");
+
+  // Every tile is D/64 boxes of `rows` x 64, one after another (box j holds columns 64j .. 64j+63).
+  struct Stage {
+    alignas(1024) T k[BKV * D];
+    alignas(1024) T v[BKV * D];
+  };
+  struct Shared {
+    alignas(1024) T q[BM * D];
+    Stage stage[STAGES];
+    alignas(1024) T o[WGS][64 * D];  // one output slot per consumer (swizzled boxes of 64 rows)
+    Ring<STAGES> ring;               // full: K landed; empty: both consumers are done with K and V
+    uint64_t v_full[STAGES];         // V landed
+    Handoff q_slot;                  // full: Q landed; empty: both consumers' last S is done
+    Handoff o_slot[WGS];
+  };
+  struct LoaderState {
+    RingPos<STAGES> pos;
+    uint32_t q_phase;
+  };
+  struct ConsumerState {
+    int warpgroup;
+    RingPos<STAGES> pos;
+    uint32_t q_phase, o_phase;
+  };
+  struct StorerState {
+    uint32_t o_phase;
+  };
+
+  __host__ __device__ static int q_tiles(const Globals& g) { return (g.tq + BM - 1) / BM; }
+  __host__ __device__ static int num_tasks(const Globals& g) { return q_tiles(g) * g.heads * g.batch; }
+
+  // Heaviest tiles first (the causal diagonal's last query tiles see the most keys), so the
+  // persistent CTAs' last wave holds the light ones.
+  __device__ static Work work_of(const Globals& g, int task) {
+    Work w;
+    const int per_tile = g.heads * g.batch;
+    w.q0 = (q_tiles(g) - 1 - task / per_tile) * BM;
+    w.head = (task % per_tile) % g.heads;
+    w.batch = (task % per_tile) / g.heads;
+    w.kv_head = w.head / (g.heads / g.kv_heads);
+    w.q_offset = g.offsets[0];
+    w.kv_offset = g.offsets[1];
+    const int all = (g.tk + BKV - 1) / BKV;
+    w.kv_blocks = all;
+    if (g.causal) {
+      // The tile's last row sees keys up to j_max; blocks past it are fully masked.
+      const long long last_row = (w.q0 + BM < g.tq ? w.q0 + BM : g.tq) - 1;
+      const long long j_max = w.q_offset + last_row - w.kv_offset;
+      w.kv_blocks = j_max < 0 ? 0 : int(j_max / BKV + 1 < all ? j_max / BKV + 1 : all);
+    }
+    return w;
+  }
+
+  __device__ static void init(const Globals& g, Shared& s) {
+    s.ring.init(1, 4 * WGS);  // full: the loader's expect_tx arrival; empty: one per consumer warp
+    for (int i = 0; i < STAGES; ++i) tma::mbar_init(&s.v_full[i], 1);
+    s.q_slot.init(1, 4 * WGS);
+    for (int w = 0; w < WGS; ++w) s.o_slot[w].init(128, 1);
+    tma::prefetch_tensor_map(&g.q);
+    tma::prefetch_tensor_map(&g.k);
+    tma::prefetch_tensor_map(&g.v);
+    tma::prefetch_tensor_map(&g.o);
+  }
+
+  __device__ static void load_boxes(T* dst, const CUtensorMap* map, int rows, int head, int row0, int batch,
+                                    uint64_t* bar) {
+#pragma unroll
+    for (int j = 0; j < D / kBoxCols; ++j) tma::load_tile_4d(dst + j * rows * kBoxCols, map, j * kBoxCols, head, row0, batch, bar);
+  }
+
+  __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int task) {
+    const Work w = work_of(g, task);
+    tma::mbar_wait(&s.q_slot.empty, st.q_phase ^ 1);
+    tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
+    load_boxes(s.q, &g.q, BM, w.head, w.q0, w.batch, &s.q_slot.full);
+    st.q_phase ^= 1;
+    for (int kb = 0; kb < w.kv_blocks; ++kb) {
+      st.pos.wait_empty(s.ring);
+      Stage& dst = s.stage[st.pos.stage];
+      tma::mbar_expect_tx(&s.ring.full[st.pos.stage], kKvBytes);
+      load_boxes(dst.k, &g.k, BKV, w.kv_head, kb * BKV, w.batch, &s.ring.full[st.pos.stage]);
+      tma::mbar_expect_tx(&s.v_full[st.pos.stage], kKvBytes);
+      load_boxes(dst.v, &g.v, BKV, w.kv_head, kb * BKV, w.batch, &s.v_full[st.pos.stage]);
+      st.pos.advance();
+    }
+  }
+
+  // Accumulator register i of a thread holds row kRow(i) (0 or 8, plus the thread's base row) and
+  // column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the warpgroup's 64 x N tile (wgmma's layout).
+  __device__ static constexpr int row_half(int i) { return (i / 2) % 2; }
+  __device__ static int col_of(int i, int lane) { return 8 * (i / 4) + 2 * (lane % 4) + i % 2; }
+
+  // Scores the row cannot see -> -inf: keys past the sequence's end, and (causal) past the diagonal.
+  __device__ static void mask(const Globals& g, const Work& w, int kb, int row0, int lane, float (&s)[BKV / 2]) {
+#pragma unroll
+    for (int i = 0; i < BKV / 2; ++i) {
+      const int key = kb * BKV + col_of(i, lane);
+      const int row = row0 + 8 * row_half(i);
+      const bool seen = key < g.tk && (!g.causal || w.kv_offset + key <= w.q_offset + row);
+      if (!seen) s[i] = -CUDART_INF_F;
+    }
+  }
+
+  // Whether any score of block kb may be masked for this tile (a partial block, or the diagonal).
+  __device__ static bool block_needs_mask(const Globals& g, const Work& w, int kb) {
+    const int last_key = kb * BKV + BKV - 1;
+    return last_key >= g.tk || (g.causal && (long long)w.kv_offset + last_key > (long long)w.q_offset + w.q0);
+  }
+
+  // The row max of 4 lanes' values (the 4 lanes of a quad share a row).
+  __device__ static float quad_max(float x) {
+    x = fmaxf(x, __shfl_xor_sync(0xffffffff, x, 1));
+    return fmaxf(x, __shfl_xor_sync(0xffffffff, x, 2));
+  }
+  __device__ static float quad_sum(float x) {
+    x += __shfl_xor_sync(0xffffffff, x, 1);
+    return x + __shfl_xor_sync(0xffffffff, x, 2);
+  }
+
+  // Online softmax over one block: new row maxima, rescale O and the running sums, S -> P in place.
+  __device__ static void softmax_step(const Globals& g, float (&s)[BKV / 2], float (&o)[D / 2], float (&m)[2],
+                                      float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float mx = m[h];
+#pragma unroll
+      for (int i = 0; i < BKV / 2; ++i)
+        if (row_half(i) == h) mx = fmaxf(mx, s[i]);
+      mx = quad_max(mx);
+      // A row that has seen nothing yet keeps -inf; subtracting 0 then leaves exp2(-inf) = 0.
+      const float base = mx == -CUDART_INF_F ? 0.f : mx * g.scale_log2;
+      const float corr = exp2f(m[h] * g.scale_log2 - base);  // m = -inf: 0 (nothing to rescale)
+      m[h] = mx;
+      l[h] *= corr;
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i)
+        if (row_half(i) == h) o[i] *= corr;
+#pragma unroll
+      for (int i = 0; i < BKV / 2; ++i)
+        if (row_half(i) == h) {
+          s[i] = exp2f(fmaf(s[i], g.scale_log2, -base));
+          l[h] += s[i];  // this thread's share; the quad's shares are summed once, at the end
+        }
+    }
+  }
+
+  // P (fp32 accumulator layout) -> 16-bit A fragments: k-step kk's fragment is registers 8kk..8kk+7.
+  __device__ static void to_a_fragments(const float (&p)[BKV / 2], uint32_t (&a)[BKV / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BKV / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[kk][r] = pack2<T>(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1]);
+  }
+
+  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int task) {
+    const Work w = work_of(g, task);
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row0 = w.q0 + st.warpgroup * 64 + warp * 16 + lane / 4;  // the thread's rows: row0, row0 + 8
+    float o[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
+    tma::mbar_wait(&s.q_slot.full, st.q_phase);
+    st.q_phase ^= 1;
+    const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
+    for (int kb = 0; kb < w.kv_blocks; ++kb) {
+      const Stage& in = s.stage[st.pos.stage];
+      st.pos.wait_full(s.ring);
+      float sc[BKV / 2];
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        // K-major tiles: k step kk is box kk / 4, 32 bytes per step inside its swizzled rows.
+        const int box = kk / 4, step = (kk % 4) * 16;
+        const uint64_t da = wgmma::desc_sw128(q_wg + box * BM * kBoxCols + step, 16, 1024);
+        const uint64_t db = wgmma::desc_sw128(in.k + box * BKV * kBoxCols + step, 16, 1024);
+        wgmma::mma<T, BKV, 0, 0>(sc, da, db, kk != 0);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(sc);
+      if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
+      softmax_step(g, sc, o, m, l);
+      uint32_t pa[BKV / 16][4];
+      to_a_fragments(sc, pa);
+      tma::mbar_wait(&s.v_full[st.pos.stage], st.pos.phase);
+      wgmma::fence();
+#pragma unroll
+      for (int kk = 0; kk < BKV / 16; ++kk) {
+        // V (keys x D) is MN-major for O += P V: 16 key rows per step; LBO steps to the next 64-wide box.
+        const uint64_t db = wgmma::desc_sw128(in.v + kk * 16 * kBoxCols, BKV * kBoxCols * sizeof(T), 1024);
+        wgmma::mma_rs<T, D, 1>(o, pa[kk], db, 1);
+      }
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(o);
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+      st.pos.advance();
+    }
+    if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);  // this warp's last read of Q is done
+    finish_rows(g, s, st, w, row0, lane, o, m, l);
+  }
+
+  // O /= l, the LSE rows (natural log) to global memory, and O to this warpgroup's output slot.
+  __device__ static void finish_rows(const Globals& g, Shared& s, ConsumerState& st, const Work& w, int row0,
+                                     int lane, float (&o)[D / 2], const float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      l[h] = quad_sum(l[h]);
+      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i)
+        if (row_half(i) == h) o[i] *= inv;
+      const int row = row0 + 8 * h;
+      if (g.lse != nullptr && lane % 4 == 0 && row < g.tq) {
+        const float lse = l[h] > 0.f ? m[h] * g.scale + logf(l[h]) : -CUDART_INF_F;
+        g.lse[(size_t(w.batch) * g.heads + w.head) * g.tq + row] = lse;
+      }
+    }
+    Handoff& slot = s.o_slot[st.warpgroup];
+    tma::mbar_wait(&slot.empty, st.o_phase ^ 1);
+    store_acc<T, D>(s.o[st.warpgroup], o);
+    tma::fence_proxy_async_shared();  // the storer's TMA (async proxy) reads what we just wrote
+    tma::mbar_arrive(&slot.full);
+    st.o_phase ^= 1;
+  }
+
+  __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
+    const Work w = work_of(g, task);
+    for (int wg = 0; wg < WGS; ++wg) {
+      tma::mbar_wait(&s.o_slot[wg].full, st.o_phase);
+#pragma unroll
+      for (int j = 0; j < D / kBoxCols; ++j)
+        tma::store_tile_4d(&g.o, j * kBoxCols, w.head, w.q0 + wg * 64, w.batch, s.o[wg] + j * 64 * kBoxCols);
+      tma::commit_group();
+    }
+    tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
+    for (int wg = 0; wg < WGS; ++wg) tma::mbar_arrive(&s.o_slot[wg].empty);
+    st.o_phase ^= 1;
+  }
+
+  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+  __device__ static void communicator(const Globals& g, CommShared& c, lcsc::CommRole role) {
+    Ext::communicator(g, c, role);
+  }
+  __device__ static void begin(const Globals&, Shared&) {}
+  __device__ static uint32_t* task_counter(const Globals&) { return nullptr; }
+  __device__ static void pusher(const Globals&, Shared&) {}
+  __device__ static void finish(const Globals& g) { Ext::finish(g); }
+};
+
+}  // namespace pk::attention

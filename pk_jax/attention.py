@@ -1,0 +1,243 @@
+"""`pk_jax.attention`: softmax attention on one GPU, shaped like `jax.nn.dot_product_attention`.
+
+q (B, Tq, N, D), k and v (B, Tk, K, D) with K dividing N (GQA / MQA: query head n reads K/V head
+n // (N / K)), out (B, Tq, N, D) in q's dtype; with `return_lse` also the float32 log-sum-exp
+(B, N, Tq) of each row's scaled scores (natural log), what ring attention merges blocks by.
+Causal masks are placed by global positions: query row i sits at q_offset + i, key j at
+kv_offset + j, and the row sees the key when q_offset + i >= kv_offset + j (offsets 0: the top-left
+aligned mask of jax.nn.dot_product_attention). A row that sees no key gets out = 0 and lse = -inf.
+
+Implementations:
+  "pk":       our Hopper kernel (kernels/attention_kernel.cuh: FlashAttention-3's structure on the
+              LCSC template), bf16/fp16, D = 64 or 128, any lengths, GQA, offsets, LSE. It has not
+              run on a GPU yet, so it is used only when asked for: implementation="pk" or the
+              environment variable PK_JAX_ATTENTION=pk. Calls it cannot take run the fallback and
+              say why once.
+  "fallback": the default until the kernel is measured: jax.nn.dot_product_attention (cuDNN where it
+              can, else XLA) when neither the LSE nor a causal offset is asked for, else an XLA einsum
+              path with float32 accumulation (pk_jax/context/block_attention.py).
+Backward (`jax.grad`, both implementations): a custom VJP that recomputes the probabilities with
+XLA einsums from the saved LSE (block_attention_bwd), float32 accumulation, gradients in the input
+dtypes; a cotangent of the LSE output is honoured. Not a fused backward kernel yet.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import config, core, dispatch
+from jax.interpreters import batching, mlir
+
+from pk_jax import _ext
+from pk_jax.context.block_attention import block_attention, block_attention_bwd
+
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+KERNEL_HEAD_DIMS = (64, 128)
+IMPLEMENTATIONS = ("pk", "fallback")
+ENV_VAR = "PK_JAX_ATTENTION"
+
+pk_attention_p = core.Primitive("pk_attention")
+pk_attention_p.multiple_results = True
+
+
+def reference(q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, *, scale: float,
+              causal: bool) -> tuple[jax.Array, jax.Array]:
+    """XLA einsums, float32 accumulation -> (out (B, Tq, N, D) in q's dtype, lse (B, N, Tq) float32).
+    offsets: int32[2] = (q_offset, kv_offset)."""
+    out, lse = block_attention(q, k, v, scale=scale, causal=causal, q_offset=offsets[0], kv_offset=offsets[1])
+    return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+
+def _abstract_eval(q, k, v, offsets, *, scale, causal, with_lse):
+    b, tq, n, _ = q.shape
+    out = q.update(shape=q.shape, dtype=q.dtype)
+    lse = q.update(shape=(b, n, tq) if with_lse else (1, 1, 1), dtype=jnp.float32)
+    if config._check_vma.value:
+        varying = frozenset().union(*(x.mat.varying for x in (q, k, v, offsets)))
+        out = out.update(manual_axis_type=q.mat.update(varying=varying))
+        lse = lse.update(manual_axis_type=q.mat.update(varying=varying))
+    return out, lse
+
+
+pk_attention_p.def_abstract_eval(_abstract_eval)
+pk_attention_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_p))
+
+
+def _bind(q, k, v, offsets, scale, causal, with_lse):
+    return pk_attention_p.bind(q, k, v, offsets, scale=scale, causal=causal, with_lse=with_lse)
+
+
+def _lax_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse):
+    def f(q, k, v, offsets):
+        out, lse = reference(q, k, v, offsets, scale=scale, causal=causal)
+        return out, (lse if with_lse else jnp.zeros((1, 1, 1), jnp.float32))
+
+    return mlir.lower_fun(f, multiple_results=True)(ctx, q, k, v, offsets)
+
+
+def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse):
+    return jax.ffi.ffi_lowering("pk_attention")(ctx, q, k, v, offsets, scale=np.float32(scale),
+                                                 causal=np.int32(causal), with_lse=np.int32(with_lse))
+
+
+mlir.register_lowering(pk_attention_p, _lax_lowering)
+if _ext.available():
+    mlir.register_lowering(pk_attention_p, _cuda_lowering, platform="cuda")
+
+
+def _batch(args, dims, *, scale, causal, with_lse):
+    """vmap: the mapped axis folds into the batch axis (offsets must be shared), one kernel call."""
+    q, k, v, offsets = args
+    if dims[3] is not None:
+        out, lse = jax.vmap(lambda *a: reference(*a, scale=scale, causal=causal), in_axes=dims)(*args)
+        return (out, lse if with_lse else jnp.zeros(out.shape[:1] + (1, 1, 1), jnp.float32)), (0, 0)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    q, k, v = (batching.bdim_at_front(x, d, size) for x, d in zip((q, k, v), dims[:3]))
+    fold = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])
+    out, lse = _bind(fold(q), fold(k), fold(v), offsets, scale, causal, with_lse)
+    out = out.reshape(size, -1, *out.shape[1:])
+    lse = lse.reshape(size, -1, *lse.shape[1:]) if with_lse else jnp.zeros((size, 1, 1, 1), jnp.float32)
+    return (out, lse), (0, 0)
+
+
+batching.primitive_batchers[pk_attention_p] = _batch
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _kernel_attention(q, k, v, offsets, scale, causal):
+    return tuple(_bind(q, k, v, offsets, scale, causal, True))
+
+
+def _kernel_fwd(q, k, v, offsets, scale, causal):
+    out, lse = _bind(q, k, v, offsets, scale, causal, True)
+    return (out, lse), (q, k, v, offsets, out, lse)
+
+
+def _kernel_bwd(scale, causal, res, cts):
+    q, k, v, offsets, out, lse = res
+    d_out, d_lse = cts
+    d_out = d_out.astype(q.dtype)
+    # d lse_i / d s_ij = p_ij, so the LSE's cotangent enters as -d_lse in delta (ds = p (dp - delta)).
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B, Tq, N)
+    delta = delta - jnp.swapaxes(d_lse, 1, 2)
+    dq, dk, dv = block_attention_bwd(q, k, v, d_out, jnp.swapaxes(lse, 1, 2), delta, scale=scale, causal=causal,
+                                     q_offset=offsets[0], kv_offset=offsets[1])
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_kernel_attention.defvjp(_kernel_fwd, _kernel_bwd)
+
+
+@functools.cache
+def _note_fallback(why: str) -> None:
+    warnings.warn(f"pk_jax.attention: {why}; this call runs the fallback (jax.nn.dot_product_attention or "
+                  f"XLA einsums) instead of the pk_jax kernel", stacklevel=3)
+
+
+def _offset_array(q_offset, kv_offset) -> jax.Array:
+    for name, x in (("q_offset", q_offset), ("kv_offset", kv_offset)):
+        if jnp.ndim(x) != 0 or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"pk_jax.attention: {name} must be an integer scalar (a Python int or a 0-d int "
+                             f"array), got {x!r}")
+    return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+
+
+def _kernel_refusal(q: jax.Array, k: jax.Array, scale: float) -> str | None:
+    """Why the kernel cannot take this call, or None."""
+    if q.dtype not in KERNEL_DTYPES:
+        return f"dtype {q.dtype} (the kernel takes bfloat16 or float16)"
+    if q.shape[-1] not in KERNEL_HEAD_DIMS:
+        return f"head_dim {q.shape[-1]} (the kernel takes {KERNEL_HEAD_DIMS})"
+    if q.shape[1] == 0 or k.shape[1] == 0 or q.shape[0] == 0:
+        return "an empty batch or sequence"
+    if not scale > 0:
+        return f"scale={scale} (the kernel takes a positive scale)"
+    return None
+
+
+def _check(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"pk_jax.attention: q, k, v must be 4-D (batch, seq, heads, head_dim); got q{q.shape}, "
+                         f"k{k.shape}, v{v.shape}")
+    if k.shape != v.shape:
+        raise ValueError(f"pk_jax.attention: k{k.shape} and v{v.shape} must have the same shape")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"pk_jax.attention: k{k.shape} must have q{q.shape}'s batch and head_dim")
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2]:
+        raise ValueError(f"pk_jax.attention: the K/V heads ({k.shape[2]}) must divide the query heads ({q.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"pk_jax.attention: q, k, v must share one floating dtype; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False, scale: float | None = None,
+              return_lse: bool = False, q_offset: int | jax.Array = 0, kv_offset: int | jax.Array = 0,
+              implementation: str | None = None) -> jax.Array | tuple[jax.Array, jax.Array]:
+    """softmax(scale * q kᵀ + causal mask) v, as `jax.nn.dot_product_attention(q, k, v, scale=scale,
+    is_causal=causal)`, with global causal offsets and the LSE.
+
+    Args:
+      q: (B, Tq, N, D) bfloat16 / float16 (other floating dtypes run the fallback).
+      k, v: (B, Tk, K, D) of q's dtype, K dividing N (GQA / MQA).
+      causal: mask keys after the query's position (placed by the offsets).
+      scale: score scale, default 1 / sqrt(D).
+      return_lse: also return the float32 log-sum-exp (B, N, Tq) of each row (-inf where a row sees
+        no key).
+      q_offset, kv_offset: global positions of query row 0 and key 0 (Python ints or 0-d int32
+        arrays, e.g. traced in a ring step); only the causal mask reads them.
+      implementation: "pk" (our kernel), "fallback", or None: $PK_JAX_ATTENTION if set, else
+        "fallback" (the kernel is opt-in until it has been measured on GPUs; see the module doc).
+
+    Returns:
+      out (B, Tq, N, D) in q's dtype, or (out, lse) with return_lse.
+    """
+    q, k, v = jnp.asarray(q), jnp.asarray(k), jnp.asarray(v)
+    _check(q, k, v)
+    impl = implementation if implementation is not None else os.environ.get(ENV_VAR, "fallback")
+    if impl not in IMPLEMENTATIONS:
+        source = "implementation" if implementation is not None else f"${ENV_VAR}"
+        raise ValueError(f"pk_jax.attention: {source}={impl!r} is not one of {IMPLEMENTATIONS}")
+    scale = float(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    offsets = _offset_array(q_offset, kv_offset)
+    causal = bool(causal)
+    if impl == "pk":
+        why = _kernel_refusal(q, k, scale)
+        if why is None:
+            out, lse = _kernel_attention(q, k, v, offsets, scale, causal)
+            return (out, lse) if return_lse else out
+        if jax.default_backend() == "gpu":
+            _note_fallback(why)
+    return _fallback(q, k, v, offsets, scale, causal, return_lse, q_offset, kv_offset)
+
+
+def _fallback(q, k, v, offsets, scale, causal, return_lse, q_offset, kv_offset):
+    """jax.nn.dot_product_attention where it has these semantics (no LSE, no causal offset), else the
+    differentiable XLA einsum path with the same custom VJP as the kernel's."""
+    if k.shape[1] == 0:  # no keys: every row sees nothing
+        out = jnp.zeros(q.shape, q.dtype)
+        lse = jnp.full((q.shape[0], q.shape[2], q.shape[1]), -jnp.inf, jnp.float32)
+        return (out, lse) if return_lse else out
+    aligned = not causal or (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset)
+    if not return_lse and aligned:
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+    out, lse = _reference_attention(q, k, v, offsets, scale, causal)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _reference_attention(q, k, v, offsets, scale, causal):
+    return reference(q, k, v, offsets, scale=scale, causal=causal)
+
+
+def _reference_fwd(q, k, v, offsets, scale, causal):
+    out, lse = reference(q, k, v, offsets, scale=scale, causal=causal)
+    return (out, lse), (q, k, v, offsets, out, lse)
+
+
+_reference_attention.defvjp(_reference_fwd, _kernel_bwd)

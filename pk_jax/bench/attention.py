@@ -1,0 +1,111 @@
+"""Attention forward: pk_jax.attention(implementation="pk") vs cuDNN
+(jax.nn.dot_product_attention(implementation="cudnn")) in the same run, bf16.
+
+Rows: suite "attention", shape [B, S, N, D] (S = Tq = Tk), case fwd / fwd_causal / fwd_gqa (K = N / 8) /
+fwd_causal_gqa; TFLOP/s count 4 B S² N D (causal: half). Default: B*S = 64k tokens, S = 1024..65536,
+N = 16 (D 128) / 32 (D 64), every case (< 4 min). --variants: the full sweep, B*S = 64k..512k tokens and
+N = 16..128. Without a GPU: tiny sizes, both sides run XLA (plumbing only).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import pk_jax
+from pk_jax.bench import timing
+from pk_jax.bench.progress import Progress
+
+CASES = {"fwd": (False, 1), "fwd_causal": (True, 1), "fwd_gqa": (False, 8), "fwd_causal_gqa": (True, 8)}
+
+
+def shapes(quick: bool, full: bool, on_gpu: bool) -> list[tuple[int, int, int, int]]:
+    """[B, S, N, D] to time."""
+    if quick or not on_gpu:
+        return [(2, 256, 8, 64), (1, 512, 8, 128)]
+    seqs = (1024, 4096, 16384, 65536)
+    if not full:
+        return [(65536 // s, s, 16 if d == 128 else 32, d) for d in (128, 64) for s in seqs]
+    out = []
+    for tokens in (65536, 262144, 524288):
+        for s in seqs:
+            for n, d in ((16, 128), (64, 128), (128, 128), (32, 64), (128, 64)):
+                if tokens * n * d * 2 <= (1 << 30):  # q at most 1 GiB
+                    out.append((tokens // s, s, n, d))
+    return out
+
+
+def _baseline(causal: bool, on_gpu: bool):
+    """cuDNN on GPUs; XLA where cuDNN is absent (the row names which)."""
+    impl = "cudnn" if on_gpu else None
+    return impl or "xla", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
+
+
+def _inputs(b, s, n, kh, d, count, seed):
+    make = jax.jit(lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16), static_argnums=1)
+    return [tuple(make(jax.random.key(seed + 3 * i + j), (b, s, heads, d)) for j, heads in enumerate((n, kh, kh)))
+            for i in range(count)]
+
+
+def _runner(fn):
+    return jax.jit(lambda triples: [fn(*t) for t in triples])
+
+
+def run(quick: bool, reps: int, full: bool = False) -> list[dict]:
+    on_gpu = jax.devices()[0].platform == "gpu"
+    todo = [(shape, case) for shape in shapes(quick, full, on_gpu) for case in CASES]
+    bar = Progress(len(todo), "attention")
+    rows = []
+    for (b, s, n, d), case in todo:
+        causal, ratio_kv = CASES[case]
+        kh = n // ratio_kv
+        per_call = (2 * b * s * n * d + 2 * b * s * kh * d) * 2
+        count = timing.calls_per_measure(per_call, budget_bytes=8 << 30, lo=2 if on_gpu else 1, hi=20 if on_gpu else 2)
+        triples = _inputs(b, s, n, kh, d, count, seed=len(rows) * 101)
+        flops = 4.0 * b * s * s * n * d * (0.5 if causal else 1.0)
+        base_name, base_fn = _baseline(causal, on_gpu)
+        ours = _runner(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, implementation="pk"))
+        base = _runner(base_fn)
+        try:
+            got, want = ours(triples[:1])[0], base(triples[:1])[0]
+            err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
+            ours_ms, base_ms = timing.time_interleaved([ours, base], triples, reps=reps)
+        except Exception as e:  # noqa: BLE001 (a failing shape is a row, not the end of the sweep)
+            print(f"  attention {[b, s, n, d]} {case}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
+            rows.append({"op": "attention", "case": case, "shape": [b, s, n, d], "dtype": "bfloat16", "group": 1,
+                         "ours_ms": None, "baseline": base_name, "baseline_ms": None, "ratio": None,
+                         "extra": {"check": f"FAILED {type(e).__name__}"}})
+            bar.step(f"{case} {b}x{s}x{n}x{d}")
+            continue
+        ratio = base_ms / ours_ms
+        rows.append({
+            "op": "attention", "case": case, "shape": [b, s, n, d], "dtype": "bfloat16", "group": 1,
+            "ours_ms": round(ours_ms, 5), "baseline": base_name, "baseline_ms": round(base_ms, 5),
+            "ratio": round(ratio, 4),
+            "extra": {"kv_heads": kh, "tflops": round(flops / ours_ms / 1e9, 1),
+                      "baseline_tflops": round(flops / base_ms / 1e9, 1), "rel_err_vs_baseline": float(f"{err:.2e}"),
+                      "calls_per_measure": count, "reps": reps, "check": "ok" if err < 2e-2 else "MISMATCH"},
+        })
+        print(f"  attention {str([b, s, n, d]):<22} {case:<15} ours {ours_ms:8.3f} ms {flops / ours_ms / 1e9:6.0f} TF/s  "
+              f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}",
+              flush=True)
+        bar.step(f"{case} {b}x{s}x{n}x{d}")
+        del triples
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'case':<16}{'[B, S, N, D]':<24}{'ours TF/s':>10}{'base TF/s':>10}{'ratio':>8}  check"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        e = r["extra"]
+        if r["ratio"] is None:
+            print(f"{r['case']:<16}{str(r['shape']):<24}{'-':>10}{'-':>10}{'-':>8}  {e['check']}")
+            continue
+        print(f"{r['case']:<16}{str(r['shape']):<24}{e['tflops']:>10.0f}{e['baseline_tflops']:>10.0f}"
+              f"{r['ratio']:>8.2f}  {e['check']} ({r['baseline']})")
+    ok = [r["ratio"] for r in rows if r["ratio"]]
+    if ok:
+        print(f"geomean ratio (baseline ms / ours ms): {float(np.exp(np.mean(np.log(ok)))):.3f}")

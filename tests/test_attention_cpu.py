@@ -1,0 +1,156 @@
+"""pk_jax.attention on CPU: semantics of both implementations (the kernel's primitive lowers to the
+XLA path here) vs a float32 numpy reference incl. GQA/MQA, odd lengths, causal offsets (static and
+traced), rows that see no key, the LSE, gradients (incl. through the LSE), vmap, argument errors.
+The GPU kernel itself: tests/gpu/test_attention_gpu.py."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pk_jax
+from tests.gpu.attention_reference import attention_f32
+
+# (B, Tq, N, Tk, K, D, causal, q_offset, kv_offset)
+CASES = [
+    (2, 64, 4, 64, 4, 64, False, 0, 0),
+    (1, 100, 8, 77, 2, 128, True, 0, 0),     # GQA 4:1, odd lengths, Tq > Tk
+    (1, 50, 4, 130, 1, 64, True, 80, 0),     # MQA, the queries sit after the keys start
+    (2, 33, 2, 40, 2, 64, True, 0, 10),      # rows 0..9 see no key: out 0, lse -inf
+    (1, 17, 2, 200, 1, 128, False, 5, 7),    # offsets ignored without causal
+]
+
+
+def rand(seed, shape, dtype):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def inputs(case, dtype, seed=0):
+    b, tq, n, tk, kh, d = case[:6]
+    return rand(seed, (b, tq, n, d), dtype), rand(seed + 1, (b, tk, kh, d), dtype), rand(seed + 2, (b, tk, kh, d), dtype)
+
+
+def tol(dtype):
+    return dict(atol=2e-2, rtol=2e-2) if dtype != jnp.float32 else dict(atol=1e-5, rtol=1e-5)
+
+
+# Every case on the kernel's primitive (bf16) and the fallback (f32); the other dtypes on one case each.
+COMBOS = ([(c, "pk", jnp.bfloat16) for c in CASES] + [(c, "fallback", jnp.float32) for c in CASES]
+          + [(CASES[1], "pk", jnp.float16), (CASES[3], "fallback", jnp.bfloat16)])
+
+
+@pytest.mark.parametrize("case,implementation,dtype", COMBOS)
+def test_matches_f32_reference(case, implementation, dtype):
+    causal, qo, ko = case[6:]
+    q, k, v = inputs(case, dtype)
+    scale = 0.3
+    f = jax.jit(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, scale=scale, return_lse=True,
+                                                  q_offset=qo, kv_offset=ko, implementation=implementation))
+    out, lse = f(q, k, v)
+    want_out, want_lse = attention_f32(q, k, v, scale=scale, causal=causal, q_offset=qo, kv_offset=ko)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (q.shape[0], q.shape[2], q.shape[1]) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, **tol(dtype))
+    np.testing.assert_allclose(np.asarray(lse), want_lse, **tol(dtype))  # -inf rows compare equal
+    plain = pk_jax.attention(q, k, v, causal=causal, scale=scale, q_offset=qo, kv_offset=ko,
+                             implementation=implementation)
+    np.testing.assert_allclose(np.asarray(plain, np.float32), want_out, **tol(dtype))
+
+
+def test_default_is_fallback_and_matches_dot_product_attention():
+    q, k, v = inputs(CASES[1], jnp.float32)
+    got = pk_jax.attention(q, k, v, causal=True)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-6)
+
+
+def test_env_var_selects_and_is_checked(monkeypatch):
+    q, k, v = inputs(CASES[0], jnp.bfloat16)
+    monkeypatch.setenv("PK_JAX_ATTENTION", "pk")
+    traced = jax.make_jaxpr(lambda q, k, v: pk_jax.attention(q, k, v))(q, k, v)
+    assert "pk_attention" in str(traced)
+    monkeypatch.setenv("PK_JAX_ATTENTION", "cudnn")
+    with pytest.raises(ValueError, match="PK_JAX_ATTENTION"):
+        pk_jax.attention(q, k, v)
+
+
+def test_traced_offsets_in_jit():
+    case = CASES[2]
+    q, k, v = inputs(case, jnp.bfloat16)
+    f = jax.jit(lambda q, k, v, qo, ko: pk_jax.attention(q, k, v, causal=True, return_lse=True, q_offset=qo,
+                                                          kv_offset=ko, implementation="pk"))
+    for qo, ko in [(80, 0), (0, 64), (3, 3)]:
+        out, lse = f(q, k, v, jnp.int32(qo), jnp.int32(ko))
+        want_out, want_lse = attention_f32(q, k, v, scale=1 / 8, causal=True, q_offset=qo, kv_offset=ko)
+        np.testing.assert_allclose(np.asarray(out, np.float32), want_out, **tol(jnp.bfloat16))
+        np.testing.assert_allclose(np.asarray(lse), want_lse, **tol(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("implementation,dtype", [("pk", jnp.float16), ("fallback", jnp.float32)])
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]])
+def test_gradients_incl_lse(case, implementation, dtype):
+    causal, qo, ko = case[6:]
+    q, k, v = inputs(case, dtype, seed=7)
+    w_out = rand(11, q.shape, jnp.float32)
+    w_lse = rand(12, (q.shape[0], q.shape[2], q.shape[1]), jnp.float32)
+
+    def loss(fn):
+        def f(q, k, v):
+            out, lse = fn(q, k, v)
+            return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
+        return f
+
+    ours = loss(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, return_lse=True, q_offset=qo,
+                                                 kv_offset=ko, implementation=implementation))
+    ref = loss(lambda q, k, v: attention_f32(q, k, v, scale=q.shape[-1] ** -0.5, causal=causal, q_offset=qo,
+                                             kv_offset=ko, xp=jnp))
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(ref, argnums=(0, 1, 2))(*(x.astype(jnp.float32) for x in (q, k, v)))
+    for g, w, x in zip(got, want, (q, k, v)):
+        assert g.dtype == x.dtype and g.shape == x.shape
+        scale = float(jnp.max(jnp.abs(w)))
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w), atol=2e-2 * scale if dtype != jnp.float32
+                                   else 1e-4 * scale, rtol=2e-2 if dtype != jnp.float32 else 1e-4)
+
+
+def test_vmap_folds_into_batch():
+    q, k, v = inputs(CASES[1], jnp.bfloat16)
+    qs, ks, vs = (jnp.stack([x, x * 0.5]) for x in (q, k, v))
+    out = jax.vmap(lambda q, k, v: pk_jax.attention(q, k, v, causal=True, implementation="pk"))(qs, ks, vs)
+    for i in range(2):
+        want, _ = attention_f32(qs[i], ks[i], vs[i], scale=128 ** -0.5, causal=True)
+        np.testing.assert_allclose(np.asarray(out[i], np.float32), want, **tol(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("shapes,match", [
+    (((1, 8, 2, 64), (1, 8, 2, 64), (1, 9, 2, 64)), "same shape"),
+    (((1, 8, 3, 64), (1, 8, 2, 64), (1, 8, 2, 64)), "must divide"),
+    (((1, 8, 2, 64), (1, 8, 2, 32), (1, 8, 2, 32)), "batch and head_dim"),
+    (((8, 2, 64),) * 3, "4-D"),
+])
+def test_shape_errors(shapes, match):
+    with pytest.raises(ValueError, match=match):
+        pk_jax.attention(*(jnp.ones(s, jnp.bfloat16) for s in shapes))
+
+
+def test_argument_errors():
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="implementation"):
+        pk_jax.attention(q, q, q, implementation="flash")
+    with pytest.raises(ValueError, match="q_offset"):
+        pk_jax.attention(q, q, q, causal=True, q_offset=1.5)
+    with pytest.raises(ValueError, match="dtype"):
+        pk_jax.attention(q, q.astype(jnp.float16), q)
+
+
+def test_no_keys_and_other_head_dims_fall_back():
+    q = rand(0, (1, 5, 2, 64), jnp.bfloat16)
+    empty = jnp.zeros((1, 0, 2, 64), jnp.bfloat16)
+    out, lse = pk_jax.attention(q, empty, empty, return_lse=True, implementation="pk")
+    assert not np.any(np.asarray(out, np.float32)) and np.all(np.isneginf(np.asarray(lse)))
+    q, k, v = (rand(i, (1, 9, 2, 32), jnp.bfloat16) for i in range(3))  # head_dim 32: not a kernel shape
+    out = pk_jax.attention(q, k, v, causal=True, implementation="pk")
+    want, _ = attention_f32(q, k, v, scale=32 ** -0.5, causal=True)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, **tol(jnp.bfloat16))
