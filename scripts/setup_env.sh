@@ -5,7 +5,7 @@ set -e
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export PATH="$PATH:/usr/local/bin:/usr/local/cuda/bin"
 
-has_deps() { "$1" -c 'import sys, jax, nanobind, scikit_build_core, pytest; assert sys.version_info >= (3, 12)' 2>/dev/null; }
+has_deps() { "$1" -c 'import sys, jax, nanobind, scikit_build_core, pytest, flax; assert sys.version_info >= (3, 12)' 2>/dev/null; }
 
 if [ -n "${PK_JAX_PYTHON:-}" ]; then
   PY=$PK_JAX_PYTHON
@@ -21,7 +21,7 @@ else
   [ -n "$base" ] || { echo "pk_jax: needs Python >= 3.12 (jax 0.11)"; exit 1; }
   "$base" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "jax==0.11.2" nanobind scikit-build-core pytest numpy matplotlib
+  .venv/bin/python -m pip install -q "jax==0.11.2" nanobind scikit-build-core pytest numpy matplotlib flax
   PY=.venv/bin/python
 fi
 echo "pk_jax: using $($PY -c 'import sys; print(sys.executable)')"
