@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <mutex>
+
+#include "pk/device_setup.h"
 #include <stdexcept>
 #include <string>
 
@@ -12,7 +14,6 @@ namespace pk::attention {
 namespace {
 
 constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
-constexpr int kMaxDevices = 64;
 
 // As many K/V stages as fit beside Q and the output slots (at most 4; 2 at head_dim 128, as FA3).
 template <int D>
@@ -53,28 +54,6 @@ cudaError_t configure_type() {
   return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128>>() : e;
 }
 
-// Per GPU, once: every kernel configured and the SM count read.
-struct DeviceSetup {
-  std::once_flag once;
-  cudaError_t status = cudaErrorInvalidDevice;
-  int sms = 0;
-};
-
-const DeviceSetup* setup(int ordinal) {
-  static DeviceSetup devices[kMaxDevices];
-  if (ordinal < 0 || ordinal >= kMaxDevices) return nullptr;
-  DeviceSetup& d = devices[ordinal];
-  std::call_once(d.once, [&] {
-    int prev = 0;
-    d.status = cudaGetDevice(&prev);
-    if (d.status == cudaSuccess) d.status = cudaSetDevice(ordinal);
-    if (d.status == cudaSuccess) d.status = configure();
-    if (d.status == cudaSuccess) d.status = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, ordinal);
-    cudaSetDevice(prev);
-  });
-  return &d;
-}
-
 }  // namespace
 
 cudaError_t configure() {
@@ -83,12 +62,12 @@ cudaError_t configure() {
 }
 
 cudaError_t configure_once(int ordinal) {
-  const DeviceSetup* d = setup(ordinal);
+  const DeviceSetup* d = device_setup<configure>(ordinal);
   return d ? d->status : cudaErrorInvalidDevice;
 }
 
 int num_sms(int ordinal) {
-  const DeviceSetup* d = setup(ordinal);
+  const DeviceSetup* d = device_setup<configure>(ordinal);
   return d && d->status == cudaSuccess ? d->sms : 0;
 }
 

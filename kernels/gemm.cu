@@ -3,6 +3,8 @@
 
 #include <cmath>
 #include <mutex>
+
+#include "pk/device_setup.h"
 #include <stdexcept>
 
 #include "gemm_kernel.cuh"
@@ -11,7 +13,6 @@ namespace pk::gemm {
 namespace {
 
 constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
-constexpr int kMaxDevices = 64;
 
 
 // As many pipeline stages as fit next to the output slots (at most 8).
@@ -135,40 +136,13 @@ cudaError_t configure() {
   return e;
 }
 
-namespace {
-
-// Per GPU, once: every kernel configured and the SM count read. After the first call a handler
-// pays only the once_flag check (no lock on the per-call path).
-struct DeviceSetup {
-  std::once_flag once;
-  cudaError_t status = cudaErrorInvalidDevice;
-  int sms = 0;
-};
-
-const DeviceSetup* setup(int ordinal) {
-  static DeviceSetup devices[kMaxDevices];
-  if (ordinal < 0 || ordinal >= kMaxDevices) return nullptr;
-  DeviceSetup& d = devices[ordinal];
-  std::call_once(d.once, [&] {
-    int prev = 0;
-    d.status = cudaGetDevice(&prev);
-    if (d.status == cudaSuccess) d.status = cudaSetDevice(ordinal);
-    if (d.status == cudaSuccess) d.status = configure();
-    if (d.status == cudaSuccess) d.status = cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, ordinal);
-    cudaSetDevice(prev);
-  });
-  return &d;
-}
-
-}  // namespace
-
 cudaError_t configure_once(int ordinal) {
-  const DeviceSetup* d = setup(ordinal);
+  const DeviceSetup* d = device_setup<configure>(ordinal);
   return d ? d->status : cudaErrorInvalidDevice;
 }
 
 int num_sms(int ordinal) {
-  const DeviceSetup* d = setup(ordinal);
+  const DeviceSetup* d = device_setup<configure>(ordinal);
   return d && d->status == cudaSuccess ? d->sms : 0;
 }
 
