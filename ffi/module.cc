@@ -123,7 +123,7 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("mp_set_region_delta", [](int64_t local_global_id, size_t region, int member_slot, uint64_t address) {
     pk::Runtime::get().set_region_delta(local_global_id, region, member_slot, address);
   });
-  m.def("mp_finish", [](int my_process) { pk::Runtime::get().finish_multiprocess(my_process); });
+  m.def("mp_finish", [] { pk::Runtime::get().finish_multiprocess(); });
   // The GPU's PCI bus id: tells ranks that share one GPU (MPS) apart from ranks on different GPUs.
   m.def("pci_bus_id", [](int ordinal) {
     char id[32] = {};

@@ -197,10 +197,9 @@ void Runtime::set_region_delta(int64_t local_global_id, size_t region, int membe
   throw std::runtime_error("pk_jax: set_region_delta: device is not local");
 }
 
-void Runtime::finish_multiprocess(int my_process) {
+void Runtime::finish_multiprocess() {
   std::lock_guard<std::mutex> lock(init_mutex);
   if (initialized()) return;
-  my_process_ = my_process;
   watchdog_ = std::thread([this] { watch_errors(); });
   watchdog_.detach();
   initialized_.store(true, std::memory_order_release);

@@ -74,7 +74,7 @@ class Runtime {
   std::vector<uint64_t> attach_member(int64_t global_id, int slot, int process, const std::string& ctrl_handle,
                                       const std::vector<std::string>& region_handles);
   void set_region_delta(int64_t local_global_id, size_t region, int member_slot, uint64_t member_address);
-  void finish_multiprocess(int my_process);
+  void finish_multiprocess();
   bool multiprocess() const { return multiprocess_; }
 
   const LocalDevice* by_ordinal(int ordinal) const;
@@ -100,7 +100,6 @@ class Runtime {
 
   std::atomic<bool> initialized_{false};
   bool multiprocess_ = false;
-  int my_process_ = 0;
   std::vector<LocalDevice> devices_;
   std::vector<Member> members_;
   std::unique_ptr<SymmetricRegion> control_;

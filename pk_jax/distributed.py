@@ -156,8 +156,8 @@ class _Native:
     def set_region_delta(self, device_id, region, slot, address):
         _ext.ext.mp_set_region_delta(device_id, region, slot, address)
 
-    def finish(self, rank):
-        _ext.ext.mp_finish(rank)
+    def finish(self):
+        _ext.ext.mp_finish()
 
     def probe_pointer(self, device) -> tuple[object, int]:
         probe = jax.device_put(np.zeros(256, np.uint8), device)  # any live XLA buffer of the device
@@ -215,7 +215,7 @@ def _initialize(native, gpus: Sequence) -> DistributedInfo:
                 for region, addr in enumerate(addrs):
                     native.set_region_delta(d.id, region, plan.slot_of[peer["id"]], addr)
     _barrier(f"{_PREFIX}ready", rank, plan.local_ranks, timeout)  # no op before every peer mapped ours
-    native.finish(rank)
+    native.finish()
     return DistributedInfo(ranks, rank, plan.local_ranks, plan.ranks_per_gpu, tuple(plan.slot_of), plan.host_of,
                            time.perf_counter() - t0, staging=not shared)
 

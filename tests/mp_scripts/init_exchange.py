@@ -55,8 +55,8 @@ class FakeNative:
     def set_region_delta(self, device_id, region, slot, address):
         self.calls["delta"].append([device_id, region, slot, address])
 
-    def finish(self, r):
-        self.calls["finish"].append(r)
+    def finish(self):
+        self.calls["finish"].append(rank)
 
 
 cpu_only = os.environ.get("FAKE_NATIVE") == "none"  # a CPU process: no GPU, no extension
