@@ -3,6 +3,8 @@
 // transport implemented in Python (fakes in tests). Nothing here creates a multicast object unless a
 // real driver is passed, which the bindings do not offer.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/map.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -110,11 +112,20 @@ struct PyGroup {
 }  // namespace
 
 void bind_multicast(nb::module_& m) {
-  // The plan under the current environment's policy. region_bytes < 0: not limited by a region.
+  // The policy of an environment given as a dict (tests: no test sets the opt-in in the real one).
+  m.def("multicast_policy_of", [](const std::map<std::string, std::string>& env) {
+    const pk::MulticastPolicy p = pk::multicast_policy_of([&](const char* name) -> const char* {
+      const auto it = env.find(name);
+      return it == env.end() ? nullptr : it->second.c_str();
+    });
+    return std::make_pair(p.allowed, p.reason);
+  });
+  // The plan under a policy (allowed, reason): pk_jax.runtime.multicast_plan passes the environment's.
+  // region_bytes < 0: not limited by a region.
   m.def("multicast_plan", [](int group_size, size_t nbytes, const std::vector<bool>& supported, int num_hosts,
-                             int64_t region_bytes) {
+                             int64_t region_bytes, bool policy_allowed, const std::string& policy_reason) {
     pk::TransportPlanInput in;
-    in.policy = pk::multicast_policy();
+    in.policy = {policy_allowed, policy_reason};
     in.group_size = group_size;
     in.supported = supported;
     in.num_hosts = num_hosts;
@@ -182,7 +193,7 @@ void bind_multicast(nb::module_& m) {
   // (group or None, why_not). Runs without the GIL, so ranks in several Python threads proceed together.
   m.def("multicast_group_create",
         [](int group_size, const std::vector<int>& local_devices, bool is_root, bool single_process, size_t bytes,
-           nb::object driver, pk::MulticastTransport& transport) {
+           std::pair<bool, std::string> policy, nb::object driver, pk::MulticastTransport& transport) {
           pk::MulticastRequest req;
           req.group_size = group_size;
           req.local_devices = local_devices;
@@ -194,14 +205,14 @@ void bind_multicast(nb::module_& m) {
           std::unique_ptr<pk::MulticastGroup> g;
           {
             nb::gil_scoped_release nogil;
-            g = pk::MulticastGroup::create(req, d, transport, why_not);
+            g = pk::MulticastGroup::create(req, {policy.first, policy.second}, d, transport, why_not);
           }
           if (!g) return std::make_tuple(nb::object(nb::none()), why_not);
           auto* holder = new PyGroup{driver, std::move(g)};
           return std::make_tuple(nb::cast(holder, nb::rv_policy::take_ownership), why_not);
         },
         nb::arg("group_size"), nb::arg("local_devices"), nb::arg("is_root"), nb::arg("single_process"),
-        nb::arg("bytes"), nb::arg("driver"), nb::arg("transport"));
+        nb::arg("bytes"), nb::arg("policy"), nb::arg("driver"), nb::arg("transport"));
 
   // The real driver and the runtime's set-up function, callable only while the policy refuses: then
   // they must refuse before any CUDA call (the tests check the messages). Return the refusal text.

@@ -49,12 +49,12 @@ std::string malformed(const MulticastRequest& r) {
 
 }  // namespace
 
-std::unique_ptr<MulticastGroup> MulticastGroup::create(const MulticastRequest& req, MulticastDriver& driver,
-                                                       MulticastTransport& transport, std::string& why_not) {
+std::unique_ptr<MulticastGroup> MulticastGroup::create(const MulticastRequest& req, const MulticastPolicy& policy,
+                                                       MulticastDriver& driver, MulticastTransport& transport,
+                                                       std::string& why_not) {
   // The policy comes first and alone decides a refusal: no driver call (not even the support query)
   // happens unless multicast was requested and the machine does not forbid it.
   std::string mine;
-  const MulticastPolicy policy = multicast_policy();
   if (!policy.allowed) mine = "multicast refused: " + policy.reason;
   if (mine.empty()) {
     const std::string bad = malformed(req);
@@ -182,7 +182,7 @@ std::unique_ptr<MulticastGroup> create_local_multicast_group(const std::vector<i
   req.single_process = true;
   req.bytes = bytes;
   SingleProcessTransport transport;
-  return MulticastGroup::create(req, cuda_multicast_driver(), transport, why_not);
+  return MulticastGroup::create(req, multicast_policy(), cuda_multicast_driver(), transport, why_not);
 }
 
 }  // namespace pk

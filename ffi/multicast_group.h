@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "multicast_policy.h"
+
 namespace pk {
 
 // The driver steps a multicast group needs. Handles are CUmemGenericAllocationHandle values, addresses
@@ -86,8 +88,10 @@ class MulticastGroup {
   // The group, or nullptr with `why_not` set when the policy refuses, a device lacks multicast, the
   // request is malformed or (after the agreement) a driver step failed; a refusal calls no driver step
   // but multicast_supported, and a failure undoes the steps taken. Throws only when the transport does.
-  static std::unique_ptr<MulticastGroup> create(const MulticastRequest& req, MulticastDriver& driver,
-                                                MulticastTransport& transport, std::string& why_not);
+  // `policy`: multicast_policy() in the runtime (a driver that creates anything checks it again).
+  static std::unique_ptr<MulticastGroup> create(const MulticastRequest& req, const MulticastPolicy& policy,
+                                                MulticastDriver& driver, MulticastTransport& transport,
+                                                std::string& why_not);
   ~MulticastGroup();
   MulticastGroup(const MulticastGroup&) = delete;
   MulticastGroup& operator=(const MulticastGroup&) = delete;

@@ -118,7 +118,7 @@ def multicast_plan(group_size: int, nbytes: int, supported: Sequence[bool], *, n
     if _ext.ext is None:
         return "peer_to_peer", "multicast refused: the CUDA extension is not installed"
     return _ext.ext.multicast_plan(int(group_size), int(nbytes), supported, int(num_hosts),
-                                   -1 if region_bytes is None else int(region_bytes))
+                                   -1 if region_bytes is None else int(region_bytes), *_ext.ext.multicast_policy())
 
 
 def lowering_group(ctx, axis_name) -> tuple[object | None, str | None]:

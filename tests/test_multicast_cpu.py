@@ -40,34 +40,34 @@ def clean_env(monkeypatch):
     return monkeypatch
 
 
-@pytest.fixture
-def opted_in(clean_env):
-    """Multicast requested: only for tests whose driver is FakeDriver (or none at all)."""
-    clean_env.setenv("PK_JAX_ENABLE_MULTICAST", "1")
-    return clean_env
+# The policy of a described environment that requests multicast: handed to the plan and to groups whose
+# driver is a FakeDriver. No test sets the opt-in in the real environment (the real CUDA driver's steps
+# check that environment again and refuse).
+ALLOWED = ext.multicast_policy_of({"PK_JAX_ENABLE_MULTICAST": "1"})
+
+
+def _plan(group_size, nbytes, supported, num_hosts=1, region_bytes=None, policy=ALLOWED):
+    return ext.multicast_plan(group_size, nbytes, supported, num_hosts, -1 if region_bytes is None else region_bytes,
+                              *policy)
 
 
 # ----------------------------------------------------------------------------- policy and plan
 
 def test_policy_and_plan_for_every_environment(clean_env):
-    """3^4 environments: a refusing variable always wins, then the opt-in decides."""
+    """3^4 described environments: a refusing variable always wins, then the opt-in decides."""
+    assert pk_jax.runtime.multicast_policy() == ext.multicast_policy_of({})  # the real one: nothing set
     values = {v: (None, "0", "1") for v in MULTICAST_VARS}
     for combo in itertools.product(*values.values()):
         env = dict(zip(MULTICAST_VARS, combo))
-        for name, value in env.items():
-            if value is None:
-                clean_env.delenv(name, raising=False)
-            else:
-                clean_env.setenv(name, value)
         refused_by = [n for n, v in REFUSING.items() if env[n] == v]
         expect_allowed = not refused_by and env["PK_JAX_ENABLE_MULTICAST"] == "1"
-        allowed, reason = pk_jax.runtime.multicast_policy()
+        allowed, reason = ext.multicast_policy_of({k: v for k, v in env.items() if v is not None})
         assert allowed == expect_allowed, (env, reason)
         if refused_by:
             assert f"{refused_by[0]}={REFUSING[refused_by[0]]}" in reason, (env, reason)
         elif not expect_allowed:
             assert "not requested" in reason, (env, reason)
-        choice, why = pk_jax.runtime.multicast_plan(4, MiB, [True] * 4)
+        choice, why = _plan(4, MiB, [True] * 4, policy=(allowed, reason))
         assert choice == ("multimem" if expect_allowed else "peer_to_peer"), (env, why)
         if not expect_allowed:
             assert why == f"multicast refused: {reason}", (env, why)
@@ -83,18 +83,18 @@ def test_policy_and_plan_for_every_environment(clean_env):
     (1, MiB, [True], {}, "group of 2..8"),
     (9, MiB, [True] * 9, {}, "group of 2..8"),
 ])
-def test_plan_falls_back_to_peer_to_peer(opted_in, group_size, nbytes, supported, kwargs, fragment):
-    choice, why = pk_jax.runtime.multicast_plan(group_size, nbytes, supported, **kwargs)
+def test_plan_falls_back_to_peer_to_peer(group_size, nbytes, supported, kwargs, fragment):
+    choice, why = _plan(group_size, nbytes, supported, **kwargs)
     assert choice == "peer_to_peer" and fragment in why, why
 
 
-def test_plan_chooses_multimem_when_everything_allows_it(opted_in):
+def test_plan_chooses_multimem_when_everything_allows_it():
     for g in range(2, 9):
-        choice, why = pk_jax.runtime.multicast_plan(g, 4 * MiB, [True] * g, region_bytes=4 * MiB)
+        choice, why = _plan(g, 4 * MiB, [True] * g, region_bytes=4 * MiB)
         assert choice == "multimem" and "unmeasured" in why, why
 
 
-def test_plan_names_a_bad_supported_list(opted_in):
+def test_plan_names_a_bad_supported_list(clean_env):
     with pytest.raises(ValueError, match="supported lists 3 GPUs for group_size=4"):
         pk_jax.runtime.multicast_plan(4, MiB, [True] * 3)
 
@@ -103,7 +103,6 @@ def test_plan_names_a_bad_supported_list(opted_in):
 def test_cuda_driver_and_runtime_set_up_refuse_first(clean_env, var):
     """The real driver's creating steps and create_local_multicast_group refuse before any CUDA call."""
     if var in REFUSING:
-        clean_env.setenv("PK_JAX_ENABLE_MULTICAST", "1")
         clean_env.setenv(var, REFUSING[var])
     supported, create, physical, local_group = ext.cuda_multicast_refusals([0, 1], MiB)
     for why in (supported, create, physical):
@@ -341,40 +340,36 @@ class RecordingTransport(ext.MulticastTransport):
         self.calls.append("barrier")
 
 
-def _create_local(driver, transport, devices=(0, 1), nbytes=3 * MiB):
-    return ext.multicast_group_create(len(devices), list(devices), True, True, nbytes, driver, transport)
+def _create_local(driver, transport, devices=(0, 1), nbytes=3 * MiB, policy=ALLOWED):
+    return ext.multicast_group_create(len(devices), list(devices), True, True, nbytes, policy, driver, transport)
 
 
 @pytest.mark.parametrize("var", list(REFUSING) + ["PK_JAX_ENABLE_MULTICAST"])
-def test_group_refused_by_policy_touches_no_driver(clean_env, var):
-    clean_env.setenv("PK_JAX_ENABLE_MULTICAST", "1")
-    if var in REFUSING:
-        clean_env.setenv(var, REFUSING[var])
-    else:
-        clean_env.delenv(var)
+def test_group_refused_by_policy_touches_no_driver(var):
+    env = {"PK_JAX_ENABLE_MULTICAST": "1", var: REFUSING[var]} if var in REFUSING else {}
     driver, transport = FakeDriver(), RecordingTransport()
-    group, why = _create_local(driver, transport)
+    group, why = _create_local(driver, transport, policy=ext.multicast_policy_of(env))
     assert group is None and why.startswith("multicast refused:") and (var in why), why
     assert driver.calls == []
     assert transport.calls == ["all_agree"]  # a refusal is still announced to the other processes
 
 
-def test_group_refused_for_unsupported_device(opted_in):
+def test_group_refused_for_unsupported_device():
     driver = FakeDriver(supported=False)
     group, why = _create_local(driver, RecordingTransport())
     assert group is None and "GPU 0 reports no multicast support" in why
     assert driver.names() == ["multicast_supported"]
 
 
-def test_group_refused_for_malformed_request(opted_in):
+def test_group_refused_for_malformed_request():
     driver = FakeDriver()
     group, why = _create_local(driver, RecordingTransport(), devices=(0, 0))
     assert group is None and "lists a device twice" in why and driver.calls == []
-    group, why = ext.multicast_group_create(2, [0], True, True, MiB, driver, RecordingTransport())
+    group, why = ext.multicast_group_create(2, [0], True, True, MiB, ALLOWED, driver, RecordingTransport())
     assert group is None and "single-process group must list all" in why and driver.calls == []
 
 
-def test_single_process_group_set_up_order_and_tear_down(opted_in):
+def test_single_process_group_set_up_order_and_tear_down():
     driver = FakeDriver(mc_granularity=2 * MiB, alloc_granularity=512 << 10)
     group, why = _create_local(driver, RecordingTransport(), devices=(0, 1), nbytes=3 * MiB)
     assert group is not None, why
@@ -396,7 +391,7 @@ def test_single_process_group_set_up_order_and_tear_down(opted_in):
     assert driver.names().count("unbind") == 2
 
 
-def test_group_set_up_failure_is_undone(opted_in):
+def test_group_set_up_failure_is_undone():
     driver = FakeDriver(fail="map")
     group, why = _create_local(driver, RecordingTransport())
     assert group is None and "multicast set-up failed at bind_and_map: RuntimeError: injected failure in map" in why
@@ -412,7 +407,7 @@ def _run_ranks(job_dir, drivers, timeout_ms=5000, nbytes=3 * MiB):
     results: list = [None] * len(drivers)
 
     def rank(r):
-        results[r] = ext.multicast_group_create(len(drivers), [r], r == 0, False, nbytes, drivers[r],
+        results[r] = ext.multicast_group_create(len(drivers), [r], r == 0, False, nbytes, ALLOWED, drivers[r],
                                                 transports[r])
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(drivers))]
@@ -424,7 +419,7 @@ def _run_ranks(job_dir, drivers, timeout_ms=5000, nbytes=3 * MiB):
     return results
 
 
-def test_two_process_group_exchanges_the_handle(opted_in, job_dir):
+def test_two_process_group_exchanges_the_handle(job_dir):
     drivers = [FakeDriver(base=0x100), FakeDriver(base=0x900)]
     (g0, why0), (g1, why1) = _run_ranks(job_dir, drivers)
     assert g0 is not None and g1 is not None, (why0, why1)
@@ -438,7 +433,7 @@ def test_two_process_group_exchanges_the_handle(opted_in, job_dir):
     assert drivers[0].live == set() and drivers[1].live == set()
 
 
-def test_one_process_refusing_refuses_the_group(opted_in, job_dir):
+def test_one_process_refusing_refuses_the_group(job_dir):
     drivers = [FakeDriver(), FakeDriver(supported=False)]
     (g0, why0), (g1, why1) = _run_ranks(job_dir, drivers)
     assert g0 is None and why0 == "multicast refused by another process of the group"
@@ -446,7 +441,7 @@ def test_one_process_refusing_refuses_the_group(opted_in, job_dir):
     assert drivers[0].names() == ["multicast_supported"]
 
 
-def test_failure_in_one_process_undoes_both(opted_in, job_dir):
+def test_failure_in_one_process_undoes_both(job_dir):
     drivers = [FakeDriver(), FakeDriver(base=0x900, fail="bind")]
     (g0, why0), (g1, why1) = _run_ranks(job_dir, drivers)
     assert g0 is None and why0 == "multicast set-up failed at bind_and_map in another process"
