@@ -125,12 +125,12 @@ def _matmul_all_reduce_bwd(spec, h, w, dy):
 
 
 def _composition_bwd(spec, res, cts):
-    """Mixed input dtypes: the VJP of the composition (the product is in the promoted dtype), on pk_jax's
-    collectives (TpSpec.pk_apply), so it runs where XLA's cannot (ranks sharing one GPU)."""
+    """Mixed input dtypes: the VJP of the jax.lax composition, which the forward ran too (the kernel takes
+    one dtype; the product is in the promoted dtype)."""
     x, w = res
     if spec.op == "all_gather_matmul":
-        _, vjp = jax.vjp(spec.pk_apply, x, w)
+        _, vjp = jax.vjp(spec.lax_apply, x, w)
         return vjp(cts)
-    _, vjp = jax.vjp(lambda a, b: spec.pk_apply(a, b)[0], x, w)
+    _, vjp = jax.vjp(lambda a, b: spec.lax_apply(a, b)[0], x, w)
     return vjp(cts[0])
 

@@ -101,22 +101,6 @@ class TpSpec:
             return jax.lax.psum_scatter(partial, name, scatter_dimension=0, tiled=True), aux
         return jax.lax.psum(partial, name), aux
 
-    def pk_apply(self, x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The composition on pk_jax's own collectives: the backward pass differentiates this, so it runs
-        on our kernels too, also where XLA's collectives cannot (ranks sharing one GPU)."""
-        from pk_jax import collectives  # builds on the same primitives; imported late (no cycle at import)
-
-        name = self.axis_name if len(self.axis_name) > 1 else self.axis_name[0]
-        dot = lambda a: _dot(a, w, self.transpose_w)
-        if self.op == "all_gather_matmul":
-            gathered = collectives.all_gather(x, name, axis=0, tiled=True)
-            return dot(gathered), gathered
-        partial = dot(x)
-        aux = partial[:0] if self.intra_sm else partial
-        if self.op == "matmul_reduce_scatter":
-            return collectives.reduce_scatter(partial, name, scatter_dimension=0, tiled=True), aux
-        return collectives.all_reduce(partial, name), aux
-
 
 pk_tp_gemm_p = core.Primitive("pk_tp_gemm")
 pk_tp_gemm_p.multiple_results = True

@@ -31,6 +31,18 @@ def _ensure_flags() -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
 
 
+def _report(out: str, suite: str, rows: list[dict], print_table, bad=None) -> int:
+    """Writes the results file and prints the table; the exit code is 1 when a row's check failed."""
+    from pk_jax.bench import results
+
+    bad = bad or (lambda r: "MISMATCH" in str(r.get("extra", {}).get("check", "")))
+    results.write(out, suite, rows)
+    print()
+    print_table(rows)
+    print(f"\nwrote {out}")
+    return 1 if any(bad(r) for r in rows) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -129,12 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         if not on_gpu:
             print("  (no GPU: pk_jax.matmul runs jnp.dot here; timings only exercise the plumbing)")
         rows = gemm.run(quick=args.quick, reps=reps, tiles=args.variants, plain=not args.layouts)
-        results.write(out, args.suite, rows)
-        print()
-        results.print_gemm_table(rows)
-        results.print_layout_table(rows)
-        print(f"\nwrote {out}")
-        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
+        return _report(out, args.suite, rows, lambda r: (results.print_gemm_table(r), results.print_layout_table(r)))
     if args.suite == "tp_gemm":
         from pk_jax.bench import tp_gemm
 
@@ -144,11 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
             return 2
         rows = tp_gemm.run(quick=args.quick, reps=reps, only=args.op, out_dir=out_dir, sizes=args.sizes)
-        results.write(out, args.suite, rows)
-        print()
-        results.print_tp_table(rows)
-        print(f"\nwrote {out}")
-        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
+        return _report(out, args.suite, rows, results.print_tp_table)
     if args.suite == "attention":
         from pk_jax.bench import attention
 
@@ -157,41 +160,19 @@ def main(argv: list[str] | None = None) -> int:
         if not on_gpu:
             print("  (no GPU: both sides run XLA at tiny sizes; timings only exercise the plumbing)")
         rows = attention.run(quick=args.quick, reps=reps, full=args.variants)
-        results.write(out, args.suite, rows)
-        print()
-        attention.print_table(rows)
-        print(f"\nwrote {out}")
-        return 1 if any(r["extra"]["check"] != "ok" for r in rows) else 0
-    if args.suite == "context":
-        from pk_jax.bench import context
+        return _report(out, args.suite, rows, attention.print_table, bad=lambda r: r["extra"]["check"] != "ok")
+    if args.suite in ("context", "moe"):  # both run at group 1 too
+        import importlib
 
+        suite = importlib.import_module(f"pk_jax.bench.{args.suite}")
         reps = args.reps or 20
         small = args.small or args.quick or not on_gpu
-        print(f"pk_jax.bench context: {results.device_description()}, {'small' if small else 'full'} sizes, "
+        print(f"pk_jax.bench {args.suite}: {results.device_description()}, {'small' if small else 'full'} sizes, "
               f"{reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
-        rows = context.run(small=small, reps=reps, only=args.op)
-        results.write(out, args.suite, rows)
-        print()
-        context.print_table(rows)
-        print(f"\nwrote {out}")
-        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
-    if args.suite == "moe":  # runs at group 1 too
-        from pk_jax.bench import moe
-
-        reps = args.reps or 20
-        small = args.small or args.quick or not on_gpu
-        print(f"pk_jax.bench moe: {results.device_description()}, {'small' if small else 'full'} sizes, "
-              f"{reps} reps", flush=True)
-        if not on_gpu:
-            print("  (no GPU: timings only exercise the plumbing)")
-        rows = moe.run(small=small, reps=reps, only=args.op)
-        results.write(out, args.suite, rows)
-        print()
-        moe.print_table(rows)
-        print(f"\nwrote {out}")
-        return 1 if any("MISMATCH" in r["extra"]["check"] for r in rows) else 0
+        rows = suite.run(small=small, reps=reps, only=args.op)
+        return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:
         print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)
         return 2
@@ -207,17 +188,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.out is None:
             out = out.replace("-collectives-", "-collectives-latency-")
         rows = latency.run(reps=reps, variants=args.variants, quick=quick)
-        results.write(out, args.suite, rows)
-        print()
-        latency.print_table(rows)
-    else:
-        rows = collectives.run(quick=quick, reps=reps, only=args.op, variants=args.variants)
-        results.write(out, args.suite, rows)
-        print()
-        results.print_table(rows)
-    print(f"\nwrote {out}")
-    bad = [r for r in rows if "MISMATCH" in r["extra"]["check"]]
-    return 1 if bad else 0
+        return _report(out, args.suite, rows, latency.print_table)
+    rows = collectives.run(quick=quick, reps=reps, only=args.op, variants=args.variants)
+    return _report(out, args.suite, rows, results.print_table)
 
 
 if __name__ == "__main__":
