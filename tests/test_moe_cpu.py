@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import moe_model  # tests/moe_model.py and moe_checks.py (tests/ is on sys.path)
-from moe_checks import TOKENS, check_routing, grouped_refs
+from moe_checks import TOKENS, check_moe_mlp, check_routing, grouped_refs
 import pk_jax
 from pk_jax.moe import routing
 
@@ -139,37 +139,8 @@ def test_grouped_matmul_rejects_bad_shapes():
     (8, 16, 1, "idle_member", jnp.float32, 1e-4),
 ])
 def test_moe_mlp_and_gradients_match_float32_reference(g, num_experts, top_k, kind, dtype, tol):
-    rng = np.random.default_rng(g + top_k)
-    h, f, t = 16, 24, 8
-    ids = moe_model.random_routing(rng, g, t, top_k, num_experts, kind).reshape(g * t, top_k)
-    x = rng.standard_normal((g * t, h)).astype(np.float32)
-    weights = rng.uniform(0.1, 1.0, (g * t, top_k)).astype(np.float32)
-    w_gate, w_up = (rng.standard_normal((num_experts, h, f)).astype(np.float32) / 4 for _ in range(2))
-    w_down = rng.standard_normal((num_experts, f, h)).astype(np.float32) / 4
-    cot = rng.standard_normal((g * t, h)).astype(np.float32)
-    params = (x, weights, w_gate, w_up, w_down)
-
-    def layer(x, weights, w_gate, w_up, w_down, ids):
-        return pk_jax.moe.moe_mlp(x, ids, weights, w_gate, w_up, w_down, "ep")
-
-    sharded = jax.shard_map(layer, mesh=mesh(g), in_specs=P("ep"), out_specs=P("ep"))
-
-    @jax.jit
-    def ours(*params):
-        out, vjp = jax.vjp(lambda *p: sharded(*p, ids), *(p.astype(dtype) for p in params))
-        return (out, *vjp(cot.astype(dtype)))
-
-    @jax.jit
-    def reference(*params):
-        out, vjp = jax.vjp(lambda x, w, a, b, c: moe_model.moe_mlp_reference(x, ids, w, a, b, c), *params)
-        return (out, *vjp(cot))
-
-    with jax.default_matmul_precision("highest"):
-        got, want = ours(*params), reference(*params)
-    for name, a, b in zip(("out", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), got, want):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-        assert err < tol, f"{name}: max error {err:.2e} relative to max |ref| (tol {tol})"
+    check_moe_mlp(jax.devices(), g, num_experts, top_k, kind, dtype, tol, tokens=8, hidden=16, ffn=24, scale=4,
+                  seed=g + top_k)
 
 
 def test_grouped_matmul_weight_grad_sums_over_members_holding_replicated_weights():

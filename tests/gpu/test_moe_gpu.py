@@ -10,12 +10,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-import moe_model  # tests/moe_model.py and moe_checks.py (tests/ is on sys.path)
+# moe_checks lives in tests/ (on sys.path)
 import pk_jax
-from moe_checks import TOKENS, check_routing, grouped_refs
+from moe_checks import TOKENS, check_moe_mlp, check_routing, grouped_refs
 
 from .devices import gpus
 
@@ -70,32 +68,5 @@ def test_grouped_matmul_gpu_path_and_gradients(m, k, n, e):
 @pytest.mark.parametrize("g", group_sizes())
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-3), (jnp.bfloat16, 4e-2)])
 def test_moe_mlp_and_gradients_match_float32_reference(g, dtype, tol):
-    rng = np.random.default_rng(g)
-    e, top_k, t, h, f = 4 * g, 2, 64, 128, 256
-    ids = moe_model.random_routing(rng, g, t, top_k, e, "skewed").reshape(g * t, top_k)
-    x = rng.standard_normal((g * t, h)).astype(np.float32)
-    weights = rng.uniform(0.1, 1.0, (g * t, top_k)).astype(np.float32)
-    w_gate, w_up = (rng.standard_normal((e, h, f)).astype(np.float32) / 16 for _ in range(2))
-    w_down = rng.standard_normal((e, f, h)).astype(np.float32) / 16
-    cot = rng.standard_normal((g * t, h)).astype(np.float32)
-    params = (x, weights, w_gate, w_up, w_down)
-    sharded = jax.shard_map(lambda x, wt, a, b, c, ids: pk_jax.moe.moe_mlp(x, ids, wt, a, b, c, "ep"),
-                            mesh=Mesh(np.array(gpus()[:g]), ("ep",)), in_specs=P("ep"), out_specs=P("ep"))
-
-    @jax.jit
-    def ours(*params):
-        out, vjp = jax.vjp(lambda *p: sharded(*p, ids), *(p.astype(dtype) for p in params))
-        return (out, *vjp(cot.astype(dtype)))
-
-    @jax.jit
-    def reference(*params):
-        out, vjp = jax.vjp(lambda x, w, a, b, c: moe_model.moe_mlp_reference(x, ids, w, a, b, c), *params)
-        return (out, *vjp(cot))
-
-    with jax.default_matmul_precision("highest"):
-        got, want = ours(*params), reference(*params)
-    for name, a, b in zip(("out", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), got, want):
-        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-        err = np.abs(a - b).max() / max(np.abs(b).max(), 1e-30)
-        assert err < tol, f"moe_mlp {name} G={g} {jnp.dtype(dtype).name}: relative error {err:.2e} (tol {tol})"
+    check_moe_mlp(gpus(), g, 4 * g, 2, "skewed", dtype, tol, tokens=64, hidden=128, ffn=256, scale=16, seed=g)
     print(f"PASS moe_mlp G={g} {jnp.dtype(dtype).name}")
