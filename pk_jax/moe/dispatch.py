@@ -12,7 +12,6 @@ d(combine)/dy = dispatch of the weighted output cotangent.
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pk_jax.sharding.jit_matmul import matmul as jit_matmul
