@@ -165,8 +165,11 @@ def _tuned_schedule(spec: TpSpec, table, x_aval, w_aval) -> autotune.Choice:
         # Timing would need every process to time in lockstep and agree on the winner; the cached
         # choice (tuned in a single-process run on the same GPU model) or the default is the same on
         # every rank. (The kernels' SM counts follow each process's share of the GPU under MPS.)
-        return autotune.cached_or_start(spec.op, _cache_key(spec, m, n, k, x_aval.dtype, jax.devices()[0].device_kind),
-                                        spec.may_intra_sm)
+        choice = autotune.cached_or_start(spec.op, _cache_key(spec, m, n, k, x_aval.dtype, jax.devices()[0].device_kind),
+                                          spec.may_intra_sm)
+        if choice.num_comm_sms == 0 and runtime.distributed.shares_gpu():  # NCCL refuses there: keep fusing
+            choice = autotune.start_choice(spec.op, spec.may_intra_sm)
+        return choice
     devices = {d.id: d for d in jax.devices()}
     member_ids, _ = table.members(table.mesh_ids[0])
     group_devs = [devices[i] for i in member_ids]
@@ -228,11 +231,8 @@ def _cuda_lowering(ctx, x, w, *, spec: TpSpec):
     else:
         choice = _tuned_schedule(spec, table, x_aval, w_aval)
     if choice.num_comm_sms == 0:  # the autotuner (or the caller) found the unfused composition faster here
-        if spec.num_comm_sms is None and runtime.distributed.shares_gpu():  # NCCL can't run there: keep fusing
-            choice = autotune.start_choice(spec.op, spec.may_intra_sm)
-        else:
-            runtime.lax_fallback_allowed(spec.op, "schedule='xla' (num_comm_sms=0) asks for the composition")
-            return _lax_lowering(ctx, x, w, spec=spec)
+        runtime.lax_fallback_allowed(spec.op, "the composition was asked for (schedule='xla' or num_comm_sms=0)")
+        return _lax_lowering(ctx, x, w, spec=spec)
     intra = choice.num_comm_sms == autotune.INTRA_SM
     return jax.ffi.ffi_lowering("pk_tp_gemm")(
         ctx, x, w,
