@@ -56,31 +56,41 @@ def _tile_rows(tile: int, m: int) -> int:
     return max(1, min(tile, m))
 
 
+def _scan_pairs(x: jax.Array, group_sizes: jax.Array, tile: int, init: jax.Array, add) -> jax.Array:
+    """Folds `add(acc, t, group, x_tile)` over the (row tile t, group) pairs, x_tile being x's rows of tile t
+    masked to the group's rows; pairs past the real rows (the static bound assumes every row is used) skip."""
+    m = x.shape[0]
+    xp = jnp.pad(x, ((0, -(-m // tile) * tile - m), (0, 0)))
+    tiles, groups, starts, ends, _ = _pairs(group_sizes, m, tile)
+
+    def step(acc, pair):
+        t, grp, lo, hi = pair
+
+        def contribute(a):
+            rows = t * tile + jnp.arange(tile)
+            mask = ((rows >= lo) & (rows < hi))[:, None]
+            return add(a, t, grp, jnp.where(mask, jax.lax.dynamic_slice_in_dim(xp, t * tile, tile), 0))
+
+        return jax.lax.cond(hi > lo, contribute, lambda a: a, acc), None
+
+    acc, _ = jax.lax.scan(step, init, (tiles, groups, starts, ends))
+    return acc
+
+
 def grouped_matmul_tiled(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_rows: int = TILE_ROWS,
                          out_dtype=None) -> jax.Array:
     """(m, k) x (E, k, n) -> (m, n) by the (row tile, group) scan; rows past sum(group_sizes) are zero."""
     x, w = jnp.asarray(x), jnp.asarray(w)
     m, n = x.shape[0], w.shape[2]
     tile = _tile_rows(tile_rows, m)
-    m_pad = -(-m // tile) * tile
-    xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    tiles, groups, starts, ends, _ = _pairs(group_sizes, m, tile)
 
-    def add_pair(out, pair):
-        t, grp, lo, hi = pair
-        rows = t * tile + jnp.arange(tile)
-        mask = ((rows >= lo) & (rows < hi))[:, None]
-        xt = jnp.where(mask, jax.lax.dynamic_slice_in_dim(xp, t * tile, tile), 0)
+    def add(out, t, grp, xt):
         part = jnp.dot(xt, w[grp], preferred_element_type=jnp.float32)
         cur = jax.lax.dynamic_slice_in_dim(out, t * tile, tile)
         return jax.lax.dynamic_update_slice_in_dim(out, cur + part, t * tile, 0)
 
-    def step(out, pair):  # pairs past the real rows (the static bound assumes every row is used) skip their GEMM
-        return jax.lax.cond(pair[3] > pair[2], lambda o: add_pair(o, pair), lambda o: o, out), None
-
-    out, _ = jax.lax.scan(step, full_varying((m_pad, n), 0, jnp.float32, (x, w, group_sizes)),
-                          (tiles, groups, starts, ends))
-    return out[:m].astype(out_dtype or x.dtype)
+    init = full_varying((-(-m // tile) * tile, n), 0, jnp.float32, (x, w, group_sizes))
+    return _scan_pairs(x, group_sizes, tile, init, add)[:m].astype(out_dtype or x.dtype)
 
 
 def grouped_weight_grad_tiled(x: jax.Array, dy: jax.Array, group_sizes: jax.Array, *,
@@ -89,25 +99,14 @@ def grouped_weight_grad_tiled(x: jax.Array, dy: jax.Array, group_sizes: jax.Arra
     x, dy = jnp.asarray(x), jnp.asarray(dy)
     m, k, n, e = x.shape[0], x.shape[1], dy.shape[1], group_sizes.shape[0]
     tile = _tile_rows(tile_rows, m)
-    m_pad = -(-m // tile) * tile
-    xp = jnp.pad(x, ((0, m_pad - m), (0, 0)))
-    dyp = jnp.pad(dy, ((0, m_pad - m), (0, 0)))
-    tiles, groups, starts, ends, _ = _pairs(group_sizes, m, tile)
+    dyp = jnp.pad(dy, ((0, -(-m // tile) * tile - m), (0, 0)))
 
-    def add_pair(dw, pair):
-        t, grp, lo, hi = pair
-        rows = t * tile + jnp.arange(tile)
-        mask = ((rows >= lo) & (rows < hi))[:, None]
-        xt = jnp.where(mask, jax.lax.dynamic_slice_in_dim(xp, t * tile, tile), 0)
+    def add(dw, t, grp, xt):
         part = jnp.dot(xt.T, jax.lax.dynamic_slice_in_dim(dyp, t * tile, tile), preferred_element_type=jnp.float32)
         return dw.at[grp].add(part)
 
-    def step(dw, pair):
-        return jax.lax.cond(pair[3] > pair[2], lambda d: add_pair(d, pair), lambda d: d, dw), None
-
-    dw, _ = jax.lax.scan(step, full_varying((e, k, n), 0, jnp.float32, (x, dy, group_sizes)),
-                         (tiles, groups, starts, ends))
-    return dw.astype(out_dtype or x.dtype)
+    init = full_varying((e, k, n), 0, jnp.float32, (x, dy, group_sizes))
+    return _scan_pairs(x, group_sizes, tile, init, add).astype(out_dtype or x.dtype)
 
 
 def _forward(x, w, group_sizes, tile_rows):
