@@ -13,7 +13,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax.bench import timing
+from pk_jax.bench import results, timing
 
 AX = "x"
 
@@ -102,7 +102,7 @@ def _check(ours: jax.Array, ref: jax.Array, exact: bool) -> str:
     b = np.asarray(ref.astype(jnp.float32))
     if exact:
         return "ok" if np.array_equal(a, b) else "MISMATCH"
-    err = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    err = results.rel_err(a, b)
     return f"ok rel={err:.1e}" if err < 1e-2 and np.isfinite(a).all() else f"MISMATCH rel={err:.1e}"
 
 

@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax.bench import timing
+from pk_jax.bench import results, timing
 
 AX = "sp"
 
@@ -145,11 +145,6 @@ def _attention_alone(c: Case, g: int, dtype):
     return None if fn is None else (fn, args)
 
 
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
     devices = jax.devices()
     g = len(devices)
@@ -175,7 +170,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> 
         check = "no baseline"
         if base is not None:
             want = base(args)
-            err_v = max(_rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+            err_v = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             check = f"ok rel={err_v:.1e}" if err_v < 3e-2 else f"MISMATCH rel={err_v:.1e}"
         fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else [])
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)

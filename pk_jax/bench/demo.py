@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import pk_jax
-from pk_jax.bench import timing
+from pk_jax.bench import results, timing
 from pk_jax.bench.progress import Progress
 
 AX = "x"
@@ -84,11 +84,6 @@ def _inputs(mesh: Mesh, item: Item, count: int, dtype) -> tuple[list, ...]:
     return tuple(out)
 
 
-def _rel_err(a: jax.Array, b: jax.Array) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def run(reps: int = 10, dtype=jnp.bfloat16) -> list[dict]:
     """Times every item this machine can run; rows in the results format (skipped items say why)."""
     before = os.environ.get("PK_JAX_AUTOTUNE")
@@ -116,7 +111,7 @@ def _run(reps: int, dtype) -> list[dict]:
         count = 4 if on_gpu else 1
         args = _inputs(mesh, item, count, dtype)
         ours, xla = _runner(mesh, item, item.ours, count), _runner(mesh, item, item.xla, count)
-        err = _rel_err(ours(args)[0], xla(args)[0])
+        err = results.rel_err(ours(args)[0], xla(args)[0])
         ours_ms, xla_ms = timing.time_interleaved([ours, xla], args, reps=reps, ops_per_call=count)
         rows.append({"op": item.op, "family": item.family, "case": "demo", "shape": list(item.shape),
                      "dtype": jnp.dtype(dtype).name, "group": 1 if item.min_devices == 1 else g,

@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
-from pk_jax.bench import timing
+from pk_jax.bench import results, timing
 from pk_jax.moe import routing
 
 AX = "ep"
@@ -114,11 +114,6 @@ def _try(jitted, args):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def _contenders(c: Case, g: int, mesh: Mesh, dtype):
     """(args, ours, [(name, baseline)], bytes at the busiest receiver) of one case."""
     rng = np.random.default_rng(1)
@@ -203,7 +198,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> 
                 names.append(name)
         check = "no baseline"
         if c.op == "grouped_matmul" and len(fns) > 1:
-            e = max(_rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(fns[1](args))))
+            e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(fns[1](args))))
             check = f"ok rel={e:.1e}" if e < 3e-2 else f"MISMATCH rel={e:.1e}"
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
         base = dict(zip(names, times[1:]))

@@ -10,6 +10,13 @@ import sys
 from collections.abc import Sequence
 
 import jax
+import numpy as np
+
+
+def rel_err(a, b) -> float:
+    """Relative Frobenius error of `a` against the reference `b`, in float32."""
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
 def device_description() -> str:

@@ -82,11 +82,6 @@ def _runner(mesh, fn, in_specs, out_spec, count: int):
     return lambda args: jitted(*args)
 
 
-def _rel_err(a, b) -> float:
-    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
 def _tuned(op, m, n, k, dtype, g) -> dict:
     """The default call's autotuned choice: num_comm_sms (autotune.INTRA_SM: the kernel without comm
     SMs), tile, and every candidate's time."""
@@ -123,7 +118,7 @@ def run(quick: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, out
         comp = _runner(mesh, comp_fn, in_specs, out_spec, count)
         jax.block_until_ready(ours((xs[:1] * count, ws[:1] * count)))  # compiled: the autotuner chose
         ours = _runner(mesh, ours_fn, in_specs, out_spec, count)  # traced again, as a later compile is: tuned
-        err = _rel_err(ours((xs[:1] * count, ws[:1] * count))[0], comp((xs[:1] * count, ws[:1] * count))[0])
+        err = results.rel_err(ours((xs[:1] * count, ws[:1] * count))[0], comp((xs[:1] * count, ws[:1] * count))[0])
         # The GEMM alone on local shapes (cuBLAS and ours) and the collective alone (NCCL and ours).
         a_loc = [_maker(mesh, P(), dtype)(jax.random.key(7 + i), (m_, k_)) for i in range(count)]
         b_loc = [_maker(mesh, P(), dtype)(jax.random.key(9 + i), (k_, n_)) for i in range(count)]
