@@ -66,12 +66,12 @@ __device__ __forceinline__ uint32_t pack_word(const float (&acc)[2]) {
 // Per-launch state: this op's flag with each member (by rank) and the LL areas.
 struct SmallOpState {
   const Group& g;
-  uint32_t* flag;  // shared memory, by rank: low 32 bits of this small op's epoch with that member
+  uint32_t* flag;  // shared memory, by rank: this small op's LL flag with that member (ll_flag)
 
   // Where this device's lines for member r go (r's area, this device's sender slot).
-  __device__ uint64_t* out(int r) const { return g.ctrl[r]->ll[flag[r] & 1u][g.my_slot()]; }
+  __device__ uint64_t* out(int r) const { return g.ctrl[r]->ll[ll_parity(flag[r])][g.my_slot()]; }
   // Where member r's lines for this device arrive (own area, r's sender slot).
-  __device__ const uint64_t* in(int r) const { return g.self()->ll[flag[r] & 1u][g.slot[r]]; }
+  __device__ const uint64_t* in(int r) const { return g.self()->ll[ll_parity(flag[r])][g.slot[r]]; }
 
   // Last CTA to finish advances the per-peer epochs (device memory: CUDA-graph replays stay right).
   // Every CTA read the epochs at its start, before it arrived.
@@ -88,7 +88,7 @@ struct SmallOpState {
 
 #define PK_SMALL_PROLOGUE                                                          \
   __shared__ uint32_t flag_smem[kMaxGroup];                                        \
-  if (threadIdx.x < g.size) flag_smem[threadIdx.x] = uint32_t(g.self()->ll_seq[g.slot[threadIdx.x]] + 1); \
+  if (threadIdx.x < g.size) flag_smem[threadIdx.x] = ll_flag(g.self()->ll_seq[g.slot[threadIdx.x]] + 1, g.op); \
   __syncthreads();                                                                 \
   const SmallOpState st{g, flag_smem};
 

@@ -17,6 +17,17 @@ from collections.abc import Iterator
 import numpy as np
 
 MASK32 = 0xFFFFFFFF
+MASK28 = 0x0FFFFFFF
+OP_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce_one_shot": 3, "all_reduce_two_shot": 3}  # OpCode
+
+
+def ll_flag(epoch: int, kind: str) -> int:
+    """pk/ll.cuh ll_flag: the pair's epoch (low 28 bits) over the op code (4 bits)."""
+    return ((epoch & MASK28) << 4) | OP_CODES[kind]
+
+
+class OpMismatch(RuntimeError):
+    """A receiver saw its epoch with another op code on a line: the members' op sequences diverged."""
 
 
 @dataclasses.dataclass
@@ -84,22 +95,25 @@ def run_member(members: list[Member], device: int, ops: list[Op], violations: li
         if device not in op.slots:
             continue
         g, slot, me = op.g, op.slots, op.slots.index(device)
-        flag = [(mine.ll_seq[slot[r]] + 1) & MASK32 for r in range(g)]  # prologue: epochs by peer
+        epoch = [mine.ll_seq[slot[r]] + 1 for r in range(g)]  # prologue: epochs by peer
+        flag = [ll_flag(e, op.kind) for e in epoch]
         x = op.xs[me]
         y = op.outs[me]
 
         def send(r: int, line: int, w: int) -> None:
-            area = members[slot[r]].ll[flag[r] & 1, device]
+            area = members[slot[r]].ll[epoch[r] & 1, device]
             old = int(area[line])
             # The peer must have consumed the line's previous content (two ops back) already: a writer
             # at most one op ahead never meets an unread line. Unread = epoch one behind ours on it.
-            if old >> 32 == (flag[r] - 2) & MASK32 and members[slot[r]].ll_seq[device] < flag[r] - 2:
+            if old >> 36 == (epoch[r] - 2) & MASK28 and members[slot[r]].ll_seq[device] < epoch[r] - 2:
                 violations.append(f"device {device} overwrote unread line {line} of device {slot[r]}")
             area[line] = np.uint64((flag[r] << 32) | w)
 
         def receive(r: int, line: int):
-            area = mine.ll[flag[r] & 1, slot[r]]
-            while int(area[line]) >> 32 != flag[r]:
+            area = mine.ll[epoch[r] & 1, slot[r]]
+            while (got := int(area[line]) >> 32) != flag[r]:
+                if got >> 4 == flag[r] >> 4:  # ll_wait: this epoch, another op
+                    raise OpMismatch(f"device {device} ran {op.kind} while device {slot[r]} ran op code {got & 15}")
                 yield WAITING
             return int(area[line]) & MASK32
 
@@ -152,13 +166,15 @@ def run_member(members: list[Member], device: int, ops: list[Op], violations: li
                 mine.ll_seq[slot[r]] += 1
 
 
-def run(ops: list[Op], lines: int, seed: int) -> list[str]:
-    """Runs `ops` (each on its group's devices) on every device under a random interleaving. Returns
-    protocol violations (none expected); raises on deadlock."""
-    g = max(max(op.slots) for op in ops) + 1  # devices
+def run(ops: list[Op] | list[list[Op]], lines: int, seed: int) -> list[str]:
+    """Runs `ops` (each on its group's devices) on every device under a random interleaving; a list of
+    lists gives each device its own sequence (a member that diverged). Returns protocol violations
+    (none expected); raises OpMismatch when a receiver sees another op, RuntimeError on deadlock."""
+    per_device = ops if ops and isinstance(ops[0], list) else None
+    g = len(per_device) if per_device else max(max(op.slots) for op in ops) + 1  # devices
     members = [Member(lines, g) for _ in range(g)]
     violations: list[str] = []
-    gens = {r: run_member(members, r, ops, violations) for r in range(g)}
+    gens = {r: run_member(members, r, per_device[r] if per_device else ops, violations) for r in range(g)}
     rng = random.Random(seed)
     speed = [rng.random() + 0.05 for _ in range(g)]  # some members run far ahead of others
     idle = 0  # consecutive steps in which the scheduled member was spinning

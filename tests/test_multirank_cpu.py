@@ -48,6 +48,22 @@ def test_check_ops_two_cpu_ranks(tmp_path):
         assert r["group"] == (1 if r["op"] == "matmul" else 2)
 
 
+def test_training_two_cpu_ranks(tmp_path):
+    """check_training.py on the fallbacks: gradients of every fused op (w as stored and transposed)
+    equal the float32 reference across 2 processes, and the emitted program has no float32 GEMM."""
+    proc, rows = _launch("check_training.py", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert len(rows) == 6 and all(r["extra"]["ok"] and 0 < r["extra"]["max_err"] < 1e-2 for r in rows), rows
+    assert {r["op"] for r in rows} == {"all_gather_matmul_vjp", "matmul_reduce_scatter_vjp", "matmul_all_reduce_vjp"}
+
+
+def test_plain_jit_mlp_two_cpu_ranks(tmp_path):
+    """check_jit.py on the fallbacks: the NamedSharding-only MLP's values and gradients across 2 processes."""
+    proc, rows = _launch("check_jit.py", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert [r["case"] for r in rows] == ["fwd@1x2", "fwd_bwd@1x2"] and all(r["extra"]["ok"] for r in rows), rows
+
+
 def test_soak_two_cpu_ranks(tmp_path):
     proc, rows = _launch("soak.py", tmp_path, "--calls", "24")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -58,6 +58,20 @@ def test_model_matches_reference_under_random_schedules(g, dtype):
                 assert bytes(op.outs[r]) == want[r], f"{op.kind} member {r} seed {seed}"
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_model_diverged_members_fail_instead_of_mixing_ops(seed):
+    """Member 1 skips an all_gather and runs the all_reduce that member 0 reaches next (the multirank
+    'skip' fault): the LL flag carries the op code, so whichever member reads first sees this epoch with
+    the other op's code and fails (the kernel records kOpMismatch) instead of taking its payload."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(np.float32)
+    xs = _inputs("all_gather", 2, 16, dt, rng)
+    gather_first = emu.Op("all_gather", xs, dt)
+    reduce_next = emu.Op("all_reduce_one_shot", xs, dt)
+    with pytest.raises(emu.OpMismatch, match="all_gather while device 1 ran op code 3|all_reduce_one_shot while device 0 ran op code 1"):
+        emu.run([[gather_first, reduce_next], [reduce_next]], lines=64, seed=seed)
+
+
 def test_model_groups_of_different_axes_interleave():
     """A 2 x 2 mesh: row groups, column groups and the whole mesh (ranks not in slot order, as
     Group::slot allows) run small ops in one program order. Epochs are per device pair, so each pair's

@@ -1,5 +1,5 @@
 // LL ("low latency") lines for small messages, after NCCL's LL protocol: 8 bytes = 4 payload bytes +
-// a 4-byte flag (the op's epoch), written with one 8-byte store. An aligned 8-byte store is
+// a 4-byte flag (the op's epoch and code, ll_flag), written with one 8-byte store. An aligned 8-byte store is
 // single-copy atomic, so a reader that sees the flag also sees that op's payload: the data carries
 // its own ready signal, and a transfer costs one one-way NVLink trip instead of data + fence + flag.
 #pragma once
@@ -19,14 +19,35 @@ __device__ __forceinline__ uint64_t ll_load(const uint64_t* line) {
   return v;
 }
 
+// A line's flag: the pair's small-op epoch (low 28 bits) and the op code (4 bits). The code tells a
+// member that ran another op at this point (its lines carry this epoch and another code) from one
+// that is only late, so diverged op sequences fail at once instead of mixing payloads.
+__device__ __forceinline__ uint32_t ll_flag(uint64_t epoch, int32_t op) {
+  return (uint32_t(epoch) << 4) | (uint32_t(op) & 0xFu);
+}
+__device__ __forceinline__ uint32_t ll_parity(uint32_t flag) { return (flag >> 4) & 1u; }
+
 __device__ __forceinline__ bool ll_ready(uint64_t v, uint32_t flag) { return uint32_t(v >> 32) == flag; }
 
-// Spins until the line carries `flag`; its payload goes to `data`. False after the bounded wait
-// gave up (kTimeoutSmall recorded against `peer_rank`).
+// Spins until the line carries `flag`; its payload goes to `data`. False after the bounded wait gave
+// up (kTimeoutSmall recorded against `peer_rank`) or when the line carries this epoch with another op
+// code (kOpMismatch, with the peer's op).
 __device__ inline bool ll_wait(const uint64_t* line, uint32_t flag, uint32_t& data, const Group& g, int peer_rank) {
   uint64_t v = 0;
-  const bool ok = wait_until([&] { return ll_ready(v = ll_load(line), flag); }, g, peer_rank, kTimeoutSmall);
+  bool other_op = false;
+  const bool ok = wait_until(
+      [&] {
+        v = ll_load(line);
+        const uint32_t got = uint32_t(v >> 32);
+        other_op = got != flag && (got >> 4) == (flag >> 4);
+        return got == flag || other_op;
+      },
+      g, peer_rank, kTimeoutSmall);
   data = uint32_t(v);
+  if (ok && other_op) {
+    record_error(g, kOpMismatch, peer_rank, int32_t(uint32_t(v >> 32) & 0xFu));
+    return false;
+  }
   return ok;
 }
 

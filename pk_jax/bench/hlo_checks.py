@@ -67,3 +67,35 @@ def custom_call_kinds(text: str, target: str) -> list[int | None]:
 def describe(found: list[Gemm]) -> str:
     """One line per GEMM, for failure messages."""
     return "\n".join(f"  {g.where}: {'x'.join(g.operands)} -> {g.result}: {g.line[:160]}" for g in found)
+
+
+# What jax.vjp of each fused op compiles to (autotuning off, so the schedule is the fused starting point,
+# never the composition): (pk_tp_gemm kinds of its forward, of its backward's fused kernel, number of
+# pk_matmul calls in the backward). Kinds as tp_gemm.kernel_kind: comm-SM kernels 0-2, intra-SM 3-5.
+# The pairing: AG's dx is a GEMM+RS and its dw a pk_matmul; RS's dh an AG+GEMM and its dw a pk_matmul;
+# AR's dh and dw two pk_matmuls.
+FUSED_VJP = {
+    "all_gather_matmul": ({0, 5}, {1, 3}, 1),
+    "matmul_reduce_scatter": ({1, 3}, {0, 5}, 1),
+    "matmul_all_reduce": ({2, 4}, set(), 2),
+}
+
+
+def fused_vjp_problems(compiled: str, op: str) -> list[str]:
+    """Why the compiled (HLO) program of jax.vjp of fused `op` is not the fused bf16 backward: float32
+    GEMMs, or pk_tp_gemm / pk_matmul calls other than FUSED_VJP[op]. Empty when it is."""
+    problems = []
+    bad = float32_gemms(gemms(compiled), results_too=False)
+    if bad:
+        problems.append("float32 GEMMs in the compiled backward:\n" + describe(bad))
+    fwd, bwd, matmuls = FUSED_VJP[op]
+    kinds = custom_call_kinds(compiled, "pk_tp_gemm")
+    # jax.vjp's function recomputes nothing: the program is the forward kernel plus the backward's.
+    if sum(k in fwd for k in kinds) != 1 or sum(k in bwd for k in kinds) != (1 if bwd else 0) \
+            or len(kinds) != 1 + (1 if bwd else 0):
+        problems.append(f"pk_tp_gemm kinds {kinds}: want one of {sorted(fwd)} (forward)"
+                        + (f" and one of {sorted(bwd)} (backward)" if bwd else ""))
+    n = len(custom_call_kinds(compiled, "pk_matmul"))
+    if n != matmuls:
+        problems.append(f"{n} pk_matmul custom calls, expected {matmuls}")
+    return problems

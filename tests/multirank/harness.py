@@ -36,11 +36,12 @@ KV_TIMEOUT_S = 300.0
 # Tolerances, elementwise |got - ref| <= tol * (1 + |ref|) against a float32 reference of the rounded
 # inputs. Gathers and all_to_all move bits: exact. Our reductions sum in float32 and round once (half an
 # ulp); store-add and the jax.lax fallback on CPU sum in the output dtype, one rounding per member (up to
-# 4 here): about 3 ulps (bf16 ulp 2^-7, f16 2^-10). GEMMs add the accumulation order.
+# 4 here): about 3 ulps (bf16 ulp 2^-7, f16 2^-10). GEMMs add the accumulation order; float32 GEMMs run as
+# jnp.dot does at default precision, TF32 on Hopper (10-bit mantissa: 1.0-1.3e-3 measured at K = 512).
 TOLERANCES = {
     "exact": {"float32": 0.0, "bfloat16": 0.0, "float16": 0.0},
     "reduce": {"float32": 1e-5, "bfloat16": 2.4e-2, "float16": 4e-3},
-    "gemm": {"float32": 1e-4, "bfloat16": 3e-2, "float16": 4e-3},
+    "gemm": {"float32": 4e-3, "bfloat16": 3e-2, "float16": 4e-3},
 }
 DTYPES = {"float32": np.float32, "bfloat16": jax.numpy.bfloat16, "float16": np.float16}
 
