@@ -299,6 +299,7 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
     why_intra = _fusable(op, x, w, g, intra_sm=True, transpose_w=transpose_w)
     why = why_intra if schedule == intra_name else _fusable(op, x, w, g, intra_sm=False, transpose_w=transpose_w)
     if why and jax.default_backend() == "gpu":
+        runtime.lax_fallback_allowed(op, why)  # ranks sharing a GPU: a clear error, not NCCL's
         _warn_once(f"{op} runs the XLA composition: {why}")
     # The intra-SM AG is as deterministic as the other (no sums); store-add only with deterministic=False.
     intra_allowed = (op == "all_gather_matmul" or not deterministic) and why_intra is None

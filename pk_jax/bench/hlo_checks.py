@@ -69,7 +69,7 @@ def describe(found: list[Gemm]) -> str:
     return "\n".join(f"  {g.where}: {'x'.join(g.operands)} -> {g.result}: {g.line[:160]}" for g in found)
 
 
-# What jax.vjp of each fused op compiles to (autotuning off, so the schedule is the fused starting point,
+# What a training step of each fused op (its output y and jax.vjp's gradients) compiles to (autotuning off, so the schedule is the fused starting point,
 # never the composition): (pk_tp_gemm kinds of its forward, of its backward's fused kernel, number of
 # pk_matmul calls in the backward). Kinds as tp_gemm.kernel_kind: comm-SM kernels 0-2, intra-SM 3-5.
 # The pairing: AG's dx is a GEMM+RS and its dw a pk_matmul; RS's dh an AG+GEMM and its dw a pk_matmul;
@@ -82,15 +82,16 @@ FUSED_VJP = {
 
 
 def fused_vjp_problems(compiled: str, op: str) -> list[str]:
-    """Why the compiled (HLO) program of jax.vjp of fused `op` is not the fused bf16 backward: float32
-    GEMMs, or pk_tp_gemm / pk_matmul calls other than FUSED_VJP[op]. Empty when it is."""
+    """Why the compiled (HLO) training step of fused `op` (y and jax.vjp's gradients; a program of the
+    gradients alone drops RS's and AR's forward kernel as dead code) is not the fused bf16 backward:
+    float32 GEMMs, or pk_tp_gemm / pk_matmul calls other than FUSED_VJP[op]. Empty when it is."""
     problems = []
     bad = float32_gemms(gemms(compiled), results_too=False)
     if bad:
         problems.append("float32 GEMMs in the compiled backward:\n" + describe(bad))
     fwd, bwd, matmuls = FUSED_VJP[op]
     kinds = custom_call_kinds(compiled, "pk_tp_gemm")
-    # jax.vjp's function recomputes nothing: the program is the forward kernel plus the backward's.
+    # jax.vjp's function recomputes nothing: the step is the forward kernel plus the backward's.
     if sum(k in fwd for k in kinds) != 1 or sum(k in bwd for k in kinds) != (1 if bwd else 0) \
             or len(kinds) != 1 + (1 if bwd else 0):
         problems.append(f"pk_tp_gemm kinds {kinds}: want one of {sorted(fwd)} (forward)"

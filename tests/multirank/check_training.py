@@ -1,7 +1,7 @@
 """The fused ops' backward across processes: for each fused TP GEMM (w as stored and transposed), the
-compiled `jax.vjp` of a jitted shard_map (check_vma on) holds no float32 GEMM and calls our fused
-kernels in the Megatron pairing (hlo_checks.FUSED_VJP; on GPU), and dx, dw equal a float32 NumPy
-reference of the whole (global) product on every addressable shard.
+compiled training step (y and jax.vjp's dx, dw of a jitted shard_map, check_vma on) holds no float32
+GEMM and calls our fused kernels in the Megatron pairing (hlo_checks.FUSED_VJP; on GPU), and y, dx, dw
+equal a float32 NumPy reference of the whole (global) product on every addressable shard.
 
 Run under the launcher, e.g. `python -m pk_jax.launch -n 2 --share-gpu tests/multirank/check_training.py`
 (GPU ranks sharing one GPU are the issue's test mode) or `--cpu` (the jax.lax fallbacks over gloo: only
@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import pk_jax  # noqa: E402
 from pk_jax.bench import hlo_checks  # noqa: E402
 
-M, K, N = 256, 512, 384  # per member: x (M, K) rows / w (K, N) columns, as the GPU training test
+M, K, N = 256, 512, 384  # per member: x (M, K) rows / w (K, N) columns (AG), as the GPU training test
 REL_TOL = 1e-2           # bf16 operands and outputs, float32 accumulation
 
 
@@ -41,7 +41,8 @@ def problem(op: str, transpose_w: bool, g: int):
         x, w = bf16((g * M, K)), bf16(stored(K, g * N), K ** -0.5)
         fn = lambda a, b: pk_jax.all_gather_matmul(a, b, "x", transpose_w=transpose_w)
         return fn, (P("x"), w_cols), P(None, "x"), x, w
-    x, w = bf16((M, g * K)), bf16(stored(g * K, N), (g * K) ** -0.5)
+    rows = 128 * g  # RS/AR: the kernels need 128-row multiples of output rows per member
+    x, w = bf16((rows, g * K)), bf16(stored(g * K, N), (g * K) ** -0.5)
     if op == "matmul_reduce_scatter":
         fn = lambda a, b: pk_jax.matmul_reduce_scatter(a, b, "x", transpose_w=transpose_w)
         return fn, (P(None, "x"), w_rows), P("x"), x, w
@@ -67,7 +68,12 @@ def check(mesh: Mesh, op: str, transpose_w: bool, on_gpu: bool) -> tuple[bool, f
     weight = wf.T if transpose_w else wf
     rng = np.random.default_rng(7)
     ct = rng.standard_normal((xf.shape[0], weight.shape[1]), dtype=np.float32).astype(jnp.bfloat16)
-    step = jax.jit(lambda a, b, c: jax.vjp(f, a, b)[1](c))
+
+    def step(a, b, c):  # a training step uses y (the loss) and the gradients: the forward stays live
+        y, vjp = jax.vjp(f, a, b)
+        return y, *vjp(c)
+
+    step = jax.jit(step)
     args = (put(x, specs[0]), put(w, specs[1]), put(ct, out_spec))
     lowered = step.lower(*args)
     if on_gpu:
@@ -75,13 +81,13 @@ def check(mesh: Mesh, op: str, transpose_w: bool, on_gpu: bool) -> tuple[bool, f
     else:  # the lax fallback: XLA's CPU passes may widen bf16 dots, so check what we emit
         bad = hlo_checks.float32_gemms(hlo_checks.gemms(lowered.as_text()), results_too=False)
         problems = ["float32 GEMMs:\n" + hlo_checks.describe(bad)] if bad else []
-    dx, dw = step(*args)
+    y, dx, dw = step(*args)
     pk_jax.runtime.check()
     ctf = np.asarray(ct, np.float32)
     ref_dx = ctf @ weight.T
     ref_dweight = xf.T @ ctf
     ref_dw = ref_dweight.T if transpose_w else ref_dweight
-    err = max(shard_errors(dx, ref_dx), shard_errors(dw, ref_dw))
+    err = max(shard_errors(y, xf @ weight), shard_errors(dx, ref_dx), shard_errors(dw, ref_dw))
     return not problems and err < REL_TOL, err, "; ".join(problems)[:400]
 
 
@@ -98,7 +104,8 @@ def main() -> int:
                 if why:
                     print(f"rank {job.rank}: {op} transpose_w={transpose_w}: {why}", flush=True)
                 return ok, err
-            rows.run(f"{op}_vjp", f"transpose_w={transpose_w}", (g * M, K, g * N), "bfloat16", g, run)
+            shape = (g * M, K, g * N) if op == "all_gather_matmul" else (128 * g, g * K, N)
+            rows.run(f"{op}_vjp", f"transpose_w={transpose_w}", shape, "bfloat16", g, run)
     return rows.finish(args.out)
 
 
