@@ -135,3 +135,20 @@ def test_regathered_and_used_gathered_output():
     for got, alt, want in zip(kept, again, ref):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(alt, np.float32))
         assert rel_err(got, want) < BF16_TOL
+
+
+def test_model_bench_checks_against_float32_when_ranks_share_a_gpu(monkeypatch, tmp_path):
+    """`bench model` where ranks share one GPU (no XLA baseline can run): every row is checked against
+    the float32 reference computed unsharded (here in one process of 2 CPU devices), XLA is not
+    timed, and a wrong result would be reported as a MISMATCH."""
+    from pk_jax import distributed
+    from pk_jax.bench import model
+
+    monkeypatch.setattr(distributed, "shares_gpu", lambda: True)
+    rows = model.run([TINY], [256], 2, 1, str(tmp_path), ["mlp_block", "transformer_layer"])
+    assert len(rows) == 4
+    for r in rows:
+        assert r["baseline"] == model.SHARED_BASELINE and r["baseline_ms"] is None and r["ratio"] is None
+        assert r["extra"]["check"] == "ok" and 0 < r["extra"]["max_rel_err_vs_f32"] < BF16_TOL, r
+    ours = jax.tree.map(lambda a: a * 1.5, rand(1, (4, 4)))  # the error helper sees a wrong result
+    assert model._shard_error(ours, np.asarray(rand(1, (4, 4)), np.float32)) > 0.4

@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="model: what to time (default both)")
     p.add_argument("--mlp", default="gelu", choices=["gelu", "swiglu"], help="model: MLP of the layer (default gelu)")
     p.add_argument("--distributed", action="store_true",
-                   help="model: jax.distributed.initialize() first (one process per GPU; process 0 writes)")
+                   help="model: join a jax.distributed job first (one process per GPU, or under pk_jax.launch; "
+                        "process 0 writes)")
     p.add_argument("--layouts", action="store_true",
                    help="gemm: only the backward layouts' rows (NT, TN on the Llama-3-70B MLP backward shapes)")
     p.add_argument("--latency", action="store_true",
@@ -89,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     if args.distributed:
-        jax.distributed.initialize()  # coordinator, process count and id from the environment / cluster
+        import pk_jax
+
+        if not os.environ.get("JAX_NUM_PROCESSES"):  # under pk_jax.launch, pk_jax.initialize() joins the job
+            jax.distributed.initialize()  # coordinator, process count and id from the environment / cluster
+        pk_jax.initialize()  # the kernels' cross-process memory (a no-op in one process)
 
     from pk_jax.bench import collectives, results
 

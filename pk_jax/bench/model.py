@@ -17,6 +17,13 @@ gradient at most ~4x that live: well under 50 GB of the H200's 141 GB. Without t
 
 Group size: the mesh is all devices (`--group` takes the first G). Under jax.distributed (one process
 per GPU, `--distributed`) the mesh is global and only process 0 prints and writes files.
+
+Ranks sharing one GPU (`python -m pk_jax.launch -n 2 --share-gpu -m pk_jax.bench model --distributed`, the
+multi-rank test mode): XLA's collectives cannot run there (NCCL refuses the duplicate GPU) and timings
+mean nothing, so each case is checked instead against a float32 reference of the whole layer that every
+process computes unsharded on its own device (output and every gradient, on its addressable shards);
+defaults shrink to the MLP block (the whole layer's norm-scale gradients need jax's own psum, which NCCL
+refuses there) at the 8B width, T = 4096.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from pk_jax import distributed
 from pk_jax.bench import llama_layer as L
 from pk_jax.bench import results, timing
 
@@ -38,6 +46,8 @@ AX = "tp"
 DEFAULT_TOKENS = (8192, 16384)
 CPU_SMALL = L.LayerShape("cpu-small", 256, 1024, 8, 8, head_dim=32)  # plumbing runs without a GPU
 CHECK_TOL = 3e-2  # relative norm difference ours vs XLA, both bf16 (measured ~1e-2 at most on CPU)
+REF_TOL = 5e-2    # ours (bf16) vs the float32 reference, per shard (ranks sharing a GPU)
+SHARED_BASELINE = "none: ranks share one GPU (XLA's collectives cannot run there; timings not meaningful)"
 
 
 def _main_process() -> bool:
@@ -96,35 +106,71 @@ def _programs(shape: L.LayerShape, ops: L.Ops, mesh, mlp_only: bool, backward: b
     return jax.jit(step)
 
 
+def _reference_program(shape: L.LayerShape, group: int, mlp_only: bool, backward: bool):
+    """The layer unsharded in float32 on one device (every operand cast up first, so the gradients are
+    float32 too): f(params, x, ct) -> y or (y, (d params, dx))."""
+    f = lambda p, x: L.reference_layer(p, x, shape, group, mlp_only)
+    up = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+    if not backward:
+        return jax.jit(lambda p, x, ct: f(up(p), up(x)))
+
+    def step(p, x, ct):
+        y, vjp = jax.vjp(f, up(p), up(x))
+        return y, vjp(up(ct))
+    return jax.jit(step)
+
+
+def _shard_error(ours, ref) -> float:
+    """The largest relative norm difference of any addressable shard of any leaf of `ours` (global
+    arrays) against the same slice of `ref` (this process's unsharded float32 arrays)."""
+    worst = 0.0
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(ref)):
+        want_all = np.asarray(b, np.float32)
+        for s in a.addressable_shards:
+            got, want = np.asarray(s.data, np.float32), want_all[s.index]
+            worst = max(worst, float(np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-30)))
+    return worst
+
+
 def run_case(shape: L.LayerShape, tokens: int, mesh, params, mlp_only: bool, backward: bool, reps: int,
-             peak_tflops: float, inputs: list) -> dict:
+             peak_tflops: float, inputs: list, reference_sets: list | None = None) -> dict:
+    """One row. `reference_sets` (ranks sharing a GPU): per input set, (params, x, ct) unsharded on
+    this process's device; ours is then checked against the float32 reference and XLA is not run."""
     group = mesh.shape[AX]
     ours = _programs(shape, L.PK_OPS, mesh, mlp_only, backward)
-    xla = _programs(shape, L.XLA_OPS, mesh, mlp_only, backward)
     sets = [(params, x, ct) for x, ct in inputs]
-    err = float(_max_err(ours(*sets[0]), xla(*sets[0])))
-    ours_ms, xla_ms = timing.time_interleaved([_rotating(ours, sets), _rotating(xla, sets)], None, reps=reps,
-                                              ops_per_call=1)
+    if reference_sets is None:
+        xla = _programs(shape, L.XLA_OPS, mesh, mlp_only, backward)
+        err = float(_max_err(ours(*sets[0]), xla(*sets[0])))
+        ours_ms, xla_ms = timing.time_interleaved([_rotating(ours, sets), _rotating(xla, sets)], None, reps=reps,
+                                                  ops_per_call=1)
+        tol, baseline = CHECK_TOL, "xla"
+    else:
+        ref = _reference_program(shape, group, mlp_only, backward)
+        err = _shard_error(ours(*sets[0]), ref(*reference_sets[0]))
+        ours_ms = timing.time_interleaved([_rotating(ours, sets)], None, reps=reps, ops_per_call=1)[0]
+        xla_ms, tol, baseline = None, REF_TOL, SHARED_BASELINE
     flops = L.gemm_flops(shape, tokens, mlp_only, backward) / group
     bound_ms = flops / (peak_tflops * 1e9) if peak_tflops == peak_tflops else None  # no GPU: no peak
-    r4 = lambda v: None if bound_ms is None else round(v(), 4)
+    r4 = lambda v: None if bound_ms is None or xla_ms is None else round(v(), 4)
     row = {
         "op": "mlp_block" if mlp_only else "transformer_layer", "case": "fwd_bwd" if backward else "fwd",
-        "shape": [tokens], "dtype": "bfloat16", "group": group, "ours_ms": round(ours_ms, 4), "baseline": "xla",
-        "baseline_ms": round(xla_ms, 4), "ratio": round(xla_ms / ours_ms, 4),
+        "shape": [tokens], "dtype": "bfloat16", "group": group, "ours_ms": round(ours_ms, 4), "baseline": baseline,
+        "baseline_ms": None if xla_ms is None else round(xla_ms, 4),
+        "ratio": None if xla_ms is None else round(xla_ms / ours_ms, 4),
         "extra": {"width": shape.name, "d_model": shape.d_model, "d_ff": shape.d_ff, "n_heads": shape.n_heads,
                   "n_kv_heads": shape.n_kv_heads, "head_dim": shape.head_dim, "mlp": shape.mlp,
                   "gemm_tflop_per_gpu": round(flops / 1e12, 3), "peak_tflops": r4(lambda: peak_tflops),
-                  "bound_ms": r4(lambda: bound_ms), "bound_speedup": r4(lambda: xla_ms / bound_ms),
-                  "ours_bound_speedup": r4(lambda: ours_ms / bound_ms),
+                  "bound_ms": None if bound_ms is None else round(bound_ms, 4),
+                  "bound_speedup": r4(lambda: xla_ms / bound_ms), "ours_bound_speedup": r4(lambda: ours_ms / bound_ms),
                   "mesh": {k: int(v) for k, v in mesh.shape.items()}, "processes": jax.process_count(),
                   "attention": "jax.nn.dot_product_attention (XLA), one KV head at a time, rematerialized",
-                  "max_rel_diff_vs_xla": float(f"{err:.2e}"), "check": "ok" if err < CHECK_TOL else "MISMATCH",
-                  "reps": reps},
+                  ("max_rel_diff_vs_xla" if xla_ms is not None else "max_rel_err_vs_f32"): float(f"{err:.2e}"),
+                  "check": "ok" if err < tol else "MISMATCH", "reps": reps},
     }
     say(f"  {row['op']:<17} {row['case']:<7} {shape.name:<10} T={tokens:<6} G={group}  ours {ours_ms:9.3f} ms  "
-        f"XLA {xla_ms:9.3f} ms  x{xla_ms / ours_ms:5.3f}  floor {_num(bound_ms, '.3f')} ms  "
-        f"diff {err:.1e} {row['extra']['check']}")
+        f"XLA {_num(xla_ms, '9.3f')} ms  x{_num(row['ratio'], '5.3f')}  floor {_num(bound_ms, '.3f')} ms  "
+        f"{'diff' if xla_ms is not None else 'err vs f32'} {err:.1e} {row['extra']['check']}")
     return row
 
 
@@ -137,7 +183,8 @@ def run(shapes: list[L.LayerShape], tokens: list[int], group: int | None, reps: 
     if jax.process_count() > 1 and group != len(devices):
         raise ValueError(f"--group {group}: under jax.distributed the mesh is every device ({len(devices)})")
     mesh = Mesh(np.array(devices[:group]), (AX,))
-    peak = measured_peak_tflops(reps)
+    shared = distributed.shares_gpu()
+    peak = float("nan") if shared else measured_peak_tflops(reps)
     say(f"peak bf16 GEMM (8192^3 jnp.dot, one GPU): {peak:.0f} TFLOP/s")
     rows = []
     for shape in shapes:
@@ -149,18 +196,27 @@ def run(shapes: list[L.LayerShape], tokens: list[int], group: int | None, reps: 
             make = jax.jit(lambda key, t=t, d=shape.d_model: jax.random.normal(key, (t, d), jnp.float32)
                            .astype(jnp.bfloat16), out_shardings=x_sh)
             inputs = [(make(jax.random.key(2 * i)), make(jax.random.key(2 * i + 1))) for i in range(2)]
+            # Random values do not depend on the sharding (threefry is partitionable), so an unsharded copy
+            # made on this process's device equals the global arrays.
+            local = jax.jit(lambda key, t=t, d=shape.d_model: jax.random.normal(key, (t, d), jnp.float32)
+                            .astype(jnp.bfloat16))
+            local_inputs = [(local(jax.random.key(2 * i)), local(jax.random.key(2 * i + 1))) for i in range(1)]
             for block in blocks:
                 mlp_only = block == "mlp_block"
                 specs = L.param_specs(shape, AX, mlp_only)
                 params = L.init_params(jax.random.key(7), shape, jnp.bfloat16, mlp_only,
                                        {k: NamedSharding(mesh, s) for k, s in specs.items()})
+                ref_sets = None
+                if shared:
+                    local_params = L.init_params(jax.random.key(7), shape, jnp.bfloat16, mlp_only)
+                    ref_sets = [(local_params, x, ct) for x, ct in local_inputs]
                 for backward in (False, True):
-                    rows.append(run_case(shape, t, mesh, params, mlp_only, backward, reps, peak, inputs))
+                    rows.append(run_case(shape, t, mesh, params, mlp_only, backward, reps, peak, inputs, ref_sets))
                     if _main_process():
                         with open(os.path.join(out_dir, "model.partial.json"), "w") as f:
                             json.dump(rows, f, indent=1)  # survives a cut-off run
-                del params
-            del inputs
+                del params, ref_sets
+            del inputs, local_inputs
     return rows
 
 
@@ -172,8 +228,8 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         e = r["extra"]
         say(f"{r['op']:<18}{r['case']:<9}{e['width']:<12}{r['shape'][0]:>7}{r['group']:>3}{r['ours_ms']:>11.3f}"
-            f"{r['baseline_ms']:>11.3f}{r['ratio']:>8.3f}{_num(e['bound_ms'], '.3f'):>10}{_num(e['bound_speedup'], '.3f'):>10}"
-            f"  {e['check']}")
+            f"{_num(r['baseline_ms'], '.3f'):>11}{_num(r['ratio'], '.3f'):>8}{_num(e['bound_ms'], '.3f'):>10}"
+            f"{_num(e['bound_speedup'], '.3f'):>10}  {e['check']}")
 
 
 def _num(v: float | None, fmt: str) -> str:
@@ -200,7 +256,8 @@ def plot(rows: list[dict], path: str) -> None:
                 continue
             t = [p[0] for p in pts]
             line, = ax.plot(t, [p[1] for p in pts], marker="o", label=f"{width} pk_jax")
-            ax.plot(t, [p[2] for p in pts], marker="s", ls=":", color=line.get_color(), label=f"{width} XLA")
+            if pts[0][2] is not None:
+                ax.plot(t, [p[2] for p in pts], marker="s", ls=":", color=line.get_color(), label=f"{width} XLA")
             if pts[0][3] is not None:
                 ax.plot(t, [p[3] for p in pts], ls="--", color="gray", alpha=0.6, label=f"{width} GEMM floor")
         ax.set_xscale("log", base=2)
@@ -219,8 +276,10 @@ def plot(rows: list[dict], path: str) -> None:
 def main(args) -> int:
     """Entry from `python -m pk_jax.bench model` (jax already initialized, distributed if asked)."""
     on_gpu = jax.devices()[0].platform == "gpu"
-    tokens = args.tokens or (list(DEFAULT_TOKENS) if on_gpu else [256])
-    widths = [L.WIDTHS[w] for w in args.widths] if args.widths else (list(L.WIDTHS.values()) if on_gpu else [CPU_SMALL])
+    shared = distributed.shares_gpu()
+    tokens = args.tokens or (([4096] if shared else list(DEFAULT_TOKENS)) if on_gpu else [256])
+    default_widths = ([L.WIDTHS["llama3-8b"]] if shared else list(L.WIDTHS.values())) if on_gpu else [CPU_SMALL]
+    widths = [L.WIDTHS[w] for w in args.widths] if args.widths else default_widths
     shapes = [L.LayerShape(**{**w.__dict__, "mlp": args.mlp}) for w in widths]
     reps = args.reps or 20
     out = args.out
@@ -228,11 +287,15 @@ def main(args) -> int:
         f"MLP {args.mlp}")
     if not on_gpu:
         say("  (no GPU: a small width on CPU devices; only the plumbing means anything)")
+    if shared:
+        say("  (ranks share one GPU: checked against a float32 reference, XLA not run, timings not meaningful)")
     with warnings.catch_warnings():
         # At group 1 every fused op is its composition (nothing to communicate); say so once, not per op.
         warnings.filterwarnings("ignore", message=r".*group size must be 2\.\.8")
-        rows = run(shapes, tokens, args.group, reps, os.path.dirname(os.path.abspath(out)),
-                   args.blocks or ["transformer_layer", "mlp_block"])
+        # Ranks sharing a GPU: the layer's replicated norm scales get their gradient by jax's own psum
+        # (the transpose of the implicit pvary), which NCCL refuses there; the MLP block is pk_jax ops only.
+        blocks = args.blocks or (["mlp_block"] if shared else ["transformer_layer", "mlp_block"])
+        rows = run(shapes, tokens, args.group, reps, os.path.dirname(os.path.abspath(out)), blocks)
     if _main_process():
         results.write(out, "model", rows)
         say()
