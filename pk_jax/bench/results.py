@@ -20,8 +20,17 @@ def rel_err(a, b) -> float:
 
 
 def device_description() -> str:
+    """'4x NVIDIA H200'; where ranks share GPUs (the multi-rank test mode) the physical count and the
+    ranks: '1x NVIDIA H200 (2 ranks sharing each GPU)'."""
+    from pk_jax import distributed
+
     devs = jax.devices()
-    return f"{len(devs)}x {devs[0].device_kind}" if devs[0].platform == "gpu" else f"{len(devs)}x cpu"
+    if devs[0].platform != "gpu":
+        return f"{len(devs)}x cpu"
+    info = distributed.info()
+    if info is not None and info.ranks_per_gpu > 1:
+        return f"{len(devs) // info.ranks_per_gpu}x {devs[0].device_kind} ({info.ranks_per_gpu} ranks sharing each GPU)"
+    return f"{len(devs)}x {devs[0].device_kind}"
 
 
 def git_commit() -> str:
