@@ -36,6 +36,7 @@ const Api& api() {
     resolve(a.get_error_string, "cuGetErrorString");
     resolve(a.tensor_map_encode_tiled, "cuTensorMapEncodeTiled");
     resolve(a.mem_get_address_range, "cuMemGetAddressRange");
+    resolve(a.pointer_get_attribute, "cuPointerGetAttribute");
   });
   return a;
 }

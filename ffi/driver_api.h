@@ -17,6 +17,7 @@ struct Api {
   decltype(&cuGetErrorString) get_error_string;
   decltype(&cuTensorMapEncodeTiled) tensor_map_encode_tiled;
   decltype(&cuMemGetAddressRange) mem_get_address_range;
+  decltype(&cuPointerGetAttribute) pointer_get_attribute;
 };
 
 // Loads the entry points once; throws std::runtime_error naming a missing one.

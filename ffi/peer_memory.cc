@@ -2,12 +2,40 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <string>
 
 #include "driver_api.h"
 
 namespace pk {
+namespace {
+
+// What kind of allocation `base` is, for the report when legacy IPC refuses it: a stream-ordered pool
+// (cudaMallocAsync) or virtual-memory memory (cuMemCreate) and the shareable handle types it was
+// created with; the next step (pool export, fd export) depends on which.
+std::string describe_allocation(CUdeviceptr base) {
+  const auto& d = driver::api();
+  int legacy = -1;
+  CUmemoryPool pool = nullptr;
+  unsigned long long handle_types = 0;  // NOLINT(runtime/int): the attribute's type
+  const bool has_legacy =
+      d.pointer_get_attribute(&legacy, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, base) == CUDA_SUCCESS;
+  const bool has_pool = d.pointer_get_attribute(&pool, CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE, base) == CUDA_SUCCESS;
+  const bool has_types =
+      d.pointer_get_attribute(&handle_types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES, base) == CUDA_SUCCESS;
+  std::string out = "allocation: legacy-IPC capable " + (has_legacy ? std::to_string(legacy) : std::string("?"));
+  out += has_pool ? (pool ? ", from a stream-ordered memory pool" : ", no memory pool") : ", pool ?";
+  out += has_types ? ", shareable handle types 0x" + [&] {
+    char buf[32];
+    std::snprintf(buf, sizeof(buf), "%llx", handle_types);
+    return std::string(buf);
+  }() : std::string(", handle types ?");
+  return out;
+}
+
+}  // namespace
 
 ExportedRegion export_region(const void* ptr) {
   ExportedRegion r;
@@ -24,7 +52,7 @@ ExportedRegion export_region(const void* ptr) {
   const cudaError_t e = cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base));
   if (e != cudaSuccess) {
     cudaGetLastError();  // not sticky; keep later checks clean
-    r.why_not = std::string("cudaIpcGetMemHandle: ") + cudaGetErrorString(e);
+    r.why_not = std::string("cudaIpcGetMemHandle: ") + cudaGetErrorString(e) + "; " + describe_allocation(base);
     return r;
   }
   r.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));

@@ -27,8 +27,8 @@ void* BufferStaging::reachable(void* p, size_t bytes, bool copy_in, bool copy_ou
     throw std::runtime_error("pk_jax: a buffer of " + std::to_string(bytes) +
                              " bytes lies outside the GPU memory the other processes mapped at pk_jax.initialize() "
                              "and the staging heap (" + std::to_string(d_.staging_bytes >> 20) +
-                             " MiB) is too small for this call: raise PK_JAX_STAGING_MB, or keep JAX's default "
-                             "preallocation (XLA_PYTHON_CLIENT_PREALLOCATE) so every buffer is shared without copies");
+                             " MiB) is too small for this call: raise PK_JAX_STAGING_MB (every buffer peers touch "
+                             "in one op must fit; pk_jax.initialize() said why XLA's memory is not shared)");
   char* s = d_.staging + at;
   used_ = at + bytes;
   if (staged.fetch_add(1, std::memory_order_relaxed) == 0)

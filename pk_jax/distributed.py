@@ -5,7 +5,7 @@
 
 `initialize` finds the processes on this host (the NVLink domain), and through the jax.distributed
 key-value store (no extra ports, no MPI) exchanges what each GPU shares: its control block and the
-memory region of XLA's allocator (legacy CUDA IPC handles, 64 bytes each), plus a small staging heap.
+memory region of XLA's allocator (legacy CUDA IPC handles, 64 bytes each), plus a staging heap.
 Every process maps its peers' regions once; kernels then translate each published buffer address by
 the region it lies in (kernels/pk/group.cuh AddressMap), so ops read and write the peers' XLA buffers
 directly, with no per-call host exchange, exactly as in one process. A buffer outside the shared regions
@@ -81,7 +81,9 @@ def _timeout_s() -> float:
 
 
 def _staging_bytes() -> int:
-    return max(int(os.environ.get("PK_JAX_STAGING_MB", "64")), 1) << 20
+    # 1 GiB: every buffer peers touch in one op must fit (2 ranks, 8B-width MLP block at T = 4096 needed
+    # more than 64 MiB on an H200 where XLA's memory could not be shared).
+    return max(int(os.environ.get("PK_JAX_STAGING_MB", "1024")), 1) << 20
 
 
 def info() -> DistributedInfo | None:
