@@ -69,9 +69,9 @@ def describe(found: list[Gemm]) -> str:
     return "\n".join(f"  {g.where}: {'x'.join(g.operands)} -> {g.result}: {g.line[:160]}" for g in found)
 
 
-# What a training step of each fused op (its output y and jax.vjp's gradients) compiles to (autotuning off, so the schedule is the fused starting point,
-# never the composition): (pk_tp_gemm kinds of its forward, of its backward's fused kernel, number of
-# pk_matmul calls in the backward). Kinds as tp_gemm.kernel_kind: comm-SM kernels 0-2, intra-SM 3-5.
+# What a training step of each fused op (its output y and jax.vjp's gradients) compiles to (autotuning
+# off, so the schedule is the fused starting point, never the composition): (pk_tp_gemm kinds of its
+# forward, of its backward's fused kernel, number of pk_matmul calls in the backward). Kinds as tp_gemm.kernel_kind: comm-SM kernels 0-2, intra-SM 3-5.
 # The pairing: AG's dx is a GEMM+RS and its dw a pk_matmul; RS's dh an AG+GEMM and its dw a pk_matmul;
 # AR's dh and dw two pk_matmuls.
 FUSED_VJP = {

@@ -196,11 +196,12 @@ def run(shapes: list[L.LayerShape], tokens: list[int], group: int | None, reps: 
             make = jax.jit(lambda key, t=t, d=shape.d_model: jax.random.normal(key, (t, d), jnp.float32)
                            .astype(jnp.bfloat16), out_shardings=x_sh)
             inputs = [(make(jax.random.key(2 * i)), make(jax.random.key(2 * i + 1))) for i in range(2)]
-            # Random values do not depend on the sharding (threefry is partitionable), so an unsharded copy
-            # made on this process's device equals the global arrays.
-            local = jax.jit(lambda key, t=t, d=shape.d_model: jax.random.normal(key, (t, d), jnp.float32)
-                            .astype(jnp.bfloat16))
-            local_inputs = [(local(jax.random.key(2 * i)), local(jax.random.key(2 * i + 1))) for i in range(1)]
+            local_inputs = []
+            if shared:  # random values do not depend on the sharding (threefry is partitionable), so an
+                # unsharded copy made on this process's device equals the global arrays
+                local = jax.jit(lambda key, t=t, d=shape.d_model: jax.random.normal(key, (t, d), jnp.float32)
+                                .astype(jnp.bfloat16))
+                local_inputs = [(local(jax.random.key(0)), local(jax.random.key(1)))]  # = inputs[0]
             for block in blocks:
                 mlp_only = block == "mlp_block"
                 specs = L.param_specs(shape, AX, mlp_only)
