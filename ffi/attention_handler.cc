@@ -1,7 +1,8 @@
 // XLA FFI handler `pk_attention`: the attention forward kernel (kernels/attention.cuh) on one GPU.
 // Operands q (B, Tq, N, D), k and v (B, Tk, Nkv, D), offsets int32[2] (q_offset, kv_offset);
 // results o (B, Tq, N, D) in the input dtype and lse (B, N, Tq) float32 (written only when
-// `with_lse` is 1; otherwise XLA still allocates it, as a (1,1,1) placeholder). Stateless per call
+// `with_lse` is 1; otherwise XLA still allocates it, as a (1,1,1) placeholder); `pipelined` picks the
+// consumer schedule (kernels/attention_kernel.cuh). Stateless per call
 // (tensor maps rebuilt each time), so it can be captured into command buffers.
 #include <cuda_runtime.h>
 
@@ -23,7 +24,7 @@ std::string dims_str(ffi::Span<const int64_t> d) {
 
 ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                     float scale, int32_t causal, int32_t with_lse) {
+                     float scale, int32_t causal, int32_t with_lse, int32_t pipelined) {
   const auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions(), dout = o->dimensions();
   if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4 || dout.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention: q, k, v and o must be 4-D (batch, seq, heads, head_dim)");
@@ -36,6 +37,7 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
     if (dout[i] != dq[i]) return ffi::Error::InvalidArgument("pk_jax attention: o " + dims_str(dout) + " must match q " + dims_str(dq));
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention: causal must be 0 or 1");
   if (with_lse != 0 && with_lse != 1) return ffi::Error::InvalidArgument("pk_jax attention: with_lse must be 0 or 1");
+  if (pipelined != 0 && pipelined != 1) return ffi::Error::InvalidArgument("pk_jax attention: pipelined must be 0 or 1");
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention: offsets must be int32[2] (q_offset, kv_offset)");
   if (lse->element_type() != ffi::DataType::F32)
@@ -56,6 +58,7 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
   p.tk = int(dk[1]), p.kv_heads = int(dk[2]);
   p.scale = scale;
   p.causal = causal == 1;
+  p.pipelined = pipelined == 1;
   if (cudaError_t e = pk::attention::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention: configuring kernels: ") + cudaGetErrorString(e));
   const int sms = pk::attention::num_sms(ordinal);
@@ -76,5 +79,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, attention,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
-                                  .Attr<int32_t>("with_lse"),
+                                  .Attr<int32_t>("with_lse")
+                                  .Attr<int32_t>("pipelined"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,4 +1,4 @@
-// Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128.
+// Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128 x in turn / pipelined.
 #include "attention.cuh"
 
 #include <cmath>
@@ -24,12 +24,12 @@ constexpr int stages_for() {
   return n > 4 ? 4 : int(n);
 }
 
-template <typename T, int D>
-using KernelOf = Kernel<T, D, stages_for<D>()>;
+template <typename T, int D, bool PIPELINED>
+using KernelOf = Kernel<T, D, stages_for<D>(), NoRing, PIPELINED>;
 
-template <typename T, int D>
+template <typename T, int D, bool PIPELINED>
 void run(const Problem& p, int compute_sms, cudaStream_t stream) {
-  using K = KernelOf<T, D>;
+  using K = KernelOf<T, D, PIPELINED>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two K/V stages");
   Globals g{};
@@ -48,10 +48,22 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention launch: ") + cudaGetErrorString(e));
 }
 
+template <typename T, int D>
+cudaError_t configure_dim() {
+  const cudaError_t e = lcsc::configure<KernelOf<T, D, false>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, D, true>>() : e;
+}
+
 template <typename T>
 cudaError_t configure_type() {
-  cudaError_t e = lcsc::configure<KernelOf<T, 64>>();
-  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128>>() : e;
+  const cudaError_t e = configure_dim<T, 64>();
+  return e == cudaSuccess ? configure_dim<T, 128>() : e;
+}
+
+template <typename T, int D>
+void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
+  if (p.pipelined) run<T, D, true>(p, compute_sms, stream);
+  else run<T, D, false>(p, compute_sms, stream);
 }
 
 }  // namespace
@@ -85,11 +97,11 @@ void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (p.offsets == nullptr) throw std::invalid_argument("pk_jax attention: offsets buffer missing");
   const bool bf16 = p.type == ElemType::kBF16;
   if (p.head_dim == 64) {
-    if (bf16) run<__nv_bfloat16, 64>(p, compute_sms, stream);
-    else run<__half, 64>(p, compute_sms, stream);
+    if (bf16) run_variant<__nv_bfloat16, 64>(p, compute_sms, stream);
+    else run_variant<__half, 64>(p, compute_sms, stream);
   } else {
-    if (bf16) run<__nv_bfloat16, 128>(p, compute_sms, stream);
-    else run<__half, 128>(p, compute_sms, stream);
+    if (bf16) run_variant<__nv_bfloat16, 128>(p, compute_sms, stream);
+    else run_variant<__half, 128>(p, compute_sms, stream);
   }
 }
 

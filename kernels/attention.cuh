@@ -17,6 +17,7 @@ struct Problem {
   ElemType type;  // bf16 or f16
   float scale;    // > 0
   bool causal;
+  bool pipelined;  // the consumers overlap softmax with the previous block's P V (unmeasured; opt-in)
 };
 
 // Loads and configures every attention kernel on the current device (see lcsc::configure).

@@ -51,11 +51,13 @@ struct NoRing {
   __device__ static void finish(const Globals&) {}
 };
 
-template <typename T, int D_, int STAGES_, class Ext = NoRing>
+// PIPELINED_: the consumers overlap one block's softmax with the previous block's P V (blocks_pipelined).
+template <typename T, int D_, int STAGES_, class Ext = NoRing, bool PIPELINED_ = false>
 struct Kernel {
   using Globals = attention::Globals;
   using CommShared = typename Ext::CommShared;
   static constexpr int D = D_, STAGES = STAGES_;
+  static constexpr bool PIPELINED = PIPELINED_;
   static constexpr int WGS = 2, BM = 64 * WGS, BKV = 128;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
@@ -187,9 +189,11 @@ struct Kernel {
     return x + __shfl_xor_sync(0xffffffff, x, 2);
   }
 
-  // Online softmax over one block: new row maxima, rescale O and the running sums, S -> P in place.
-  __device__ static void softmax_step(const Globals& g, float (&s)[BKV / 2], float (&o)[D / 2], float (&m)[2],
-                                      float (&l)[2]) {
+  // Online softmax over one block: new row maxima, the running sums rescaled, S -> P in place; `corr`
+  // gets each row half's factor for O (rescale_o), which the pipelined consumer applies only once the
+  // previous block's P V has left O's registers.
+  __device__ static void softmax_scores(const Globals& g, float (&s)[BKV / 2], float (&m)[2], float (&l)[2],
+                                        float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = m[h];
@@ -199,12 +203,9 @@ struct Kernel {
       mx = quad_max(mx);
       // A row that has seen nothing yet keeps -inf; subtracting 0 then leaves exp2(-inf) = 0.
       const float base = mx == -CUDART_INF_F ? 0.f : mx * g.scale_log2;
-      const float corr = exp2f(m[h] * g.scale_log2 - base);  // m = -inf: 0 (nothing to rescale)
+      corr[h] = exp2f(m[h] * g.scale_log2 - base);  // m = -inf: 0 (nothing to rescale)
       m[h] = mx;
-      l[h] *= corr;
-#pragma unroll
-      for (int i = 0; i < D / 2; ++i)
-        if (row_half(i) == h) o[i] *= corr;
+      l[h] *= corr[h];
 #pragma unroll
       for (int i = 0; i < BKV / 2; ++i)
         if (row_half(i) == h) {
@@ -212,6 +213,35 @@ struct Kernel {
           l[h] += s[i];  // this thread's share; the quad's shares are summed once, at the end
         }
     }
+  }
+
+  __device__ static void rescale_o(float (&o)[D / 2], const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= corr[row_half(i)];
+  }
+
+  // S = Q Kᵀ for the warpgroup's 64 rows and one K tile (issued, not waited for).
+  __device__ static void issue_qk(const T* q_wg, const Stage& in, float (&sc)[BKV / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      // K-major tiles: k step kk is box kk / 4, 32 bytes per step inside its swizzled rows.
+      const int box = kk / 4, step = (kk % 4) * 16;
+      const uint64_t da = wgmma::desc_sw128(q_wg + box * BM * kBoxCols + step, 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(in.k + box * BKV * kBoxCols + step, 16, 1024);
+      wgmma::mma<T, BKV, 0, 0>(sc, da, db, kk != 0);
+    }
+    wgmma::commit();
+  }
+
+  // O += P V for one V tile, P from registers (issued, not waited for).
+  __device__ static void issue_pv(const Stage& in, const uint32_t (&pa)[BKV / 16][4], float (&o)[D / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < BKV / 16; ++kk) {
+      // V (keys x D) is MN-major for O += P V: 16 key rows per step; LBO steps to the next 64-wide box.
+      const uint64_t db = wgmma::desc_sw128(in.v + kk * 16 * kBoxCols, BKV * kBoxCols * sizeof(T), 1024);
+      wgmma::mma_rs<T, D, 1>(o, pa[kk], db, 1);
+    }
+    wgmma::commit();
   }
 
   // P (fp32 accumulator layout) -> 16-bit A fragments: k-step kk's fragment is registers 8kk..8kk+7.
@@ -233,42 +263,88 @@ struct Kernel {
     tma::mbar_wait(&s.q_slot.full, st.q_phase);
     st.q_phase ^= 1;
     const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
+    if constexpr (PIPELINED)
+      blocks_pipelined(g, s, st, w, q_wg, row0, lane, o, m, l);
+    else
+      blocks_in_turn(g, s, st, w, q_wg, row0, lane, o, m, l);
+    if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);  // this warp's last read of Q is done
+    finish_rows(g, s, st, w, row0, lane, o, m, l);
+  }
+
+  // Each key block in turn: S = Q Kᵀ, wait, softmax, O += P V, wait.
+  __device__ static void blocks_in_turn(const Globals& g, Shared& s, ConsumerState& st, const Work& w,
+                                        const T* q_wg, int row0, int lane, float (&o)[D / 2], float (&m)[2],
+                                        float (&l)[2]) {
     for (int kb = 0; kb < w.kv_blocks; ++kb) {
       const Stage& in = s.stage[st.pos.stage];
       st.pos.wait_full(s.ring);
-      float sc[BKV / 2];
+      float sc[BKV / 2], corr[2];
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        // K-major tiles: k step kk is box kk / 4, 32 bytes per step inside its swizzled rows.
-        const int box = kk / 4, step = (kk % 4) * 16;
-        const uint64_t da = wgmma::desc_sw128(q_wg + box * BM * kBoxCols + step, 16, 1024);
-        const uint64_t db = wgmma::desc_sw128(in.k + box * BKV * kBoxCols + step, 16, 1024);
-        wgmma::mma<T, BKV, 0, 0>(sc, da, db, kk != 0);
-      }
-      wgmma::commit();
+      issue_qk(q_wg, in, sc);
       wgmma::wait<0>();
       wgmma::fence_operands(sc);
       if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
-      softmax_step(g, sc, o, m, l);
+      softmax_scores(g, sc, m, l, corr);
+      rescale_o(o, corr);
       uint32_t pa[BKV / 16][4];
       to_a_fragments(sc, pa);
       tma::mbar_wait(&s.v_full[st.pos.stage], st.pos.phase);
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < BKV / 16; ++kk) {
-        // V (keys x D) is MN-major for O += P V: 16 key rows per step; LBO steps to the next 64-wide box.
-        const uint64_t db = wgmma::desc_sw128(in.v + kk * 16 * kBoxCols, BKV * kBoxCols * sizeof(T), 1024);
-        wgmma::mma_rs<T, D, 1>(o, pa[kk], db, 1);
-      }
-      wgmma::commit();
+      issue_pv(in, pa, o);
       wgmma::wait<0>();
       wgmma::fence_operands(o);
       if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
       st.pos.advance();
     }
-    if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);  // this warp's last read of Q is done
-    finish_rows(g, s, st, w, row0, lane, o, m, l);
+  }
+
+  // FlashAttention-3's intra-warpgroup overlap: S of block kb is issued before O += P V of block kb - 1,
+  // so block kb's softmax runs on the CUDA cores while the tensor cores do block kb - 1's P V. O's
+  // rescale by block kb's maxima waits for that P V (it accumulates into O). Holds two stages at once
+  // (K of kb, V of kb - 1): the loader runs one block ahead less than in turn. Unmeasured (opt-in).
+  __device__ static void blocks_pipelined(const Globals& g, Shared& s, ConsumerState& st, const Work& w,
+                                          const T* q_wg, int row0, int lane, float (&o)[D / 2], float (&m)[2],
+                                          float (&l)[2]) {
+    if (w.kv_blocks == 0) return;
+    float sc[BKV / 2], corr[2];
+    uint32_t pa[BKV / 16][4];
+    RingPos<STAGES> cur = st.pos;  // the block whose P is in `pa`
+    cur.wait_full(s.ring);
+    wgmma::fence();
+    issue_qk(q_wg, s.stage[cur.stage], sc);
+    wgmma::wait<0>();
+    wgmma::fence_operands(sc);
+    if (block_needs_mask(g, w, 0)) mask(g, w, 0, row0, lane, sc);
+    softmax_scores(g, sc, m, l, corr);  // O is still zero: nothing to rescale
+    to_a_fragments(sc, pa);
+    for (int kb = 1; kb < w.kv_blocks; ++kb) {
+      RingPos<STAGES> next = cur;
+      next.advance();
+      next.wait_full(s.ring);
+      wgmma::fence();
+      issue_qk(q_wg, s.stage[next.stage], sc);
+      tma::mbar_wait(&s.v_full[cur.stage], cur.phase);
+      wgmma::fence();  // O and P are loop-carried: ptxas may move them after the first fence (it says so, C7519)
+      issue_pv(s.stage[cur.stage], pa, o);
+      wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
+      wgmma::fence_operands(sc);
+      if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
+      softmax_scores(g, sc, m, l, corr);
+      wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
+      wgmma::fence_operands(o);
+      rescale_o(o, corr);
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
+      to_a_fragments(sc, pa);
+      cur = next;
+    }
+    tma::mbar_wait(&s.v_full[cur.stage], cur.phase);
+    wgmma::fence();
+    issue_pv(s.stage[cur.stage], pa, o);
+    wgmma::wait<0>();
+    wgmma::fence_operands(o);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
+    cur.advance();
+    st.pos = cur;
   }
 
   // O /= l, the LSE rows (natural log) to global memory, and O to this warpgroup's output slot.

@@ -41,6 +41,8 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 KERNEL_HEAD_DIMS = (64, 128)
 IMPLEMENTATIONS = ("pk", "fallback")
 ENV_VAR = "PK_JAX_ATTENTION"
+SCHEDULE_VAR = "PK_JAX_ATTENTION_SCHEDULE"  # the kernel's consumer schedule: "in_turn" (default) or "pipelined"
+SCHEDULES = ("in_turn", "pipelined")
 
 pk_attention_p = core.Primitive("pk_attention")
 pk_attention_p.multiple_results = True
@@ -81,9 +83,20 @@ def _lax_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse):
     return mlir.lower_fun(f, multiple_results=True)(ctx, q, k, v, offsets)
 
 
+def _schedule() -> str:
+    """The consumer schedule the next lowering takes ($PK_JAX_ATTENTION_SCHEDULE, read when a program is
+    lowered). "pipelined" overlaps each key block's softmax with the previous block's P V, as
+    FlashAttention-3 does; unmeasured, so "in_turn" stays the default."""
+    sched = os.environ.get(SCHEDULE_VAR, "in_turn")
+    if sched not in SCHEDULES:
+        raise ValueError(f"pk_jax.attention: ${SCHEDULE_VAR}={sched!r}; use one of {SCHEDULES}")
+    return sched
+
+
 def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse):
     return jax.ffi.ffi_lowering("pk_attention")(ctx, q, k, v, offsets, scale=np.float32(scale),
-                                                 causal=np.int32(causal), with_lse=np.int32(with_lse))
+                                                 causal=np.int32(causal), with_lse=np.int32(with_lse),
+                                                 pipelined=np.int32(_schedule() == "pipelined"))
 
 
 mlir.register_lowering(pk_attention_p, _lax_lowering)

@@ -76,6 +76,19 @@ def test_env_var_selects_and_is_checked(monkeypatch):
         pk_jax.attention(q, k, v)
 
 
+def test_schedule_var_is_checked(monkeypatch):
+    """$PK_JAX_ATTENTION_SCHEDULE picks the kernel's consumer schedule at lowering; a wrong value names
+    the variable and the choices."""
+    from pk_jax.attention import SCHEDULES, _schedule
+
+    assert _schedule() == "in_turn"
+    monkeypatch.setenv("PK_JAX_ATTENTION_SCHEDULE", "pipelined")
+    assert _schedule() == "pipelined" and set(SCHEDULES) == {"in_turn", "pipelined"}
+    monkeypatch.setenv("PK_JAX_ATTENTION_SCHEDULE", "fast")
+    with pytest.raises(ValueError, match="PK_JAX_ATTENTION_SCHEDULE"):
+        _schedule()
+
+
 def test_traced_offsets_in_jit():
     case = CASES[2]
     q, k, v = inputs(case, jnp.bfloat16)

@@ -4,16 +4,21 @@
 Rows: suite "attention", shape [B, S, N, D] (S = Tq = Tk), case fwd / fwd_causal / fwd_gqa (K = N / 8) /
 fwd_causal_gqa; TFLOP/s count 4 B S² N D (causal: half). Default: B*S = 64k tokens, S = 1024..65536,
 N = 16 (D 128) / 32 (D 64), every case (< 4 min). --variants: the full sweep, B*S = 64k..512k tokens and
-N = 16..128. Without a GPU: tiny sizes, both sides run XLA (plumbing only).
+N = 16..128. Without a GPU: tiny sizes, both sides run XLA (plumbing only). On GPUs the kernel's second
+consumer schedule (pk_jax.attention.SCHEDULES: "pipelined", opt-in until it measures faster) is timed in the
+same turns: extra.pipelined_ms / pipelined_ratio / pipelined_rel_err.
 """
 
 from __future__ import annotations
+
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import pk_jax
+from pk_jax.attention import SCHEDULE_VAR
 from pk_jax.bench import timing
 from pk_jax.bench.progress import Progress
 
@@ -52,6 +57,20 @@ def _runner(fn):
     return jax.jit(lambda triples: [fn(*t) for t in triples])
 
 
+def _compiled_with_schedule(fn, triples, schedule: str):
+    """_runner(fn) compiled now, while $PK_JAX_ATTENTION_SCHEDULE names `schedule` (read at lowering)."""
+    var = SCHEDULE_VAR
+    old = os.environ.get(var)
+    os.environ[var] = schedule
+    try:
+        return _runner(fn).lower(triples).compile()
+    finally:
+        if old is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = old
+
+
 def run(quick: bool, reps: int, full: bool = False) -> list[dict]:
     on_gpu = jax.devices()[0].platform == "gpu"
     todo = [(shape, case) for shape in shapes(quick, full, on_gpu) for case in CASES]
@@ -65,12 +84,19 @@ def run(quick: bool, reps: int, full: bool = False) -> list[dict]:
         triples = _inputs(b, s, n, kh, d, count, seed=len(rows) * 101)
         flops = 4.0 * b * s * s * n * d * (0.5 if causal else 1.0)
         base_name, base_fn = _baseline(causal, on_gpu)
-        ours = _runner(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, implementation="pk"))
+        pk_fn = lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, implementation="pk")
         base = _runner(base_fn)
+        rel = lambda got, want: float(jnp.linalg.norm((got - want).astype(jnp.float32))
+                                      / jnp.linalg.norm(want.astype(jnp.float32)))
         try:
-            got, want = ours(triples[:1])[0], base(triples[:1])[0]
-            err = float(jnp.linalg.norm((got - want).astype(jnp.float32)) / jnp.linalg.norm(want.astype(jnp.float32)))
-            ours_ms, base_ms = timing.time_interleaved([ours, base], triples, reps=reps)
+            ours = _compiled_with_schedule(pk_fn, triples, "in_turn")
+            piped = _compiled_with_schedule(pk_fn, triples, "pipelined") if on_gpu else None
+            want = base(triples[:1])[0]
+            err = rel(ours(triples)[0], want)
+            pipe_err = rel(piped(triples)[0], want) if piped else None
+            times = timing.time_interleaved([ours, base] + ([piped] if piped else []), triples, reps=reps)
+            ours_ms, base_ms = times[:2]
+            pipe_ms = times[2] if piped else None
         except Exception as e:  # noqa: BLE001 (a failing shape is a row, not the end of the sweep)
             print(f"  attention {[b, s, n, d]} {case}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             rows.append({"op": "attention", "case": case, "shape": [b, s, n, d], "dtype": "bfloat16", "group": 1,
@@ -85,10 +111,15 @@ def run(quick: bool, reps: int, full: bool = False) -> list[dict]:
             "ratio": round(ratio, 4),
             "extra": {"kv_heads": kh, "tflops": round(flops / ours_ms / 1e9, 1),
                       "baseline_tflops": round(flops / base_ms / 1e9, 1), "rel_err_vs_baseline": float(f"{err:.2e}"),
-                      "calls_per_measure": count, "reps": reps, "check": "ok" if err < 2e-2 else "MISMATCH"},
+                      "calls_per_measure": count, "reps": reps, "check": "ok" if err < 2e-2 else "MISMATCH",
+                      **({} if pipe_ms is None else {
+                          "pipelined_ms": round(pipe_ms, 5), "pipelined_ratio": round(base_ms / pipe_ms, 4),
+                          "pipelined_rel_err": float(f"{pipe_err:.2e}"),
+                          "pipelined_check": "ok" if pipe_err < 2e-2 else "MISMATCH"})},
         })
         print(f"  attention {str([b, s, n, d]):<22} {case:<15} ours {ours_ms:8.3f} ms {flops / ours_ms / 1e9:6.0f} TF/s  "
-              f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}",
+              f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}"
+              + ("" if pipe_ms is None else f"  pipelined x{base_ms / pipe_ms:5.3f} rel_err {pipe_err:.1e}"),
               flush=True)
         bar.step(f"{case} {b}x{s}x{n}x{d}")
         del triples

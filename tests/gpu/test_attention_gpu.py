@@ -1,6 +1,7 @@
 """pk_jax.attention(implementation="pk") on one GPU vs a float32 numpy reference: fresh random
 inputs, NaN-poisoned outputs, bf16/f16, head_dim 64/128, causal and not, GQA/MQA, odd and unequal
-lengths, causal offsets (incl. rows that see no key), the LSE, bit-identical repeats, gradients.
+lengths, causal offsets (incl. rows that see no key), the LSE, bit-identical repeats, gradients; both
+consumer schedules of the kernel (in turn, pipelined).
 Each case also checks that the lowered program holds the pk_attention custom call (no silent fallback)."""
 
 from __future__ import annotations
@@ -47,9 +48,11 @@ def _ids(case):
     return f"B{b}-Tq{tq}-N{n}-Tk{tk}-K{kh}-D{d}-{'causal' if causal else 'full'}-off{qo}_{ko}"
 
 
+@pytest.mark.parametrize("schedule", ["in_turn", "pipelined"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
-def test_matches_f32_reference(case, dtype):
+def test_matches_f32_reference(case, dtype, schedule, monkeypatch):
+    monkeypatch.setenv("PK_JAX_ATTENTION_SCHEDULE", schedule)  # read when the program is lowered, below
     b, tq, n, tk, kh, d, causal, qo, ko = case
     q, k, v = rand((b, tq, n, d), dtype), rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
     f = jax.jit(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, return_lse=True, q_offset=qo,
@@ -68,7 +71,7 @@ def test_matches_f32_reference(case, dtype):
     # Bit-identical on a repeat (no atomics, fixed reduction order).
     out2, lse2 = f(q, k, v)
     assert np.array_equal(np.asarray(out2, np.float32), out32) and np.array_equal(np.asarray(lse2), lse)
-    print(f"PASS attention {_ids(case)} {jnp.dtype(dtype).name}: max abs err {err:.2e}")
+    print(f"PASS attention {_ids(case)} {jnp.dtype(dtype).name} {schedule}: max abs err {err:.2e}")
 
 
 def test_gradients_through_kernel_forward():
