@@ -1,7 +1,8 @@
 """The multi-rank suite (tests/multirank) on CPU: 2 processes over gloo run a float32 subset of
-check_ops.py and a short soak through the launcher (every pk_jax op lowers to its jax.lax fallback
-there, so this checks the harness and the fallbacks across processes), plus the harness's pieces
-in this process: groups of a 2-D mesh, that a wrong result fails, row merging, the faults judge."""
+check_ops.py, the small-path sweep and replays, and a short soak through the launcher (every pk_jax
+op lowers to its jax.lax fallback there, so this checks the harness and the fallbacks across
+processes), plus the harness's pieces in this process: groups of a 2-D mesh, that a wrong result
+fails, row merging, the faults judge, the small sweep's refusal and variant checks."""
 
 from __future__ import annotations
 
@@ -12,15 +13,20 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec as P
+
+import pk_jax
+from pk_jax.bench import hlo_checks
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "multirank"))
 
 import faults  # noqa: E402
 import harness  # noqa: E402
+import small_cases  # noqa: E402
 
 
 def _launch(script: str, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
@@ -62,6 +68,82 @@ def test_plain_jit_mlp_two_cpu_ranks(tmp_path):
     proc, rows = _launch("check_jit.py", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert [r["case"] for r in rows] == ["fwd@1x2", "fwd_bwd@1x2"] and all(r["extra"]["ok"] for r in rows), rows
+
+
+def test_small_path_sweep_two_cpu_ranks(tmp_path):
+    """check_small.py --quick (float32: 4 B, 1004 B, 1 MiB + 4): the seven small ops per size match
+    NumPy, the jaxpr holds the small variants, and above the cap (or with words that do not split over
+    G, for two-shot) the row names the API's refusal and ran `auto`, which took the bulk path."""
+    proc, rows = _launch("check_small.py", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert len(rows) == 3 * 7 and all(r["extra"]["ok"] for r in rows), rows
+    by = {(r["op"], r["case"]): r["extra"] for r in rows}
+    assert {c.split("/")[0] for _, c in by} == {"small_one_shot", "small_two_shot", "small", "axis0_tiled",
+                                                  "last_tiled", "dim0", "last"}
+    for (op, case), e in by.items():
+        big = case.split("/")[1] == "1048580B@x"
+        odd_words = case.startswith("small_two_shot/") and not big  # 1 and 251 words over G = 2
+        assert ("refused" in e) == (big or odd_words), (op, case, e)
+        assert e["algorithm"] == ("auto" if big or odd_words else case.split("/")[0] if op == "all_reduce" else "small")
+        assert e["variant"] == ("bulk" if big else 2), (op, case, e)
+    assert "serves 1..1048576 bytes" in by["all_reduce", "small/1048580B@x"]["refused"]
+    assert "divisible by the group size 2" in by["all_reduce", "small_two_shot/1004B@x"]["refused"]
+
+
+def test_small_path_replays_two_cpu_ranks(tmp_path):
+    """check_small_replay.py: 20 replays of the four-op small program, each exact against NumPy."""
+    proc, rows = _launch("check_small_replay.py", tmp_path, "--replays", "20")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert [r["case"] for r in rows] == ["20x@x"], rows
+    e = rows[0]["extra"]
+    assert e["ok"] and e["replays"] == 20 and e["bad_replays"] == 0 and e["max_err"] == 0.0, e
+
+
+def test_small_ops_fail_a_refusal_the_limits_do_not_predict():
+    """The API refusing what it should serve (or serving what it should refuse) is a MISMATCH, which
+    check_small.py fails; the expected refusals run `auto` with auto's own variant."""
+    quiet = small_cases.small_ops(2, 1004, np.float32, lambda fn, shape: "")
+    assert [o.refused.startswith("MISMATCH") for o in quiet] == [False, True] + [False] * 5  # two-shot: 251 words
+    assert [o.want for o in quiet] == [2, 2, 2, 2, 2, 2, 2]
+    loud = small_cases.small_ops(2, 1004, np.float32, lambda fn, shape: "no")
+    assert [o.refused.startswith("MISMATCH") for o in loud] == [True, False] + [True] * 5
+    assert all(o.algorithm == "auto" for o in loud)
+    big = small_cases.small_ops(4, 8 << 20, np.float16, lambda fn, shape: "too big")
+    assert all(o.refused == "too big" and o.want == small_cases.BULK for o in big)
+    assert small_cases.small_ops(2, 6, np.float32, lambda fn, shape: "") == []  # 1.5 elements
+    assert small_cases.factor_shape(1000, 3) == (1, 8, 125) and small_cases.factor_shape(3, 2) == (1, 3)
+
+
+def test_small_variant_check_reads_the_cuda_lowering(monkeypatch):
+    """variant_problems on a program lowered for CUDA (a stand-in group table: no GPU here): the
+    pk_collective custom calls' (op, variant) are read from the StableHLO's backend_config and a bulk
+    call where a small one is wanted is reported; the compiled-HLO spelling parses the same."""
+    from pk_jax import _ext, runtime
+
+    if not _ext.available():
+        pytest.skip("the CUDA lowering is registered only with the extension")
+    table = type("Table", (), {"mesh_ids": (0, 1), "mesh_shape": (2,), "group_axes": (0,)})
+    monkeypatch.setattr(runtime, "lowering_group", lambda ctx, axis: (table, None))
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+
+    def body(v):
+        return (pk_jax.all_reduce(v, "x", algorithm="small_two_shot"),
+                pk_jax.all_gather(v, "x", tiled=True, algorithm="small"),
+                pk_jax.all_reduce(v, "x", algorithm="one_shot"))
+
+    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    traced = f.trace(jax.ShapeDtypeStruct((8, 4), jnp.float32))
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    found = small_cases.jaxpr_variants(traced.jaxpr.jaxpr)
+    assert found == [(3, 3), (1, 2), (3, 0)]
+    want = [("all_reduce", 3), ("all_gather", 2), ("all_reduce", small_cases.BULK)]
+    assert small_cases.variant_problems(want, found, text) == ["", "", ""]
+    wrong = small_cases.variant_problems([("all_reduce", 3), ("all_gather", 2), ("all_reduce", 2)], found, text)
+    assert wrong[:2] == ["", ""] and "jaxpr variant 0, want 2" in wrong[2] and "holds 0 pk_collective" in wrong[2]
+    hlo = ('  %ffi = f32[4,4]{1,0} custom-call(f32[4,4]{1,0} %p), custom_call_target="pk_collective", '
+           'api_version=API_VERSION_TYPED_FFI, backend_config={box = dense<[1, 4]> : tensor<2xi64>, op = 3 : i32, '
+           'variant = 3 : i32, vec_bytes = 16 : i32}')
+    assert hlo_checks.custom_call_attrs(hlo, "pk_collective") == [{"op": 3, "variant": 3, "vec_bytes": 16}]
 
 
 def test_soak_two_cpu_ranks(tmp_path):

@@ -64,6 +64,22 @@ def custom_call_kinds(text: str, target: str) -> list[int | None]:
     return kinds
 
 
+_BACKEND_CONFIG = re.compile(r'backend_config\s*=\s*"?\{([^{}]*)\}')
+_INT_ATTR = re.compile(r"(\w+)\s*=\s*(-?\d+)\s*:\s*[iu]\d+")  # `variant = 2 : i32`; arrays are dense<...>
+
+
+def custom_call_attrs(text: str, target: str) -> list[dict[str, int]]:
+    """The scalar integer attributes (e.g. pk_collective's `op`, `variant`) of every typed-FFI custom call
+    to `target`, in program order: read from its backend_config dictionary, which StableHLO prints as
+    `mhlo.backend_config = {op = 3 : i32, ...}` and compiled HLO as `backend_config={op = 3 : i32, ...}`."""
+    found = []
+    for line in text.splitlines():
+        if f'custom_call_target="{target}"' in line or f"custom_call @{target}(" in line:
+            m = _BACKEND_CONFIG.search(line)
+            found.append({k: int(v) for k, v in _INT_ATTR.findall(m[1])} if m else {})
+    return found
+
+
 def describe(found: list[Gemm]) -> str:
     """One line per GEMM, for failure messages."""
     return "\n".join(f"  {g.where}: {'x'.join(g.operands)} -> {g.result}: {g.line[:160]}" for g in found)

@@ -126,15 +126,20 @@ def stacked_array(mesh: Mesh, a: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
-def run_members(mesh: Mesh, fn: Callable, inputs: Sequence[np.ndarray]) -> Callable[..., tuple]:
-    """A jitted shard_map (check_vma on) that applies fn(*local blocks) -> tuple of local outputs on
-    every member; returns a function of stacked numpy inputs giving stacked global outputs."""
+def members_program(mesh: Mesh, fn: Callable, n_inputs: int) -> Callable:
+    """The jitted shard_map (check_vma on) that applies fn(*local blocks) -> tuple of local outputs on
+    every member: stacked global arrays in and out (lower() it to inspect the program)."""
     spec = P(tuple(mesh.axis_names))
 
     def body(*blocks):
         return tuple(o[None] for o in fn(*[b[0] for b in blocks]))
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(inputs), out_specs=spec, check_vma=True))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n_inputs, out_specs=spec, check_vma=True))
+
+
+def run_members(mesh: Mesh, fn: Callable, inputs: Sequence[np.ndarray]) -> Callable[..., tuple]:
+    """members_program as a function of stacked numpy inputs giving stacked global outputs."""
+    f = members_program(mesh, fn, len(inputs))
     return lambda *arrays: f(*[stacked_array(mesh, a) for a in arrays])
 
 
@@ -181,18 +186,30 @@ class Rows:
         """Runs one check; an exception is a failed row naming it (and the runtime's own error). Once
         the GPU runtime has stopped (a peer failed), later cases are failed without running: each
         would only wait PK_JAX_TIMEOUT_MS for peers that stopped too."""
+        self.run_group([(op, case, shape, dtype, group)], lambda: [check()])
+
+    def run_group(self, labels: Sequence[tuple[str, str, Sequence[int], str, int]],
+                  check: Callable[[], Sequence[tuple]]) -> None:
+        """Like run, for one program checked as several rows: labels are (op, case, shape, dtype, group)
+        and check() returns one (ok, max_err) or (ok, max_err, extra dict) per label; an exception
+        fails every row of the program."""
         if self.stopped:
-            self.add(op, case, shape, dtype, group, False, float("inf"), error=f"not run: {self.stopped}")
+            for label in labels:
+                self.add(*label, False, float("inf"), error=f"not run: {self.stopped}")
             return
         try:
-            ok, err = check()
-            self.add(op, case, shape, dtype, group, ok, err)
+            results = list(check())
         except Exception as e:  # noqa: BLE001 - a failed case must not end the suite
             msg = f"{type(e).__name__}: {str(e)[:400]}"
             traceback.print_exc(limit=3)
-            self.add(op, case, shape, dtype, group, False, float("inf"), error=msg)
+            for label in labels:
+                self.add(*label, False, float("inf"), error=msg)
             if "runtime is stopped" in str(e):
+                op, case, _, dtype, _ = labels[0]
                 self.stopped = f"the pk_jax runtime stopped at {op} {case} {dtype}"
+            return
+        for label, (ok, err, *extra) in zip(labels, results, strict=True):
+            self.add(*label, ok, err, **(extra[0] if extra else {}))
 
     def finish(self, out: str | None) -> int:
         """Merges all ranks' rows on rank 0 (ok = all ok, max_err = max), prints one PASS/FAIL line per
