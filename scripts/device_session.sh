@@ -7,13 +7,13 @@
 # Stages (one GPU unless noted):
 #   matmul      GEMM GPU tests, every layout (NN/NT/TN/TT), poisoned outputs            ~2 min
 #   ranks2      2 ranks sharing GPU 0 under MPS: init + each op once vs NumPy            ~1 min
-#   multirank2  python -m pk_jax.bench multirank --ranks 2 (ops, grads, soak, faults)   ~3 min
-#   multirank4  the same at 4 ranks                                                      ~6 min
+#   multirank2  python -m pk_jax.bench multirank --ranks 2 (ops, training, jit, small, soak, faults) ~4 min
+#   multirank4  the same at 4 ranks                                                      ~7 min
 #   small2      multirank at 2 ranks with the small-message path on (PK_JAX_SMALL_PATH=1) ~3 min
 #   layouts     python -m pk_jax.bench gemm --layouts (NT/TN vs cuBLAS, target 0.95)    ~1 min
 #   model       python -m pk_jax.bench model --group 1 (target fwd+bwd >= 0.98x XLA)     ~5 min
 #   demo        python -m pk_jax.bench demo                                              ~1 min
-#   attention   our attention kernel's GPU tests (implementation="pk"), then its bench    ~5 min
+#   attention   our attention kernel's GPU tests (both schedules), then its bench         ~6 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -42,10 +42,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
   case $s in
     matmul) stage matmul 240 python3 -m pytest tests/gpu/test_matmul_gpu.py -m gpu -q -x -rs ;;
     ranks2) stage ranks2 180 python3 -m pk_jax.launch --share-gpu -n 2 --timeout 170 tests/launch_scripts/gpu_ranks.py ;;
-    multirank2) stage multirank2 300 python3 -m pk_jax.bench multirank --ranks 2 --out "$OUT/$day-multirank-2.json" ;;
+    multirank2) stage multirank2 420 python3 -m pk_jax.bench multirank --ranks 2 --out "$OUT/$day-multirank-2.json" ;;
     small2) stage small2 300 env PK_JAX_SMALL_PATH=1 python3 -m pk_jax.bench multirank --ranks 2 --calls 100 \
               --out "$OUT/$day-multirank-2-small.json" ;;
-    multirank4) stage multirank4 450 python3 -m pk_jax.bench multirank --ranks 4 --out "$OUT/$day-multirank-4.json" ;;
+    multirank4) stage multirank4 560 python3 -m pk_jax.bench multirank --ranks 4 --out "$OUT/$day-multirank-4.json" ;;
     layouts) stage layouts 240 python3 -m pk_jax.bench gemm --layouts --out "$OUT/$day-gemm-layouts.json" ;;
     model) stage model 400 python3 -m pk_jax.bench model --group 1 --out "$OUT/$day-model.json" ;;
     attention) stage attention-tests 300 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs
