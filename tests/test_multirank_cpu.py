@@ -1,5 +1,5 @@
 """The multi-rank suite (tests/multirank) on CPU: 2 processes over gloo run a float32 subset of
-check_ops.py and a short soak through the launcher (every pk_jax op lowers to its jax.lax fallback
+check_ops.py, check_training.py, check_jit.py, check_moe.py and a short soak through the launcher (every pk_jax op lowers to its jax.lax fallback
 there, so this checks the harness and the fallbacks across processes), plus the harness's pieces
 in this process: groups of a 2-D mesh, that a wrong result fails, row merging, the faults judge."""
 
@@ -62,6 +62,23 @@ def test_plain_jit_mlp_two_cpu_ranks(tmp_path):
     proc, rows = _launch("check_jit.py", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert [r["case"] for r in rows] == ["fwd@1x2", "fwd_bwd@1x2"] and all(r["extra"]["ok"] for r in rows), rows
+
+
+def test_moe_two_cpu_ranks(tmp_path):
+    """check_moe.py --quick on the fallbacks: dispatch / combine against the NumPy routing model (a member
+    receiving nothing; top-2 with capacity drops) and moe_mlp's output and gradients (capacity drops; experts replicated
+    over a data axis of the two processes, their gradients summed by pk_jax.all_reduce) across 2 processes."""
+    proc, rows = _launch("check_moe.py", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert all(r["extra"]["ok"] for r in rows) and "FAIL" not in proc.stdout, rows
+    cases = {(r["op"], r["case"]) for r in rows}
+    for routing in ("idle_member_k2", "skewed_k2_cap2"):
+        for op in ("dispatch", "combine"):
+            assert {(op, f"{routing}_fwd"), (op, f"{routing}_fwd_bwd")} <= cases, sorted(cases)
+    assert {("moe_mlp", "skewed_k2_cap2_fwd_bwd"), ("moe_mlp", "skewed_k2_fwd_bwd@dp2xep1")} <= cases, sorted(cases)
+    exact = [r for r in rows if r["op"] == "dispatch" and r["case"].endswith("_fwd")]
+    assert exact and all(r["extra"]["max_err"] == 0 for r in exact), exact  # rows, order and counts move exactly
+    assert len(rows) == 12 and {r["group"] for r in rows if r["op"] != "moe_mlp"} == {2}
 
 
 def test_soak_two_cpu_ranks(tmp_path):

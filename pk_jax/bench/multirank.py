@@ -1,11 +1,11 @@
 """`python -m pk_jax.bench multirank --ranks 2 4 [--ranks-per-gpu auto|K] [--cpu] [--out FILE]`: the
 multi-rank correctness suite (tests/multirank/) at each rank count.
 
-Per rank count: check_ops.py, check_training.py, check_jit.py and soak.py under `python -m pk_jax.launch` (on one GPU the ranks share it
-under MPS; on several, `auto` puts one rank per GPU), then faults.py --mode kill and skip (which start
-their ranks themselves). Merges every script's rows into one results file (suite "multirank") with a
-log beside it, and exits non-zero if any case failed. This process never touches a GPU (the ranks need
-all of it), so it imports no jax backend.
+Per rank count: check_ops.py, check_training.py, check_jit.py, check_moe.py and soak.py under
+`python -m pk_jax.launch` (on one GPU the ranks share it under MPS; on several, `auto` puts one rank per
+GPU), then faults.py --mode kill and skip (which start their ranks themselves). Merges every script's
+rows into one results file (suite "multirank") with a log beside it, and exits non-zero if any case
+failed. This process never touches a GPU (the ranks need all of it), so it imports no jax backend.
 """
 
 from __future__ import annotations
@@ -107,6 +107,7 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("check_ops", launch + [str(sdir / "check_ops.py"), *extra]),
                 ("check_training", launch + [str(sdir / "check_training.py"), *extra]),
                 ("check_jit", launch + [str(sdir / "check_jit.py"), *extra]),
+                ("check_moe", launch + [str(sdir / "check_moe.py"), *extra]),
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),
             ] + [(f"faults_{m}", [py, str(sdir / "faults.py"), "--mode", m, "--ranks", str(n),
                                   "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip")]

@@ -126,16 +126,31 @@ def stacked_array(mesh: Mesh, a: np.ndarray) -> jax.Array:
     return jax.make_array_from_callback(a.shape, sharding, lambda idx: a[idx])
 
 
-def run_members(mesh: Mesh, fn: Callable, inputs: Sequence[np.ndarray]) -> Callable[..., tuple]:
+def members_jit(mesh: Mesh, fn: Callable, n_inputs: int) -> Callable[..., tuple]:
     """A jitted shard_map (check_vma on) that applies fn(*local blocks) -> tuple of local outputs on
-    every member; returns a function of stacked numpy inputs giving stacked global outputs."""
+    every member: stacked global arrays in, stacked global arrays out."""
     spec = P(tuple(mesh.axis_names))
 
     def body(*blocks):
         return tuple(o[None] for o in fn(*[b[0] for b in blocks]))
 
-    f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * len(inputs), out_specs=spec, check_vma=True))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec,) * n_inputs, out_specs=spec, check_vma=True))
+
+
+def run_members(mesh: Mesh, fn: Callable, inputs: Sequence[np.ndarray]) -> Callable[..., tuple]:
+    """members_jit as a function of stacked numpy inputs giving stacked global outputs."""
+    f = members_jit(mesh, fn, len(inputs))
     return lambda *arrays: f(*[stacked_array(mesh, a) for a in arrays])
+
+
+XLA_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+                   "collective-permute")
+
+
+def xla_collectives(compiled_hlo: str) -> list[str]:
+    """XLA collectives left in a compiled program's text: none may run when ranks share a GPU (NCCL refuses
+    the duplicate GPU), so on GPU a check fails on any. On CPU pk_jax ops lower to them (the fallbacks)."""
+    return [op for op in XLA_COLLECTIVES if f" {op}(" in compiled_hlo or f" {op}-start(" in compiled_hlo]
 
 
 def compare(outs: Sequence[jax.Array], ref_fn: Callable[[int], Sequence[np.ndarray]], kind: str,
