@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
@@ -153,3 +154,57 @@ def test_grouped_matmul_weight_grad_sums_over_members_holding_replicated_weights
     dw = jax.jit(jax.grad(lambda x, w: f(x, w).sum(), argnums=1))(x, w)
     want = sum(grouped_refs(xs, w, gs, np.ones((6, 4), np.float32))[2] for xs in np.split(x, 4))
     np.testing.assert_allclose(dw, want, rtol=1e-4, atol=1e-4)
+
+
+# jax.lax primitives that communicate across members (jax._src.lax.parallel): none may appear in the MoE ops,
+# whose exchanges must be pk_jax's own (`pk_collective`), since ranks sharing one GPU cannot run XLA's.
+LAX_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "ppermute", "psend", "precv", "all_to_all",
+                   "ragged_all_to_all", "all_gather", "all_gather_invariant", "reduce_scatter"}
+
+
+def primitive_names(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, sub-jaxprs (shard_map, pjit, scan, cond, custom rules) included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jaxprs_in_params(eqn.params):
+            names |= primitive_names(sub)
+    return names
+
+
+def test_moe_mlp_exchanges_only_through_pk_jax_collectives():
+    """Forward and backward of moe_mlp over ep=4 of a (dp=2, ep=4) mesh, expert weights replicated over dp:
+    the counts, rows and dp's weight-gradient sum are pk_collective calls, no jax.lax collective, and the
+    values (gradients summed over dp) match the float32 reference."""
+    g, dp, e, k, t, h, f = 4, 2, 8, 2, 6, 8, 12
+    rng = np.random.default_rng(11)
+    ids = moe_model.random_routing(rng, dp * g, t, k, e, "skewed").reshape(dp * g * t, k)
+    x, cot = (rng.standard_normal((dp * g * t, h)).astype(np.float32) for _ in range(2))
+    wt = rng.uniform(0.1, 1.0, (dp * g * t, k)).astype(np.float32)
+    wg, wu = (rng.standard_normal((e, h, f)).astype(np.float32) / 4 for _ in range(2))
+    wd = rng.standard_normal((e, f, h)).astype(np.float32) / 4
+    grid = Mesh(np.array(jax.devices()[:dp * g]).reshape(dp, g), ("dp", "ep"))
+    tok = P(("dp", "ep"))
+    layer = jax.shard_map(lambda x, ids, wt, a, b, c: pk_jax.moe.moe_mlp(x, ids, wt, a, b, c, "ep"), mesh=grid,
+                          in_specs=(tok, tok, tok, P("ep"), P("ep"), P("ep")), out_specs=tok)
+
+    def step(fn, *params):
+        out, vjp = jax.vjp(fn, *params)
+        return (out, *vjp(cot))
+
+    ours = lambda *p: step(lambda x, wt, a, b, c: layer(x, ids, wt, a, b, c), *p)
+    reference = lambda *p: step(lambda x, *rest: moe_model.moe_mlp_reference(x, ids, *rest), *p)
+    names = primitive_names(jax.make_jaxpr(ours)(x, wt, wg, wu, wd).jaxpr)
+    assert "pk_collective" in names and not names & LAX_COLLECTIVES, sorted(names & LAX_COLLECTIVES)
+    with jax.default_matmul_precision("highest"):
+        got, want = jax.jit(ours)(x, wt, wg, wu, wd), jax.jit(reference)(x, wt, wg, wu, wd)
+    for name, a, b in zip(("out", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_routing_refuses_more_assignments_than_float32_counts_hold():
+    """The counts cross members as float32 (pk_jax.all_to_all moves floats): exact up to 2^24 = T * K."""
+    assert routing.routing_sizes(2, 4, 1 << 23, 2, None, None).send_rows == 1 << 24
+    assert float(np.float32(1 << 24)) == 1 << 24 and float(np.float32((1 << 24) + 1)) != (1 << 24) + 1
+    with pytest.raises(ValueError, match="exceeds 16777216"):
+        routing.routing_sizes(2, 4, (1 << 23) + 1, 2, None, None)

@@ -1,8 +1,9 @@
 """The multi-rank suite (tests/multirank) on CPU: 2 processes over gloo run a float32 subset of
-check_ops.py, the small-path sweep and replays, and a short soak through the launcher (every pk_jax
-op lowers to its jax.lax fallback there, so this checks the harness and the fallbacks across
-processes), plus the harness's pieces in this process: groups of a 2-D mesh, that a wrong result
-fails, row merging, the faults judge, the small sweep's refusal and variant checks."""
+check_ops.py, check_training.py, check_jit.py, check_moe.py, the small-path sweep and replays, and a
+short soak through the launcher (every pk_jax op lowers to its jax.lax fallback there, so this checks
+the harness and the fallbacks across processes), plus the harness's pieces in this process: groups of
+a 2-D mesh, that a wrong result fails, row merging, the faults judge, the small sweep's refusal and
+variant checks."""
 
 from __future__ import annotations
 
@@ -144,6 +145,23 @@ def test_small_variant_check_reads_the_cuda_lowering(monkeypatch):
            'api_version=API_VERSION_TYPED_FFI, backend_config={box = dense<[1, 4]> : tensor<2xi64>, op = 3 : i32, '
            'variant = 3 : i32, vec_bytes = 16 : i32}')
     assert hlo_checks.custom_call_attrs(hlo, "pk_collective") == [{"op": 3, "variant": 3, "vec_bytes": 16}]
+
+
+def test_moe_two_cpu_ranks(tmp_path):
+    """check_moe.py --quick on the fallbacks: dispatch / combine against the NumPy routing model (a member
+    receiving nothing; top-2 with capacity drops) and moe_mlp's output and gradients (capacity drops; experts replicated
+    over a data axis of the two processes, their gradients summed by pk_jax.all_reduce) across 2 processes."""
+    proc, rows = _launch("check_moe.py", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert all(r["extra"]["ok"] for r in rows) and "FAIL" not in proc.stdout, rows
+    cases = {(r["op"], r["case"]) for r in rows}
+    for routing in ("idle_member_k2", "skewed_k2_cap2"):
+        for op in ("dispatch", "combine"):
+            assert {(op, f"{routing}_fwd"), (op, f"{routing}_fwd_bwd")} <= cases, sorted(cases)
+    assert {("moe_mlp", "skewed_k2_cap2_fwd_bwd"), ("moe_mlp", "skewed_k2_fwd_bwd@dp2xep1")} <= cases, sorted(cases)
+    exact = [r for r in rows if r["op"] == "dispatch" and r["case"].endswith("_fwd")]
+    assert exact and all(r["extra"]["max_err"] == 0 for r in exact), exact  # rows, order and counts move exactly
+    assert len(rows) == 12 and {r["group"] for r in rows if r["op"] != "moe_mlp"} == {2}
 
 
 def test_soak_two_cpu_ranks(tmp_path):

@@ -2,8 +2,8 @@
 multi-rank correctness suite (tests/multirank/) at each rank count.
 
 Per rank count: check_ops.py, check_training.py, check_jit.py, check_small.py (the small-message path's
-size sweep), check_small_replay.py (its 1,000 command-buffer replays; 20 with --quick) and soak.py under
-`python -m pk_jax.launch` (on one GPU the ranks share it under MPS; on several, `auto` puts one rank per
+size sweep), check_small_replay.py (its 1,000 command-buffer replays; 20 with --quick), check_moe.py and
+soak.py under `python -m pk_jax.launch` (on one GPU the ranks share it under MPS; on several, `auto` puts one rank per
 GPU), then faults.py --mode kill and skip (which start their ranks themselves). Merges every script's
 rows into one results file (suite "multirank") with a log beside it, and exits non-zero if any case
 failed. This process never touches a GPU (the ranks need all of it), so it imports no jax backend.
@@ -110,6 +110,7 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("check_jit", launch + [str(sdir / "check_jit.py"), *extra]),
                 ("check_small", launch + [str(sdir / "check_small.py"), *extra]),
                 ("check_small_replay", launch + [str(sdir / "check_small_replay.py"), *extra]),
+                ("check_moe", launch + [str(sdir / "check_moe.py"), *extra]),
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),
             ] + [(f"faults_{m}", [py, str(sdir / "faults.py"), "--mode", m, "--ranks", str(n),
                                   "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip")]

@@ -118,6 +118,7 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, axis_name: AxisName, *, num_expe
     Args:
       x: (T, H) this member's tokens.
       topk_ids: (T, K) int, each token's experts in [0, num_experts); ids outside that range are undefined.
+        T * K at most 2^24 (the expert counts cross members as float32 through pk_jax.all_to_all).
       axis_name: the expert-parallel mesh axis (or tuple of axes).
       num_experts: E, a multiple of G.
       capacity: None (default): nothing drops. An int C: this member sends at most C rows to each expert

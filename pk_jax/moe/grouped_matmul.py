@@ -8,7 +8,8 @@ Reference paths (the fused Hopper grouped GEMM will replace them on GPUs):
   and each pair multiplies one tile (rows outside the group masked) by that group's matrix. A tile meets
   at most the groups that start inside it, so there are at most ceil(m / tile) + E - 1 pairs: the work is
   m_used * k * n plus at most (E - 1) tiles' worth (pairs past the rows in use skip their GEMM), and the memory one tile and one expert matrix at a time.
-The VJP is two grouped GEMMs on the same paths: dx = grouped(dy, w^T), dw[e] = x_e^T dy_e.
+The VJP is two grouped GEMMs on the same paths: dx = grouped(dy, w^T), dw[e] = x_e^T dy_e; an operand
+replicated over an axis the rows are sharded over gets its gradient summed by pk_jax.all_reduce.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pk_jax import runtime
+from pk_jax.collectives import SUPPORTED_DTYPES, all_reduce
 from pk_jax.context._varying import full_varying, varying_axes
 
 TILE_ROWS = 128
@@ -146,9 +149,19 @@ def _grouped_bwd(tile_rows, res, dy):
 
 def _unvary_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
     """Inside shard_map, an operand invariant over an axis that the cotangent varies over (e.g. weights
-    replicated over the token axis) was implicitly broadcast: its cotangent is the sum over that axis."""
+    replicated over the token axis) was implicitly broadcast: its cotangent is the sum over that axis.
+
+    The sum is pk_jax.all_reduce (float32 accumulation in rank order, one rounding), not jax.lax.psum:
+    ranks sharing a GPU cannot run XLA's collectives. A dtype the kernels do not move falls back to psum,
+    which lax_fallback_allowed refuses (with the reason) when ranks share a GPU."""
     extra = tuple(sorted(varying_axes(grad) - varying_axes(primal), key=str))
-    return jax.lax.psum(grad, extra) if extra else grad
+    if not extra:
+        return grad
+    if grad.dtype in SUPPORTED_DTYPES:
+        return all_reduce(grad, extra)
+    runtime.lax_fallback_allowed("grouped_matmul", f"its {grad.dtype} gradient's sum over {extra}: "
+                                 f"pk_jax.all_reduce moves {', '.join(d.name for d in SUPPORTED_DTYPES)}")
+    return jax.lax.psum(grad, extra)
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -5,8 +5,10 @@ member e // L as its local expert e % L). Each member holds T tokens with K choi
 assignments, assignment a = t * K + k). The layout is computed inside the op with jnp: a stable sort of
 the assignments by expert (which is by (destination, local expert), position order within an expert),
 per-destination offsets by cumsum, and one all-to-all of the (G, L) counts so that every member knows
-what it will receive. Senders use a padded buffer of S rows per destination (the reference exchange);
-receivers regroup what arrives into R rows, expert-major, source-major within an expert.
+what it will receive (through pk_jax.all_to_all like the rows, never an XLA collective, which ranks sharing
+a GPU cannot run; as float32, exact because a count is at most T * K <= MAX_ASSIGNMENTS = 2^24). Senders
+use a padded buffer of S rows per destination (the reference exchange); receivers regroup what arrives
+into R rows, expert-major, source-major within an expert.
 
 Dropping (both deterministic, both documented on pk_jax.moe.dispatch):
 - capacity C: each member sends at most C rows to each expert, as in GShard / Switch (the capacity of a
@@ -25,7 +27,13 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pk_jax.collectives import all_to_all
 from pk_jax.sharding.mesh_groups import AxisName
+
+# pk_jax.all_to_all moves floating-point payloads only, so the counts cross as float32, whose 24-bit
+# significand holds every integer up to 2^24 exactly. A count is at most T * K (every assignment of a member
+# to one expert), so routing_sizes refuses T * K above this and the int32 -> float32 -> int32 trip is exact.
+MAX_ASSIGNMENTS = 1 << 24
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +57,10 @@ def routing_sizes(g: int, num_experts: int, tokens: int, top_k: int, capacity: i
                   recv_rows: int | None) -> RoutingSizes:
     """The static sizes, defaults included: S = T * K without capacity (every assignment to one member),
     min(T * K, L * C) with it; R = G * S unless the caller bounds it."""
+    if tokens * top_k > MAX_ASSIGNMENTS:
+        raise ValueError(f"pk_jax.moe.dispatch: tokens * top_k = {tokens} * {top_k} = {tokens * top_k} exceeds "
+                         f"{MAX_ASSIGNMENTS} (2^24) per member: the expert counts cross members as float32, exact "
+                         f"only up to 2^24; split the tokens into smaller calls")
     local = num_experts // g
     send = tokens * top_k if capacity is None else min(tokens * top_k, local * capacity)
     return RoutingSizes(g, num_experts, tokens, top_k, send, g * send if recv_rows is None else recv_rows, capacity)
@@ -116,11 +128,12 @@ def plan(topk_ids: jax.Array, axis_name: AxisName, sizes: RoutingSizes) -> Routi
     assignment_slot = jnp.zeros(n, jnp.int32).at[order].set(sorted_slot)
     send_assignment = jnp.full(g * s + 1, n, jnp.int32).at[sorted_slot].set(order)[:g * s]
 
-    # Every member learns how many rows of each of its local experts each source sends (int32: jax.lax,
-    # a few bytes; pk_jax.all_to_all moves floating-point payloads).
+    # Every member learns how many rows of each of its local experts each source sends. pk_jax.all_to_all,
+    # not jax.lax's (NCCL refuses ranks sharing a GPU); as float32, exact since counts <= T * K <= 2^24.
     recv_counts = counts.reshape(g, local)
     if g > 1:
-        recv_counts = jax.lax.all_to_all(recv_counts, axis_name, 0, 0, tiled=True)  # (source, local expert)
+        sent = recv_counts.astype(jnp.float32)
+        recv_counts = all_to_all(sent, axis_name, 0, 0, tiled=True).astype(jnp.int32)  # (source, local expert)
     src_expert_start = _exclusive_cumsum(recv_counts, axis=1)  # offset of (source, expert) in that source's rows
     by_expert = recv_counts.T.reshape(local * g)  # output order: expert-major, source-major within
     bounds = jnp.cumsum(by_expert)

@@ -1,6 +1,6 @@
 """The multi-rank suite on this machine's GPUs: `python -m pk_jax.bench multirank --ranks 2 4` (on one
-GPU the ranks share it under MPS; on several, one rank per GPU). Every case of check_ops, the soak and
-both fault modes must pass. The bench is the primary command; this wrapper runs it from pytest.
+GPU the ranks share it under MPS; on several, one rank per GPU). Every case of check_ops, check_training,
+check_jit, check_moe (expert parallelism), the soak and both fault modes must pass. The bench is the primary command; this wrapper runs it from pytest.
 """
 
 from __future__ import annotations
@@ -38,5 +38,6 @@ def test_multirank_suite_passes(tmp_path, ranks):
     assert not failed, "\n".join(failed[:40])
     assert proc.returncode == 0, log[-4000:]
     assert {r["op"] for r in rows} >= {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "matmul",
-                                       "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "fault"}
+                                       "all_gather_matmul", "matmul_reduce_scatter", "matmul_all_reduce", "fault",
+                                       "dispatch", "combine", "moe_mlp"}
     assert all(r["extra"]["startup_s"] is not None for r in rows)

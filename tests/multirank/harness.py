@@ -143,6 +143,16 @@ def run_members(mesh: Mesh, fn: Callable, inputs: Sequence[np.ndarray]) -> Calla
     return lambda *arrays: f(*[stacked_array(mesh, a) for a in arrays])
 
 
+XLA_COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "ragged-all-to-all",
+                   "collective-permute")
+
+
+def xla_collectives(compiled_hlo: str) -> list[str]:
+    """XLA collectives left in a compiled program's text: none may run when ranks share a GPU (NCCL refuses
+    the duplicate GPU), so on GPU a check fails on any. On CPU pk_jax ops lower to them (the fallbacks)."""
+    return [op for op in XLA_COLLECTIVES if f" {op}(" in compiled_hlo or f" {op}-start(" in compiled_hlo]
+
+
 def compare(outs: Sequence[jax.Array], ref_fn: Callable[[int], Sequence[np.ndarray]], kind: str,
             dtype: str) -> tuple[bool, float]:
     """(ok, max_err) over this process's addressable members. ref_fn(member) gives that member's
