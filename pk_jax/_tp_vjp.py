@@ -39,10 +39,11 @@ def _vma(x) -> frozenset:
 
 def _like_primal(ct: jax.Array, primal_vma: frozenset) -> jax.Array:
     """`ct` with the primal's varying axes: summed over the axes the primal does not vary over (its
-    contributions from every member), broadcast (pvary) over those it lacks."""
-    extra = _vma(ct) - primal_vma
-    if extra:
-        ct = jax.lax.psum(ct, tuple(sorted(extra, key=str)))
+    contributions from every member; through pk_jax.all_reduce, which ranks sharing a GPU can run),
+    broadcast (pvary) over those it lacks."""
+    from pk_jax import collectives
+
+    ct = collectives.gradient_sum(ct, tuple(sorted(_vma(ct) - primal_vma, key=str)), "fused TP GEMM backward")
     missing = primal_vma - _vma(ct)
     if missing:
         ct = insert_collective_pvary(tuple(sorted(missing, key=str)), ct)

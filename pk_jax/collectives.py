@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pk_jax import _layout, _small_path
+from pk_jax import _layout, _small_path, runtime
 from pk_jax._primitive import CollectiveSpec, bind
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
@@ -210,6 +210,20 @@ def _check_small_all_reduce(algorithm: str, nbytes: int, g: int) -> None:
     if algorithm == "small_two_shot" and _small_path.words(nbytes) % g:
         raise ValueError(f"pk_jax.all_reduce: algorithm='small_two_shot' needs x's {_small_path.words(nbytes)} "
                          f"4-byte words divisible by the group size {g}; use 'small_one_shot' or 'small'.")
+
+
+def gradient_sum(x: jax.Array, axes: tuple, caller: str) -> jax.Array:
+    """psum of a cotangent over `axes` inside a custom VJP (the sum over the members of an operand that
+    was implicitly broadcast), through all_reduce: ranks sharing a GPU cannot run XLA's collectives.
+    A dtype the kernels do not move takes jax.lax.psum, which lax_fallback_allowed refuses (naming
+    `caller` and the reason) where ranks share a GPU."""
+    if not axes:
+        return x
+    if x.dtype in SUPPORTED_DTYPES:
+        return all_reduce(x, axes)
+    runtime.lax_fallback_allowed(caller, f"its {x.dtype} gradient's sum over {axes}: pk_jax.all_reduce moves "
+                                 f"{', '.join(d.name for d in SUPPORTED_DTYPES)}")
+    return jax.lax.psum(x, axes)
 
 
 def all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat_axis: int, *,

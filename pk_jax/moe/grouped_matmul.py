@@ -19,8 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pk_jax import runtime
-from pk_jax.collectives import SUPPORTED_DTYPES, all_reduce
+from pk_jax.collectives import gradient_sum
 from pk_jax.context._varying import full_varying, varying_axes
 
 TILE_ROWS = 128
@@ -149,19 +148,10 @@ def _grouped_bwd(tile_rows, res, dy):
 
 def _unvary_like(grad: jax.Array, primal: jax.Array) -> jax.Array:
     """Inside shard_map, an operand invariant over an axis that the cotangent varies over (e.g. weights
-    replicated over the token axis) was implicitly broadcast: its cotangent is the sum over that axis.
-
-    The sum is pk_jax.all_reduce (float32 accumulation in rank order, one rounding), not jax.lax.psum:
-    ranks sharing a GPU cannot run XLA's collectives. A dtype the kernels do not move falls back to psum,
-    which lax_fallback_allowed refuses (with the reason) when ranks share a GPU."""
+    replicated over the token axis) was implicitly broadcast: its cotangent is the sum over that axis
+    (collectives.gradient_sum: pk_jax.all_reduce, float32 accumulation in rank order, one rounding)."""
     extra = tuple(sorted(varying_axes(grad) - varying_axes(primal), key=str))
-    if not extra:
-        return grad
-    if grad.dtype in SUPPORTED_DTYPES:
-        return all_reduce(grad, extra)
-    runtime.lax_fallback_allowed("grouped_matmul", f"its {grad.dtype} gradient's sum over {extra}: "
-                                 f"pk_jax.all_reduce moves {', '.join(d.name for d in SUPPORTED_DTYPES)}")
-    return jax.lax.psum(grad, extra)
+    return gradient_sum(grad, extra, "grouped_matmul")
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
