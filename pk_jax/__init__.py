@@ -10,7 +10,7 @@ from pk_jax import runtime
 from pk_jax._ext import available as extension_available
 from pk_jax.attention import attention
 from pk_jax.distributed import DistributedInfo, initialize
-from pk_jax.collectives import all_gather, all_reduce, all_to_all, reduce_scatter
+from pk_jax.collectives import all_gather, all_reduce, all_to_all, pcast, reduce_scatter
 from pk_jax.context import ring_attention, ulysses_attention
 from pk_jax.matmul import matmul
 from pk_jax import moe
@@ -20,6 +20,6 @@ from pk_jax.tp_gemm import all_gather_matmul, matmul_all_reduce, matmul_reduce_s
 __all__ = [
     "DistributedInfo", "attention", "initialize", "all_gather", "all_gather_matmul", "all_reduce", "all_to_all",
     "extension_available", "grouped_matmul", "matmul", "matmul_all_reduce", "matmul_reduce_scatter", "moe",
-    "reduce_scatter", "ring_attention", "runtime", "ulysses_attention",
+    "pcast", "reduce_scatter", "ring_attention", "runtime", "ulysses_attention",
 ]
 __version__ = "0.1.0"

@@ -7,12 +7,15 @@ cannot serve the call, they run the jax.lax op with the same semantics.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax._src import config, core
+from jax._src.lax.parallel import insert_collective_pvary
 
 from pk_jax import _layout, _small_path, runtime
 from pk_jax._primitive import CollectiveSpec, bind
@@ -224,6 +227,36 @@ def gradient_sum(x: jax.Array, axes: tuple, caller: str) -> jax.Array:
     runtime.lax_fallback_allowed(caller, f"its {x.dtype} gradient's sum over {axes}: pk_jax.all_reduce moves "
                                  f"{', '.join(d.name for d in SUPPORTED_DTYPES)}")
     return jax.lax.psum(x, axes)
+
+
+def pcast(x: jax.Array, axis_name: AxisName, *, to: str) -> jax.Array:
+    """`jax.lax.pcast(x, axis_name, to="varying")`: x, invariant over `axis_name` inside shard_map, typed
+    as varying over it (no data moves), so that it can meet varying values. Its transpose, the gradient
+    of a replicated parameter (e.g. a norm scale every member uses), is the sum over the members:
+    pk_jax.all_reduce here, where jax's (implicit or explicit) cast transposes to jax.lax.psum, which ranks
+    sharing a GPU cannot run. Only to="varying"; other casts move nothing worth a kernel: use jax.lax.pcast."""
+    if to != "varying":
+        raise ValueError(f"pk_jax.pcast: to={to!r}; only 'varying' (use jax.lax.pcast for other casts)")
+    return _to_varying(x, normalize_axis_name(axis_name))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _to_varying(x: jax.Array, axes: tuple) -> jax.Array:
+    return insert_collective_pvary(axes, x)
+
+
+def _to_varying_fwd(x, axes):
+    return _to_varying(x, axes), None
+
+
+def _to_varying_bwd(axes, _, ct):
+    # Only the axes the cotangent varies over (none when shard_map does not check vma: then jax's own
+    # cast transposes to nothing either).
+    varying = core.typeof(ct).mat.varying if config._check_vma.value else ()
+    return (gradient_sum(ct, tuple(a for a in axes if a in varying), "pk_jax.pcast"),)
+
+
+_to_varying.defvjp(_to_varying_fwd, _to_varying_bwd)
 
 
 def all_to_all(x: jax.Array, axis_name: AxisName, split_axis: int, concat_axis: int, *,

@@ -13,13 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.extend.core import jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import moe_model  # tests/moe_model.py and moe_checks.py (tests/ is on sys.path)
 from moe_checks import TOKENS, check_moe_mlp, check_routing, grouped_refs
 import pk_jax
+from pk_jax.bench import hlo_checks
 from pk_jax.moe import routing
 
 # the module, not the function pk_jax.moe.grouped_matmul that shadows it as a package attribute
@@ -156,22 +156,6 @@ def test_grouped_matmul_weight_grad_sums_over_members_holding_replicated_weights
     np.testing.assert_allclose(dw, want, rtol=1e-4, atol=1e-4)
 
 
-# jax.lax primitives that communicate across members (jax._src.lax.parallel): none may appear in the MoE ops,
-# whose exchanges must be pk_jax's own (`pk_collective`), since ranks sharing one GPU cannot run XLA's.
-LAX_COLLECTIVES = {"psum", "psum_invariant", "pmax", "pmin", "ppermute", "psend", "precv", "all_to_all",
-                   "ragged_all_to_all", "all_gather", "all_gather_invariant", "reduce_scatter"}
-
-
-def primitive_names(jaxpr) -> set[str]:
-    """Every primitive of a jaxpr, sub-jaxprs (shard_map, pjit, scan, cond, custom rules) included."""
-    names = set()
-    for eqn in jaxpr.eqns:
-        names.add(eqn.primitive.name)
-        for sub in jaxprs_in_params(eqn.params):
-            names |= primitive_names(sub)
-    return names
-
-
 def test_moe_mlp_exchanges_only_through_pk_jax_collectives():
     """Forward and backward of moe_mlp over ep=4 of a (dp=2, ep=4) mesh, expert weights replicated over dp:
     the counts, rows and dp's weight-gradient sum are pk_collective calls, no jax.lax collective, and the
@@ -194,8 +178,9 @@ def test_moe_mlp_exchanges_only_through_pk_jax_collectives():
 
     ours = lambda *p: step(lambda x, wt, a, b, c: layer(x, ids, wt, a, b, c), *p)
     reference = lambda *p: step(lambda x, *rest: moe_model.moe_mlp_reference(x, ids, *rest), *p)
-    names = primitive_names(jax.make_jaxpr(ours)(x, wt, wg, wu, wd).jaxpr)
-    assert "pk_collective" in names and not names & LAX_COLLECTIVES, sorted(names & LAX_COLLECTIVES)
+    names = hlo_checks.primitive_names(jax.make_jaxpr(ours)(x, wt, wg, wu, wd).jaxpr)
+    lax_left = names & hlo_checks.LAX_COLLECTIVES
+    assert "pk_collective" in names and not lax_left, sorted(lax_left)
     with jax.default_matmul_precision("highest"):
         got, want = jax.jit(ours)(x, wt, wg, wu, wd), jax.jit(reference)(x, wt, wg, wu, wd)
     for name, a, b in zip(("out", "dx", "dweights", "dw_gate", "dw_up", "dw_down"), got, want):

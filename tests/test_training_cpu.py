@@ -152,3 +152,42 @@ def test_model_bench_checks_against_float32_when_ranks_share_a_gpu(monkeypatch, 
         assert r["extra"]["check"] == "ok" and 0 < r["extra"]["max_rel_err_vs_f32"] < BF16_TOL, r
     ours = jax.tree.map(lambda a: a * 1.5, rand(1, (4, 4)))  # the error helper sees a wrong result
     assert model._shard_error(ours, np.asarray(rand(1, (4, 4)), np.float32)) > 0.4
+
+
+def test_pcast_gradient_is_the_sum_over_members():
+    """pk_jax.pcast(w, axis, to="varying") is jax.lax.pcast's value; its gradient (the sum over the members
+    of a replicated parameter's cotangents) equals jax's, summed by pk_jax.all_reduce, not jax.lax.psum."""
+    mesh = Mesh(np.array(jax.devices()[:4]), ("tp",))
+    w, x = rand(1, (8,), jnp.float32), rand(2, (4 * 3, 8), jnp.float32)
+
+    def loss(cast):
+        f = jax.shard_map(lambda w, x: (cast(w) * x) ** 2, mesh=mesh, in_specs=(P(), P("tp")), out_specs=P("tp"),
+                          check_vma=True)
+        return lambda w, x: jnp.sum(f(w, x))
+
+    ours = jax.grad(loss(lambda w: pk_jax.pcast(w, "tp", to="varying")))(w, x)
+    want = jax.grad(loss(lambda w: jax.lax.pcast(w, "tp", to="varying")))(w, x)
+    np.testing.assert_allclose(ours, want, rtol=1e-6)
+    np.testing.assert_allclose(want, 2 * np.asarray(w) * np.sum(np.asarray(x) ** 2, axis=0), rtol=1e-5)
+    jaxpr = jax.make_jaxpr(jax.grad(loss(lambda w: pk_jax.pcast(w, "tp", to="varying"))))(w, x).jaxpr
+    assert "pk_collective" in hlo_checks.primitive_names(jaxpr)
+    with pytest.raises(ValueError, match="only 'varying'"):
+        pk_jax.pcast(w, "tp", to="invariant")
+
+
+def test_layer_backward_holds_no_jax_lax_collective():
+    """The pk_jax layer's forward + backward (check_vma on) exchanges only through pk_collective calls (the
+    norm scales' gradient sum too, via pk_jax.pcast), so it runs where ranks share a GPU; the XLA layer,
+    the baseline, has jax.lax collectives."""
+    g = 2
+    mesh = Mesh(np.array(jax.devices()[:g]), ("tp",))
+    specs = L.param_specs(TINY, "tp")
+    params = L.init_params(jax.random.key(0), TINY, jnp.bfloat16, False,
+                           {k: NamedSharding(mesh, s) for k, s in specs.items()})
+    x, ct = rand(3, (g * 64, TINY.d_model)), rand(4, (g * 64, TINY.d_model))
+    names = {}
+    for ops in (L.PK_OPS, L.XLA_OPS):
+        step = fwd_bwd(L.sharded(TINY, ops, mesh, "tp"))
+        names[ops.name] = hlo_checks.primitive_names(jax.make_jaxpr(step)(params, x, ct).jaxpr)
+    assert not names["pk_jax"] & hlo_checks.LAX_COLLECTIVES, sorted(names["pk_jax"] & hlo_checks.LAX_COLLECTIVES)
+    assert names["xla"] & hlo_checks.LAX_COLLECTIVES

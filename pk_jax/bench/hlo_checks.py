@@ -14,6 +14,8 @@ from __future__ import annotations
 import re
 from typing import NamedTuple
 
+from jax.extend.core import jaxprs_in_params
+
 
 class Gemm(NamedTuple):
     where: str                  # "dot_general" (StableHLO), "dot" (HLO, incl. inside GEMM fusions), "cublas"
@@ -116,3 +118,19 @@ def fused_vjp_problems(compiled: str, op: str) -> list[str]:
     if n != matmuls:
         problems.append(f"{n} pk_matmul custom calls, expected {matmuls}")
     return problems
+
+
+# jax.lax primitives that communicate across members (jax._src.lax.parallel). Where ranks share one GPU
+# NCCL refuses them, so a program meant to run there must hold none (its exchanges are pk_collective calls).
+LAX_COLLECTIVES = frozenset({"psum", "psum_invariant", "pmax", "pmin", "ppermute", "psend", "precv", "all_to_all",
+                             "ragged_all_to_all", "all_gather", "all_gather_invariant", "reduce_scatter"})
+
+
+def primitive_names(jaxpr) -> set[str]:
+    """Every primitive of a jaxpr, sub-jaxprs (shard_map, pjit, scan, cond, custom rules) included."""
+    names = set()
+    for eqn in jaxpr.eqns:
+        names.add(eqn.primitive.name)
+        for sub in jaxprs_in_params(eqn.params):
+            names |= primitive_names(sub)
+    return names

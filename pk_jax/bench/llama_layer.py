@@ -59,15 +59,19 @@ WIDTHS = {s.name: s for s in (LLAMA3_8B, LLAMA3_70B)}
 
 @dataclasses.dataclass(frozen=True)
 class Ops:
-    """The layer's two communicating products: AG(x) @ w and RS(h @ w) over `axis`."""
+    """The layer's communicating steps over `axis`: AG(x) @ w, RS(h @ w), and the cast of a replicated
+    parameter (the norm scales) to varying, whose gradient is the sum over the members."""
     name: str
     ag_matmul: Callable[[jax.Array, jax.Array, str], jax.Array]
     matmul_rs: Callable[[jax.Array, jax.Array, str], jax.Array]
+    to_varying: Callable[[jax.Array, str], jax.Array]
 
 
-PK_OPS = Ops("pk_jax", pk_jax.all_gather_matmul, pk_jax.matmul_reduce_scatter)
+PK_OPS = Ops("pk_jax", pk_jax.all_gather_matmul, pk_jax.matmul_reduce_scatter,
+             lambda w, axis: pk_jax.pcast(w, axis, to="varying"))
 XLA_OPS = Ops("xla", lambda x, w, axis: jnp.dot(jax.lax.all_gather(x, axis, tiled=True), w),
-              lambda h, w, axis: jax.lax.psum_scatter(jnp.dot(h, w), axis, scatter_dimension=0, tiled=True))
+              lambda h, w, axis: jax.lax.psum_scatter(jnp.dot(h, w), axis, scatter_dimension=0, tiled=True),
+              lambda w, axis: jax.lax.pcast(w, axis, to="varying"))
 
 
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float = 1e-5) -> jax.Array:
@@ -103,12 +107,12 @@ def layer(p: dict, x: jax.Array, ops: Ops, axis: str, shape: LayerShape, group: 
     """One member's part of the layer: x (T/G, d) -> (T/G, d). Call inside jax.shard_map."""
     hq, hkv, _ = shape.local(group)
     hd = shape.head_dim
-    qkv = ops.ag_matmul(rms_norm(x, p["norm1"]), p["wqkv"], axis)  # (T, (hq + 2 hkv) hd)
+    qkv = ops.ag_matmul(rms_norm(x, ops.to_varying(p["norm1"], axis)), p["wqkv"], axis)  # (T, (hq + 2 hkv) hd)
     t = qkv.shape[0]
     q, k, v = jnp.split(qkv, [hq * hd, (hq + hkv) * hd], axis=1)
     a = causal_attention(q.reshape(t, hq, hd), k.reshape(t, hkv, hd), v.reshape(t, hkv, hd))
     x = x + ops.matmul_rs(a.reshape(t, hq * hd), p["wo"], axis)
-    return x + mlp_block(p, rms_norm(x, p["norm2"]), ops, axis, shape)
+    return x + mlp_block(p, rms_norm(x, ops.to_varying(p["norm2"], axis)), ops, axis, shape)
 
 
 def param_specs(shape: LayerShape, axis: str, mlp_only: bool = False) -> dict:

@@ -22,8 +22,8 @@ Ranks sharing one GPU (`python -m pk_jax.launch -n 2 --share-gpu -m pk_jax.bench
 multi-rank test mode): XLA's collectives cannot run there (NCCL refuses the duplicate GPU) and timings
 mean nothing, so each case is checked instead against a float32 reference of the whole layer that every
 process computes unsharded on its own device (output and every gradient, on its addressable shards);
-defaults shrink to the MLP block (the whole layer's norm-scale gradients need jax's own psum, which NCCL
-refuses there) at the 8B width, T = 4096.
+defaults shrink to the 8B width at T = 4096. The pk_jax layer exchanges only through pk_jax ops there
+(its norm scales through pk_jax.pcast, whose gradient sum is pk_jax.all_reduce).
 """
 
 from __future__ import annotations
@@ -293,10 +293,8 @@ def main(args) -> int:
     with warnings.catch_warnings():
         # At group 1 every fused op is its composition (nothing to communicate); say so once, not per op.
         warnings.filterwarnings("ignore", message=r".*group size must be 2\.\.8")
-        # Ranks sharing a GPU: the layer's replicated norm scales get their gradient by jax's own psum
-        # (the transpose of the implicit pvary), which NCCL refuses there; the MLP block is pk_jax ops only.
-        blocks = args.blocks or (["mlp_block"] if shared else ["transformer_layer", "mlp_block"])
-        rows = run(shapes, tokens, args.group, reps, os.path.dirname(os.path.abspath(out)), blocks)
+        rows = run(shapes, tokens, args.group, reps, os.path.dirname(os.path.abspath(out)),
+                   args.blocks or ["transformer_layer", "mlp_block"])
     if _main_process():
         results.write(out, "model", rows)
         say()
