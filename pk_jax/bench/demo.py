@@ -2,7 +2,8 @@
 
 One row per op family at one representative size, pk_jax against XLA (cuBLAS / NCCL / cuDNN) in the same
 run, timed in turns (pk_jax/bench/timing.py), then a table and a bar chart. On one GPU it shows what one GPU
-can (our GEMM against cuBLAS) and says which rows need several GPUs. Without GPUs it runs tiny sizes on 8
+can (our GEMM against cuBLAS, our causal attention forward against cuDNN) and says which rows need several
+GPUs. Without GPUs it runs tiny sizes on 8
 virtual CPU devices: plumbing only. The full suites stay behind `python -m pk_jax.bench <suite>`.
 The fused ops run their cached autotuned schedule or the default one (tuning takes minutes; the tp_gemm
 suite does it).
@@ -47,9 +48,15 @@ def items(g: int, small: bool) -> list[Item]:
     """The demo's rows for a group of g devices (sizes: representative on GPUs, tiny on CPU)."""
     n, c, r, s = (256, 256, 128, 512) if small else (8192, 16384, 4096, 32768)
     f = c // 4
+    qkv = (1, 256, 4, 64) if small else (4, 8192, 16, 128)  # (B, S, N, D), causal
+    attn_impl = None if small else "cudnn"
     return [
         Item("GEMM (1 GPU)", "matmul", (n, n, n), 1, [((n, n), P()), ((n, n), P())], P(),
              pk_jax.matmul, _dot, "jnp.dot (cuBLAS)"),
+        Item("attention (1 GPU)", "attention", qkv, 1, [(qkv, P())] * 3, P(),
+             lambda q, k, v: pk_jax.attention(q, k, v, causal=True, implementation="pk"),
+             lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attn_impl),
+             "jax.nn.dot_product_attention (cuDNN)"),
         Item("collectives", "all_gather", (c, c), 2, [((c, c), P(None, AX))], P(),
              lambda x: pk_jax.all_gather(x, AX, axis=1, tiled=True),
              lambda x: jax.lax.all_gather(x, AX, axis=1, tiled=True), "jax.lax.all_gather"),
