@@ -83,6 +83,19 @@ def test_ring_attention_matches_whole_sequence_reference(g, layout, causal, n, k
     assert_all_close(got, reference(q, k, v, d_out, causal), 1e-5)
 
 
+@pytest.mark.parametrize("g,layout,causal", [(2, "zigzag", True), (4, "contiguous", False)])
+def test_ring_blocks_take_the_attention_kernel_for_16_bit_inputs(g, layout, causal):
+    """bf16 with head_dim 64: each block pair binds our attention kernel (pk_attention; its traced offsets
+    and (B, N, T) LSE), whose XLA lowering runs here; the ring still matches the whole-sequence float32
+    reference to bf16 accuracy. float32 or head_dim 16 keep the XLA block path (the cases above)."""
+    q, k, v, d_out = random_qkv(7 + g, 1, g * T_LOCAL, 4, 2, 64, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    jaxpr = jax.make_jaxpr(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))(q, k, v)
+    assert "pk_attention" in str(jaxpr)
+    got = sharded(attn, g, layout, q, k, v, d_out)
+    assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2)
+
+
 def test_ring_attention_group_of_one_is_plain_attention():
     q, k, v, d_out = random_qkv(1, 1, 2 * T_LOCAL, 4, 2, 8)
     got = sharded(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True), 1, "zigzag", q, k, v, d_out)

@@ -1,8 +1,8 @@
 """Attention of one query block against one key/value block, with its log-sum-exp, and its backward.
 
-This is the one place the ring (pk_jax/context/ring.py) computes attention: a later fused kernel
-(`pk_jax.attention(..., return_lse=True, q_offset, kv_offset)`) replaces these two functions. Here they
-are XLA einsums with float32 accumulation, run over query chunks (lax.map / lax.scan) so that the
+The XLA path of block attention: pk_jax.attention's fallback and reference, the ring's backward, and
+the ring's forward where our attention kernel does not take the call (float32, other head dims; the
+ring binds the kernel itself otherwise, pk_jax/context/ring.py). XLA einsums with float32 accumulation, run over query chunks (lax.map / lax.scan) so that the
 score matrix never exceeds SCORE_BYTES_BUDGET, whatever the block length.
 
 Shapes: q (B, Tq, N, H); k, v (B, Tk, K, H) with K dividing N (GQA: query head n reads K/V head

@@ -2,7 +2,8 @@
 
 Inside `jax.shard_map`, every member keeps its query shard and its running (output, lse); the K/V
 shards travel one hop per step (`jax.lax.ppermute`, member r -> r+1), and each step attends the local
-queries to the visiting K/V by `block_attention` and merges by log-sum-exp. Only the local shard plus
+queries to the visiting K/V (our attention kernel for bf16/f16 at head_dim 64/128, else the XLA
+`block_attention`) and merges by log-sum-exp. Only the local shard plus
 the visiting and the arriving K/V block are alive at any time: the steps run in a `lax.scan` whose
 carry holds one K/V block, and the next block's transfer is issued before the step's attention so
 XLA can overlap the two.
@@ -122,6 +123,21 @@ def _when(active, fn: Callable, state):
     return fn(state) if active is True else lax.cond(active, fn, lambda s: s, state)
 
 
+def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset):
+    """One block pair's attention and its LSE: (out (B, Tq, N, H) float32, lse (B, Tq, N) float32). Our
+    attention kernel where it takes the call (bf16/f16, head_dim 64/128; the offsets are traced, read by
+    the kernel from device memory; where no kernel is built its primitive lowers to the XLA block path),
+    else the XLA block path. The kernel's output is in q's dtype, so each block rounds once before the
+    float32 merge, as in FlashAttention's ring implementations."""
+    from pk_jax.attention import _bind, _kernel_refusal  # pk_jax.attention imports this package
+
+    if _kernel_refusal(q, k, scale) is not None:
+        return block_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset)
+    offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    out, lse = _bind(q, k, v, offsets, scale, causal, True)
+    return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
+
+
 def _forward(q, k, v, axes, causal, layout, scale):
     g = group_size(axes)
     rank = lax.axis_index(axes)
@@ -131,9 +147,8 @@ def _forward(q, k, v, axes, causal, layout, scale):
     def pair_fwd(p: BlockPair, kv, state):
         def run(state):
             out, lse = state
-            o_b, l_b = block_attention(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
-                                       _slice(kv[1], p.kv_start, p.kv_len), scale=scale, causal=causal,
-                                       q_offset=p.q_offset, kv_offset=p.kv_offset)
+            o_b, l_b = _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
+                                      _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset, p.kv_offset)
             o_new, l_new = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), o_b, l_b)
             return _update(out, o_new, p.q_start), _update(lse, l_new, p.q_start)
         return _when(p.active, run, state)
