@@ -13,6 +13,8 @@
 #   layouts     python -m pk_jax.bench gemm --layouts (NT/TN vs cuBLAS, target 0.95)    ~1 min
 #   model       python -m pk_jax.bench model --group 1 (target fwd+bwd >= 0.98x XLA)     ~5 min
 #   demo        python -m pk_jax.bench demo                                              ~1 min
+#   democlone   the tree (no builds) copied to a fresh directory, then `bash scripts/demo.sh` there
+#               (set-up + build + demo, as a new user runs it; issue 28: <= 2 min after the build)  ~2 min
 #   attention   our attention kernel's GPU tests (both schedules), then its bench         ~6 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
@@ -51,6 +53,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     attention) stage attention-tests 300 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs
                stage attention 280 python3 -m pk_jax.bench attention --out "$OUT/$day-attention.json" ;;
     demo) stage demo 180 python3 -m pk_jax.bench demo --out "$OUT/$day-demo.json" ;;
+    democlone) rm -rf /tmp/pk_jax_fresh && mkdir -p /tmp/pk_jax_fresh  # the device's .git may be stale: copy the tree
+               tar --exclude=./.git --exclude=./build --exclude=./.venv --exclude=./.prebuilt --exclude='*.so' -cf - . \
+                 | tar -xf - -C /tmp/pk_jax_fresh
+               stage democlone 300 bash -c "cd /tmp/pk_jax_fresh && time bash scripts/demo.sh --out $OUT/$day-demo-clone.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -131,14 +131,14 @@ def _run(reps: int, dtype) -> list[dict]:
 
 
 def print_summary(rows: list[dict]) -> None:
-    head = f"{'family':<14}{'op':<23}{'shape':<20}{'G':>3}{'pk_jax ms':>11}{'XLA ms':>10}{'speedup':>9}  check"
+    head = f"{'family':<19}{'op':<23}{'shape':<20}{'G':>3}{'pk_jax ms':>11}{'XLA ms':>10}{'speedup':>9}  check"
     print(head)
     print("-" * len(head))
     for r in rows:
         if "skipped" in r:
-            print(f"{r['family']:<14}{r['op']:<23}{r['skipped']}")
+            print(f"{r['family']:<19}{r['op']:<23}{r['skipped']}")
             continue
-        print(f"{r['family']:<14}{r['op']:<23}{str(r['shape']):<20}{r['group']:>3}{r['ours_ms']:>11.4f}"
+        print(f"{r['family']:<19}{r['op']:<23}{str(r['shape']):<20}{r['group']:>3}{r['ours_ms']:>11.4f}"
               f"{r['baseline_ms']:>10.4f}{r['ratio']:>8.2f}x  {r['extra']['check']}")
 
 
