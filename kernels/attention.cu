@@ -73,15 +73,9 @@ cudaError_t configure() {
   return e == cudaSuccess ? configure_type<__half>() : e;
 }
 
-cudaError_t configure_once(int ordinal) {
-  const DeviceSetup* d = device_setup<configure>(ordinal);
-  return d ? d->status : cudaErrorInvalidDevice;
-}
+cudaError_t configure_once(int ordinal) { return setup_status<configure>(ordinal); }
 
-int num_sms(int ordinal) {
-  const DeviceSetup* d = device_setup<configure>(ordinal);
-  return d && d->status == cudaSuccess ? d->sms : 0;
-}
+int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 
 void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (p.type == ElemType::kF32) throw std::invalid_argument("pk_jax attention: q, k, v must be bfloat16 or float16");

@@ -136,15 +136,9 @@ cudaError_t configure() {
   return e;
 }
 
-cudaError_t configure_once(int ordinal) {
-  const DeviceSetup* d = device_setup<configure>(ordinal);
-  return d ? d->status : cudaErrorInvalidDevice;
-}
+cudaError_t configure_once(int ordinal) { return setup_status<configure>(ordinal); }
 
-int num_sms(int ordinal) {
-  const DeviceSetup* d = device_setup<configure>(ordinal);
-  return d && d->status == cudaSuccess ? d->sms : 0;
-}
+int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 
 int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   if (p.in == ElemType::kF32) throw std::invalid_argument("pk_jax matmul: a and b must be bfloat16 or float16");

@@ -34,4 +34,18 @@ const DeviceSetup* device_setup(int ordinal) {
   return &d;
 }
 
+// The family's set-up status on GPU `ordinal` (running the set-up the first time).
+template <cudaError_t (*Configure)()>
+cudaError_t setup_status(int ordinal) {
+  const DeviceSetup* d = device_setup<Configure>(ordinal);
+  return d ? d->status : cudaErrorInvalidDevice;
+}
+
+// GPU `ordinal`'s SM count once the family is set up there, 0 if its set-up failed.
+template <cudaError_t (*Configure)()>
+int setup_sms(int ordinal) {
+  const DeviceSetup* d = device_setup<Configure>(ordinal);
+  return d && d->status == cudaSuccess ? d->sms : 0;
+}
+
 }  // namespace pk

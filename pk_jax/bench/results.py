@@ -96,11 +96,15 @@ def print_gemm_table(rows: Sequence[dict]) -> None:
 
 
 def _gemm_line(r: dict) -> str:
+    return f"{r['case']:<14}{'x'.join(map(str, r['extra']['mnk'])):<22}" + _gemm_cells(r)
+
+
+def _gemm_cells(r: dict) -> str:
+    """The columns after M x N x K, shared by the GEMM and the layout tables."""
     e = r["extra"]
     goal = "" if e["target"] is None else f"{e['target']:.2f}{'' if e['meets_target'] else ' !'}"
-    return (f"{r['case']:<14}{'x'.join(map(str, e['mnk'])):<22}{e['tile']:<9}{r['ours_ms']:>10.4f}"
-            f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
-            f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
+    return (f"{e['tile']:<9}{r['ours_ms']:>10.4f}{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}"
+            f"{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
 
 
 def print_layout_table(rows: Sequence[dict]) -> None:
@@ -116,10 +120,7 @@ def print_layout_table(rows: Sequence[dict]) -> None:
 
 def _layout_line(r: dict) -> str:
     e = r["extra"]
-    goal = "" if e["target"] is None else f"{e['target']:.2f}{'' if e['meets_target'] else ' !'}"
-    return (f"{e['layout']:<8}{e['shards']:>3}  {'x'.join(map(str, e['mnk'])):<20}{e['tile']:<9}{r['ours_ms']:>10.4f}"
-            f"{e['tflops']:>7.0f}{r['baseline_ms']:>10.4f}{e['baseline_tflops']:>7.0f}{r['ratio']:>8.3f}"
-            f"{goal:>8}  {e['check']} rel={e['rel_err']:.1e}")
+    return f"{e['layout']:<8}{e['shards']:>3}  {'x'.join(map(str, e['mnk'])):<20}" + _gemm_cells(r)
 
 
 def print_tp_table(rows: Sequence[dict]) -> None:
