@@ -81,11 +81,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="multirank: ranks sharing one GPU; auto: ceil(ranks / GPUs) (default)")
     p.add_argument("--cpu", action="store_true", help="multirank: CPU ranks (gloo; the jax.lax fallbacks)")
     p.add_argument("--calls", type=int, default=1000, help="multirank: calls of the soak (default 1000)")
+    p.add_argument("--steps", nargs="+", default=None,
+                   help="multirank: only these steps (check_ops check_training check_jit check_small "
+                        "check_small_replay check_moe soak faults_kill faults_skip; default all)")
     args = p.parse_args(argv)
     if args.suite == "multirank":  # before any jax backend starts here: the ranks need the GPUs
         from pk_jax.bench import multirank
 
-        return multirank.run(args.ranks, args.ranks_per_gpu, args.cpu, args.quick, args.calls, args.out)
+        return multirank.run(args.ranks, args.ranks_per_gpu, args.cpu, args.quick, args.calls, args.out,
+                             only=args.steps)
     _ensure_flags()
     import jax
 

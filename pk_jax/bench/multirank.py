@@ -87,7 +87,9 @@ def _run_step(cmd: list[str], log, env: dict[str, str]) -> int:
     return rc
 
 
-def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls: int, out: str | None) -> int:
+def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls: int, out: str | None,
+        only: Sequence[str] | None = None) -> int:
+    """Every step at each rank count (only: the steps named, e.g. check_small faults_kill)."""
     sdir = scripts_dir()
     device, kind = device_labels(cpu)
     out = out or os.path.join("benchmarks", "results", f"{datetime.date.today().isoformat()}-multirank-{kind}.json")
@@ -114,6 +116,12 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),
             ] + [(f"faults_{m}", [py, str(sdir / "faults.py"), "--mode", m, "--ranks", str(n),
                                   "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip")]
+            if only:
+                unknown = sorted(set(only) - {name for name, _ in steps})
+                if unknown:
+                    raise SystemExit(f"pk_jax.bench multirank: unknown --steps {unknown}; "
+                                     f"known: {[name for name, _ in steps]}")
+                steps = [st for st in steps if st[0] in only]
             for name, cmd in steps:
                 rows_path = os.path.join(tmp, f"{name}-{n}.json")
                 rc = _run_step(cmd + ["--out", rows_path], log, env)
