@@ -33,7 +33,7 @@ from jax._src import mesh as mesh_lib
 from jax._src.lax.parallel import insert_collective_pvary
 from jax.interpreters import mlir
 
-from pk_jax import _ext, autotune, runtime
+from pk_jax import _ext, _tp_short, autotune, runtime
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 
@@ -286,9 +286,12 @@ def _call(op: str, x: jax.Array, w: jax.Array, axis_name: AxisName, num_comm_sms
     transpose_w = bool(transpose_w)
     x, w, g = _check(op, x, w, axis_name, num_comm_sms, transpose_w)
     intra_name, comm_name = SCHEDULES[op]
-    if schedule not in (None, intra_name, comm_name, "xla"):
+    if schedule not in (None, intra_name, comm_name, "small", "xla"):
         raise ValueError(f"pk_jax.{op}: schedule={schedule!r}; use None (autotuned), {intra_name!r}, "
-                         f"{comm_name!r} or 'xla'")
+                         f"{comm_name!r}, 'small' or 'xla'")
+    (m, k), n = x.shape, (w.shape[0] if transpose_w else w.shape[1])
+    if _tp_short.takes_small_path(op, schedule, m, n, k, g, max(x.dtype.itemsize, w.dtype.itemsize)):
+        return _tp_short.apply(op, x, w, axis_name, transpose_w)
     if schedule == intra_name and num_comm_sms:
         raise ValueError(f"pk_jax.{op}: schedule={intra_name!r} uses no comm SMs; pass no num_comm_sms")
     if schedule == "store_add" and deterministic:
@@ -338,7 +341,9 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
       return_gathered: also return the gathered x, (G m, k) (the backward pass of a layer needs it).
       schedule: None (default: autotuned once per shape and GPU), "comm_sms" (`num_comm_sms` whole SMs
         push x to the peers, then compute; the paper's schedule), "intra_sm" (one producer thread of
-        every compute SM pushes pieces of x while the SM computes) or "xla" (the composition).
+        every compute SM pushes pieces of x while the SM computes), "small" (the small-path all_gather, then
+        our GEMM: no handshakes, for short x; `auto` picks it by size with PK_JAX_SMALL_PATH=1) or "xla"
+        (the composition).
       num_comm_sms: "comm_sms" schedule: SMs that push x (None: autotuned; 0: the composition).
       transpose_w: w is stored (n, k); computes all_gather(x) @ wᵀ reading w in place.
       deterministic: the backward pass's reduce-scatter (dx = RS(dy w^T)) uses only schedules that give
@@ -369,8 +374,9 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
       schedule: None (default: autotuned once per shape and GPU among those `deterministic` allows),
         "store_add" (each tile is added into its owner's output by TMA store-add as soon as it is
         computed; no extra SMs; needs deterministic=False), "pull" (the owner sums each tile over
-        the members in rank order in float32 on `num_comm_sms` SMs: deterministic) or "xla" (the
-        unfused composition).
+        the members in rank order in float32 on `num_comm_sms` SMs: deterministic), "small" (our GEMM, then
+        the small-path collective: no handshakes, deterministic; for short m, and picked by size with
+        PK_JAX_SMALL_PATH=1) or "xla" (the unfused composition).
       num_comm_sms: pull schedule: SMs that reduce the tiles this member owns (None: autotuned;
         0: the unfused composition).
       transpose_w: w is stored (n, k); computes x @ wᵀ reading w in place.

@@ -186,10 +186,10 @@ def test_autotune_without_composition(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fn,kw,match", [
     (pk_jax.matmul_all_reduce, {"schedule": "fast"}, "schedule='fast'"),
-    (pk_jax.matmul_all_reduce, {"schedule": "intra_sm"}, "'store_add', 'pull' or 'xla'"),
+    (pk_jax.matmul_all_reduce, {"schedule": "intra_sm"}, "'store_add', 'pull', 'small' or 'xla'"),
     (pk_jax.matmul_all_reduce, {"schedule": "store_add", "deterministic": True}, "deterministic=False"),
     (pk_jax.matmul_all_reduce, {"schedule": "store_add", "num_comm_sms": 8}, "no num_comm_sms"),
-    (pk_jax.all_gather_matmul, {"schedule": "store_add"}, "'intra_sm', 'comm_sms' or 'xla'"),
+    (pk_jax.all_gather_matmul, {"schedule": "store_add"}, "'intra_sm', 'comm_sms', 'small' or 'xla'"),
     (pk_jax.all_gather_matmul, {"schedule": "intra_sm", "num_comm_sms": 4}, "no num_comm_sms"),
 ], ids=str)
 def test_schedule_errors(fn, kw, match):
@@ -200,7 +200,7 @@ def test_schedule_errors(fn, kw, match):
                       out_specs=P(), check_vma=False)(x, w)
 
 
-@pytest.mark.parametrize("schedule", [None, "intra_sm", "comm_sms", "xla"])
+@pytest.mark.parametrize("schedule", [None, "intra_sm", "comm_sms", "small", "xla"])
 def test_ag_schedules_have_the_composition_semantics(schedule):
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
     x, w = rand(13, (4 * 64, 96)), rand(14, (96, 80))
@@ -210,7 +210,7 @@ def test_ag_schedules_have_the_composition_semantics(schedule):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("schedule", [None, "store_add", "pull", "xla"])
+@pytest.mark.parametrize("schedule", [None, "store_add", "pull", "small", "xla"])
 def test_every_schedule_has_the_composition_semantics(schedule):
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
     x, w = rand(11, (256, 4 * 64)), rand(12, (4 * 64, 96))
@@ -222,6 +222,37 @@ def test_every_schedule_has_the_composition_semantics(schedule):
                                       check_vma=False)(x, w)
         got = run(lambda a, b: fn(a, b, "x", deterministic=False, schedule=schedule))
         np.testing.assert_allclose(np.asarray(got), np.asarray(run(ref)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op", ["ag", "rs", "ar"])
+def test_short_sizes_take_gemm_plus_small_collective_with_gradients(op, monkeypatch):
+    """PK_JAX_SMALL_PATH=1: a decode-sized fused op is our GEMM + a small-path collective (no fused kernel),
+    with the composition's values and gradients; a large one stays fused."""
+    monkeypatch.setenv("PK_JAX_SMALL_PATH", "1")
+    mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
+    ours, ref = compositions("x")[op]
+    in_specs, out_spec = SPECS[op]
+    loss = lambda f: jax.shard_map(lambda a, b: f(a, b).astype(jnp.float32) ** 2, mesh=mesh, in_specs=in_specs,
+                                   out_specs=out_spec)
+    for m, expect_small in ((32, True), (32768, False)):
+        x, w = rand(21, (m, 256)), rand(22, (256, 128))
+        step = lambda f: jax.value_and_grad(lambda a, b: loss(f)(a, b).sum(), argnums=(0, 1))
+        text = str(jax.make_jaxpr(step(ours))(x, w))
+        assert ("pk_tp_gemm" not in text) == expect_small, (m, text)
+        if expect_small:
+            assert "pk_matmul" in text and "variant=2" in text.replace(" ", ""), text
+            (v, (dx, dw)), (rv, (rdx, rdw)) = step(ours)(x, w), step(ref)(x, w)
+            np.testing.assert_allclose(float(v), float(rv), rtol=1e-2)
+            for a, b in ((dx, rdx), (dw, rdw)):
+                np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+def test_schedule_small_refuses_what_the_small_path_cannot_carry():
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x, w = rand(23, (2048, 512)), rand(24, (512, 1024))  # a 2 MiB partial: past the 1 MiB cap
+    with pytest.raises(ValueError, match="schedule='small' serves"):
+        jax.shard_map(lambda a, b: pk_jax.matmul_all_reduce(a, b, "x", schedule="small"), mesh=mesh,
+                      in_specs=(P(None, "x"), P("x")), out_specs=P(), check_vma=False)(x, w)
 
 
 def test_autotune_times_in_turns_and_retimes_the_closest_contenders(tmp_path, monkeypatch):

@@ -86,8 +86,9 @@ def matmul_cases(dtype: str) -> list[Case]:
 
 # Fused TP GEMMs: rows per member a multiple of 128 (the kernels' row chunk), x (256 G, 512) / w (512, 384).
 M_PER_MEMBER, K, N = 256, 512, 384
-FUSED_SCHEDULES = {"all_gather_matmul": ("comm_sms", "intra_sm"),
-                   "matmul_reduce_scatter": ("pull", "store_add"), "matmul_all_reduce": ("pull", "store_add")}
+FUSED_SCHEDULES = {"all_gather_matmul": ("comm_sms", "intra_sm", "small"),
+                   "matmul_reduce_scatter": ("pull", "store_add", "small"),
+                   "matmul_all_reduce": ("pull", "store_add", "small")}  # small: our GEMM + the LL collective
 
 
 def _fused_call(op: str, schedule: str) -> Callable:
