@@ -25,6 +25,7 @@ void bind_multicast(nb::module_& m);  // multicast_bindings.cc
 
 extern "C" XLA_FFI_Error* PkCollective(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkGroupedMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
 
@@ -95,6 +96,7 @@ NB_MODULE(_pk_jax_ext, m) {
     nb::dict d;
     d["pk_collective"] = handler_capsule(reinterpret_cast<void*>(&PkCollective));
     d["pk_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkMatmul));
+    d["pk_grouped_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkGroupedMatmul));
     d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
     d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
     return d;

@@ -159,6 +159,22 @@ struct Kernel {
     }
   }
 
+  // The MMAs of one k-block (issued, not committed): acc (+)= warpgroup's 64 rows of A x B of stage `in`;
+  // accumulate = false overwrites acc (a tile's first k-block).
+  __device__ static void mma_stage(const Stage& in, int warpgroup, float (&acc)[BN / 2], bool accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      // K-major: a k step of 16 is 32 bytes into each swizzled 128-byte row (SBO 1024: 8-row groups).
+      // MN-major: 16 k-rows of 128 bytes (LBO: the next 64-wide MN box, SBO 1024: 8 k-rows).
+      const T* a_wg = in.a + warpgroup * 64 * BK;
+      const uint64_t da = A_KM ? wgmma::desc_sw128(a_wg + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024)
+                               : wgmma::desc_sw128(a_wg + kk * 16, 16, 1024);
+      const uint64_t db = B_NK ? wgmma::desc_sw128(in.b + kk * 16, 16, 1024)
+                               : wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
+      wgmma::mma<T, BN, A_KM ? 1 : 0, B_NK ? 0 : 1>(acc, da, db, (accumulate || kk != 0) ? 1u : 0u);
+    }
+  }
+
   // The warpgroup's 64 x BN accumulator for one tile, k-blocks streamed through the ring.
   __device__ static void mma_tile(const Globals& g, Shared& s, ConsumerState& st, float (&acc)[BN / 2]) {
     const int lane = threadIdx.x % 32;
@@ -167,17 +183,7 @@ struct Kernel {
       st.pos.wait_full(s.ring);
       const Stage& in = s.stage[st.pos.stage];
       wgmma::fence();
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        // K-major: a k step of 16 is 32 bytes into each swizzled 128-byte row (SBO 1024: 8-row groups).
-        // MN-major: 16 k-rows of 128 bytes (LBO: the next 64-wide MN box, SBO 1024: 8 k-rows).
-        const T* a_wg = in.a + st.warpgroup * 64 * BK;
-        const uint64_t da = A_KM ? wgmma::desc_sw128(a_wg + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024)
-                                 : wgmma::desc_sw128(a_wg + kk * 16, 16, 1024);
-        const uint64_t db = B_NK ? wgmma::desc_sw128(in.b + kk * 16, 16, 1024)
-                                 : wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
-        wgmma::mma<T, BN, A_KM ? 1 : 0, B_NK ? 0 : 1>(acc, da, db, (kb | kk) != 0);
-      }
+      mma_stage(in, st.warpgroup, acc, kb != 0);
       wgmma::commit();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
       if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);

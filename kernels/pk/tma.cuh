@@ -102,6 +102,21 @@ __device__ __forceinline__ void store_tile_2d(const void* tmap, int col, int row
                : "memory");
 }
 
+// 3-D boxes (e.g. a stack of matrices (E, rows, cols): coordinates (col, row, matrix)); out-of-bounds
+// parts read as zeros and are not written, so a box never spills into the next matrix.
+__device__ __forceinline__ void load_tile_3d(void* smem_dst, const void* tmap, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(smem_addr(smem_dst)), "l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(bar))
+      : "memory");
+}
+
+__device__ __forceinline__ void store_tile_3d(const void* tmap, int c0, int c1, int c2, const void* smem_src) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%1, %2, %3}], [%4];"
+               ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
 // 4-D boxes (e.g. (B, T, N, D) attention operands: coordinates (d, head, t, batch)); out-of-bounds
 // parts read as zeros and are not written, as in 2-D.
 __device__ __forceinline__ void load_tile_4d(void* smem_dst, const void* tmap, int c0, int c1, int c2, int c3,

@@ -6,7 +6,10 @@ receiver (dispatch: its rows; combine: the rows back at the busiest sender; moe_
 Baselines, timed in turns in the same run:
 - dispatch: jax.lax.ragged_all_to_all of the sender-sorted rows (GPU only: XLA:CPU lacks it), which
   leaves rows source-major (not regrouped by expert);
-- grouped_matmul: jax.lax.ragged_dot, and (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu;
+- grouped_matmul (on GPUs our grouped GEMM kernel): jnp.dot of the same FLOPs (the used rows times one
+  expert's matrix), jax.lax.ragged_dot (skipped where XLA's dense emulation would need an (E, m, n) temporary
+  over 8 GB) and, forward only, (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu; also at the
+  per-GPU shape of a DeepSeek-V3-sized layer (m 32768 = 4096 tokens x top-8, k 7168, n 2048, 64 experts);
 - moe_mlp: GShard-style dispatch + capacity-padded einsum (capacity factor 1.25; it drops, so no check).
 """
 
@@ -49,7 +52,8 @@ def cases(g: int, small: bool) -> list[Case]:
     shapes = [(64, 64, max(8, g), 2, 128)] if small else [(4096, 4096, 64, 4, 1408), (4096, 4096, max(8, g), 2, 4096)]
     out = []
     for op in ("dispatch", "combine", "grouped_matmul", "moe_mlp"):
-        for t, h, e, k, f in shapes:
+        per_gpu = [] if small or op != "grouped_matmul" else [(4096, 7168, 64 * g, 8, 2048)]
+        for t, h, e, k, f in shapes + per_gpu:
             for kind in ("uniform", "skewed"):
                 for backward in (False, True):
                     out.append(Case(op, t, h, e, k, f, kind, backward))
@@ -147,15 +151,20 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype):
     elif c.op == "grouped_matmul":
         rows = routing.worst_case_recv_rows(g, c.t, c.k)
         counts = np.asarray(info[1]).reshape(g, local)[int(np.argmax(info[0]))]
-        gs = jax.device_put(jnp.asarray(counts, jnp.int32), jax.devices()[0])
-        xm = jax.device_put(jnp.asarray(rng.standard_normal((rows, c.h)) / 4, dtype), jax.devices()[0])
-        wm = jax.device_put(jnp.asarray(rng.standard_normal((local, c.h, c.f)) / 64, dtype), jax.devices()[0])
+        dev = jax.devices()[0]
+        gpu = dev.platform == "gpu"
+        gs = jax.device_put(jnp.asarray(counts, jnp.int32), dev)
+        kx, kw = jax.random.split(jax.random.key(1))  # on the device: w is ~1 GB at the per-GPU shape
+        with jax.default_device(dev):
+            xm = (jax.random.normal(kx, (rows, c.h), jnp.float32) / 4).astype(dtype)
+            wm = (jax.random.normal(kw, (local, c.h, c.f), jnp.float32) / 64).astype(dtype)
+            used = int(counts.sum())
+            dense_args = [xm[:used], wm[0], gs]  # the same FLOPs as one GEMM
         one = lambda f: jax.jit(jax.grad(lambda a, b, s: jnp.sum(f(a, b, s).astype(jnp.float32) ** 2), (0, 1))
                                 if c.backward else f)
         ours = one(lambda a, b, s: pk_jax.grouped_matmul(a, b, s))
         args = [xm, wm, gs]
-        bases.append(("lax.ragged_dot", one(lambda a, b, s: jax.lax.ragged_dot(a, b, s))))
-        if jax.devices()[0].platform == "gpu" and not c.backward:
+        if gpu and not c.backward:
             try:
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
                 mg = lambda a, b, s: ragged_dot_mgpu.ragged_dot(a, b, group_sizes=s, block_m=64, block_n=256,
@@ -163,6 +172,9 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype):
                 bases.append(("pallas ragged_dot_mgpu", jax.jit(mg)))
             except Exception:  # noqa: BLE001 - optional baseline
                 pass
+        bases.append(("jnp.dot same FLOPs", one(lambda a, b, s: jnp.dot(a, b)), dense_args))
+        if not gpu or local * rows * c.f * 4 <= 8 << 30:  # XLA:GPU may emulate it densely: (E, m, n) fp32
+            bases.append(("lax.ragged_dot", one(lambda a, b, s: jax.lax.ragged_dot(a, b, s))))
         moved = int(counts.sum()) * row_bytes  # no exchange: the bytes of the busiest member's rows
     else:
         wsh = lambda *s: put(rng.standard_normal((c.e,) + s) / np.sqrt(s[0]))
@@ -189,17 +201,19 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> 
         if ours is None:
             raise RuntimeError(f"pk_jax.bench moe: {c.op} {c.name} failed: {err}")
         fns, names, errors = [ours], [], {}
-        for name, b in bases:
-            fn, berr = _try(b, args)
+        for name, b, *own in bases:  # (name, jitted[, its own args]: e.g. the dense GEMM of the same FLOPs)
+            fn, berr = _try(b, own[0] if own else args)
             if fn is None:
                 errors[name] = berr
             else:
-                fns.append(fn)
+                fns.append((lambda xs, f=fn, o=own[0]: f(o)) if own else fn)
                 names.append(name)
         check = "no baseline"
-        if c.op == "grouped_matmul" and len(fns) > 1:
-            e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(fns[1](args))))
-            check = f"ok rel={e:.1e}" if e < 3e-2 else f"MISMATCH rel={e:.1e}"
+        same = [i for i, name in enumerate(names) if name in ("lax.ragged_dot", "pallas ragged_dot_mgpu")]
+        if c.op == "grouped_matmul" and same:
+            ref = fns[1 + same[-1]]
+            e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(ref(args))))
+            check = f"ok rel={e:.1e} vs {names[same[-1]]}" if e < 3e-2 else f"MISMATCH rel={e:.1e} vs {names[same[-1]]}"
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
         base = dict(zip(names, times[1:]))
         rows.append({

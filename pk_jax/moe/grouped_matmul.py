@@ -1,6 +1,10 @@
 """grouped_matmul: one matmul per expert over contiguous ragged groups of rows, like jax.lax.ragged_dot.
 
-Reference paths (the fused Hopper grouped GEMM will replace them on GPUs):
+On CUDA GPUs (extension built) the forward and both backward GEMMs run pk_jax's Hopper grouped GEMM
+(kernels/grouped_gemm_kernel.cuh: group_sizes read on the device, every CTA schedules its own (group, row
+tile, n tile) tasks; dx reads w transposed in place; dw[e] = x_e^T dy_e is a ragged-K GEMM). It takes
+bfloat16/float16 x and w of one dtype, k and n multiples of 8 and 1..256 groups; other calls (and other
+platforms) run the reference paths below with identical semantics (on a GPU, saying so once):
 - CPU: jax.lax.ragged_dot (XLA:CPU runs it in jax 0.11.2).
 - elsewhere: ragged_dot lowers to a dense computation on GPUs (every row times every expert's matrix: E
   times the FLOPs and an (E, m, n) temporary), which does not fit at MoE sizes. Instead a scan over
@@ -15,14 +19,26 @@ replicated over an axis the rows are sharded over gets its gradient summed by pk
 from __future__ import annotations
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax._src import config, core, dispatch
+from jax.interpreters import batching, mlir
 
+from pk_jax import _ext
 from pk_jax.collectives import gradient_sum
 from pk_jax.context._varying import full_varying, varying_axes
 
 TILE_ROWS = 128
+KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MAX_GROUPS = 256  # the kernel's group table (kernels/pk/group_table.cuh)
+FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2  # the kernel's modes
+
+# (a, b, group_sizes) -> forward: x (m, k), w (E, k, n) -> (m, n); input grad: dy (m, k), w (E, n, k) -> (m, n)
+# (w read transposed in place); weight grad: x (m, k), dy (m, n) -> (E, k, n). Always the inputs' dtype.
+pk_grouped_matmul_p = core.Primitive("pk_grouped_matmul")
 
 
 def _check(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> None:
@@ -111,14 +127,79 @@ def grouped_weight_grad_tiled(x: jax.Array, dy: jax.Array, group_sizes: jax.Arra
     return _scan_pairs(x, group_sizes, tile, init, add).astype(out_dtype or x.dtype)
 
 
-def _forward(x, w, group_sizes, tile_rows):
+def _kernel_unsupported(x: jax.Array, w: jax.Array) -> str | None:
+    """Why the GPU kernel cannot take grouped_matmul(x, w) (and its VJP), None when it can."""
+    if x.dtype != w.dtype or x.dtype not in KERNEL_DTYPES:
+        return f"x and w are {x.dtype} and {w.dtype} (the kernel takes two bfloat16 or two float16 arrays)"
+    if x.shape[1] % 8 or w.shape[2] % 8:
+        return f"k = {x.shape[1]} and n = {w.shape[2]} must be multiples of 8 (TMA rows of 16 bytes)"
+    if not 1 <= w.shape[0] <= MAX_GROUPS:
+        return f"{w.shape[0]} groups (the kernel takes 1..{MAX_GROUPS})"
+    return None
+
+
+@functools.cache
+def _note_fallback(why: str) -> None:
+    warnings.warn(f"pk_jax.grouped_matmul: {why}; this call runs the jax.lax reference instead of the pk_jax "
+                  "kernel", stacklevel=4)
+
+
+def _abstract_eval(a, b, group_sizes, *, mode):
+    if mode == WEIGHT_GRAD:
+        shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
+    else:
+        shape = (a.shape[0], b.shape[1] if mode == INPUT_GRAD else b.shape[2])
+    out = a.update(shape=shape, dtype=a.dtype)
+    if config._check_vma.value:
+        varying = frozenset(a.mat.varying) | frozenset(b.mat.varying) | frozenset(group_sizes.mat.varying)
+        out = out.update(manual_axis_type=a.mat.update(varying=varying))
+    return out
+
+
+def _reference(a, b, group_sizes, *, mode, tile_rows=TILE_ROWS):
+    """The primitive's semantics on the reference paths (its fallback lowering and batching rule)."""
+    if mode == FORWARD:
+        return _lax_forward(a, b, group_sizes, tile_rows)
+    if mode == INPUT_GRAD:
+        return _lax_forward(a, jnp.swapaxes(b, 1, 2), group_sizes, tile_rows).astype(a.dtype)
+    return _lax_weight_grad(a, b, group_sizes, a.dtype, tile_rows)
+
+
+def _batch(args, dims, *, mode):
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
+    return jax.vmap(functools.partial(_reference, mode=mode))(*args), 0
+
+
+def _cuda_lowering(ctx, a, b, group_sizes, *, mode):
+    return jax.ffi.ffi_lowering("pk_grouped_matmul")(ctx, a, b, group_sizes, mode=np.int32(mode), tile=np.int32(-1))
+
+
+pk_grouped_matmul_p.def_abstract_eval(_abstract_eval)
+pk_grouped_matmul_p.def_impl(functools.partial(dispatch.apply_primitive, pk_grouped_matmul_p))
+batching.primitive_batchers[pk_grouped_matmul_p] = _batch
+mlir.register_lowering(pk_grouped_matmul_p, lambda ctx, *args, mode: mlir.lower_fun(
+    functools.partial(_reference, mode=mode), multiple_results=False)(ctx, *args))
+if _ext.available():
+    mlir.register_lowering(pk_grouped_matmul_p, _cuda_lowering, platform="cuda")
+
+
+def _with_kernel(reference, kernel, use_kernel: bool):
+    """reference() everywhere; on CUDA kernel() where the call fits it (only the platform's branch is
+    lowered)."""
+    if not use_kernel:
+        return reference()
+    return jax.lax.platform_dependent(cpu=reference, cuda=kernel, default=reference)
+
+
+def _lax_forward(x, w, group_sizes, tile_rows):
     gs = group_sizes.astype(jnp.int32)
     on_cpu = lambda: jax.lax.ragged_dot(x, w, gs, preferred_element_type=jnp.float32).astype(x.dtype)
     tiled = lambda: grouped_matmul_tiled(x, w, gs, tile_rows=tile_rows)
     return jax.lax.platform_dependent(cpu=on_cpu, default=tiled)
 
 
-def _weight_grad(x, dy, group_sizes, w_dtype, tile_rows):
+def _lax_weight_grad(x, dy, group_sizes, w_dtype, tile_rows):
     gs = group_sizes.astype(jnp.int32)
 
     def on_cpu():
@@ -130,19 +211,38 @@ def _weight_grad(x, dy, group_sizes, w_dtype, tile_rows):
     return jax.lax.platform_dependent(cpu=on_cpu, default=tiled)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _grouped(x, w, group_sizes, tile_rows):
-    return _forward(x, w, group_sizes, tile_rows)
+def _forward(x, w, group_sizes, tile_rows, use_kernel):
+    gs = group_sizes.astype(jnp.int32)
+    return _with_kernel(lambda: _lax_forward(x, w, gs, tile_rows),
+                        lambda: pk_grouped_matmul_p.bind(x, w, gs, mode=FORWARD), use_kernel)
 
 
-def _grouped_fwd(x, w, group_sizes, tile_rows):
-    return _forward(x, w, group_sizes, tile_rows), (x, w, group_sizes)
+def _input_grad(dy, w, group_sizes, x_dtype, tile_rows, use_kernel):
+    gs = group_sizes.astype(jnp.int32)
+    dy = dy.astype(x_dtype)
+    return _with_kernel(lambda: _lax_forward(dy, jnp.swapaxes(w, 1, 2), gs, tile_rows).astype(x_dtype),
+                        lambda: pk_grouped_matmul_p.bind(dy, w, gs, mode=INPUT_GRAD), use_kernel)
 
 
-def _grouped_bwd(tile_rows, res, dy):
+def _weight_grad(x, dy, group_sizes, w_dtype, tile_rows, use_kernel):
+    gs = group_sizes.astype(jnp.int32)
+    return _with_kernel(lambda: _lax_weight_grad(x, dy, gs, w_dtype, tile_rows),
+                        lambda: pk_grouped_matmul_p.bind(x, dy.astype(x.dtype), gs, mode=WEIGHT_GRAD), use_kernel)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped(x, w, group_sizes, tile_rows, use_kernel):
+    return _forward(x, w, group_sizes, tile_rows, use_kernel)
+
+
+def _grouped_fwd(x, w, group_sizes, tile_rows, use_kernel):
+    return _forward(x, w, group_sizes, tile_rows, use_kernel), (x, w, group_sizes)
+
+
+def _grouped_bwd(tile_rows, use_kernel, res, dy):
     x, w, group_sizes = res
-    dx = _forward(dy, jnp.swapaxes(w, 1, 2), group_sizes, tile_rows).astype(x.dtype)
-    dw = _weight_grad(x, dy, group_sizes, w.dtype, tile_rows)
+    dx = _input_grad(dy, w, group_sizes, x.dtype, tile_rows, use_kernel)
+    dw = _weight_grad(x, dy, group_sizes, w.dtype, tile_rows, use_kernel)
     return _unvary_like(dx, x), _unvary_like(dw, w), None
 
 
@@ -165,10 +265,14 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_r
       w: (E, k, n), one matrix per group.
       group_sizes: (E,) int rows per group; sum <= m (rows past the sum give zero rows; a sum above m is
         cut at m).
-      tile_rows: the row tile of the non-CPU reference scan (see the module docstring).
+      tile_rows: the row tile of the non-CPU reference scan (see the module docstring; the kernel tiles its own).
 
     Returns:
       (m, n) in x's dtype, accumulated in float32. Differentiable in x and w (grouped-GEMM VJP).
     """
     _check(x, w, group_sizes)
-    return _grouped(x, w, group_sizes, tile_rows)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    why = _kernel_unsupported(x, w)
+    if why is not None and _ext.available() and jax.default_backend() == "gpu":
+        _note_fallback(why)
+    return _grouped(x, w, group_sizes, tile_rows, why is None and _ext.available())

@@ -1,0 +1,268 @@
+// Grouped GEMM (jax.lax.ragged_dot and its VJP) on the GEMM's LCSC kernel: contiguous ragged groups of
+// token rows, group e multiplied by its own matrix. group_sizes stay on the device: every CTA builds the
+// group table itself (pk/group_table.cuh) and walks its tasks persistently.
+//   kForward:    out(tokens, n) = x_e(rows, k) @ w[e](k, n),  w stored (E, k, n)
+//   kInputGrad:  out(tokens, n) = x_e(rows, k) @ w[e]ᵀ,       w stored (E, n, k), read in place (B_NK)
+//   kWeightGrad: out[e](m, n) = x_eᵀ @ y_e over group e's rows (a ragged K), x (tokens, m) read in place
+//                (A_KM), y (tokens, n); groups without rows get zeros.
+// Forward / input grad: a task is (row tile of a group, n tile); a group's tiles start at its first row
+// (unaligned TMA boxes), so its last tile reads the next group's rows: those output rows are never stored
+// (a consumer copies a partial 64-row slice itself, row by row; whole slices go out by TMA). The tail
+// (rows past sum(group_sizes)) is one more group whose tiles store zeros. Tasks past the real count
+// (the host launches a static bound) are skipped by every role alike.
+// Weight grad: a task is (group, m tile, n tile), groups largest first (balance under skew); the last
+// k-block of a group holds rows of the next one: the consumers zero those k-rows of A and B in shared
+// memory before their MMAs.
+#pragma once
+#include "gemm_kernel.cuh"
+#include "pk/group_table.cuh"
+
+namespace pk::grouped {
+
+enum Mode : int { kForward = 0, kInputGrad = 1, kWeightGrad = 2 };
+
+struct Globals {
+  CUtensorMap a, b, c;  // a: x; b: w (3-D, E matrices) or y; c: out (3-D for the weight grad)
+  const int32_t* group_sizes;
+  void* out;          // c's base, for the consumers' row-masked copies
+  int tokens;         // rows of x (and y)
+  int m, n, k;        // forward / input grad: out (tokens, n), contraction k; weight grad: out (E, m, n)
+  int num_groups;
+  int tiles_m, tiles_n;  // weight grad: tiles of one output matrix; forward / input grad: tiles_n only
+  int group_m;           // tile-rows per raster band (TileGrid)
+  int max_tasks;         // static bound on the task count (the launch's)
+  int num_comm_sms;      // 0
+};
+
+struct Ext : gemm::NoComm {
+  using Globals = grouped::Globals;
+  struct SharedExt {
+    GroupTable table;
+  };
+};
+
+// One task as every role sees it.
+struct Task {
+  bool valid;    // false: past the real task count, skipped
+  int group;     // expert (forward: E for the tail's zero tiles)
+  int row0;      // first output row of the tile (forward: a token row; weight grad: a row of out[e])
+  int row_end;   // output rows >= row_end are not stored (forward: the group's end; weight grad: m)
+  int col0;      // first output column
+  int k0;        // first contraction row (weight grad: the group's first token row)
+  int k_blocks;  // 64-deep k-blocks
+  int k_last;    // valid k-rows of the last k-block (weight grad; 64 elsewhere)
+};
+
+template <typename T, int WGS_, int BN_, int STAGES_, int MODE>
+struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad, MODE == kInputGrad> {
+  using Base = gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad, MODE == kInputGrad>;
+  using Shared = typename Base::Shared;
+  using Stage = typename Base::Stage;
+  using LoaderState = typename Base::LoaderState;
+  using ConsumerState = typename Base::ConsumerState;
+  using StorerState = typename Base::StorerState;
+  using SlotLayout = typename Base::SlotLayout;
+  static constexpr int WGS = WGS_, BN = BN_, BM = Base::BM, BK = Base::BK;
+  static constexpr int kBoxCols = Base::kBoxCols, kOutBoxCols = Base::kOutBoxCols;
+  static constexpr bool kWeightGradMode = MODE == kWeightGrad;
+  static_assert(128 * (WGS + 1) >= kMaxGroups + 2, "the group table is built with one thread per group");
+  static_assert(sizeof(T) == 2, "16-bit operands and output");
+
+  __host__ __device__ static int num_tasks(const Globals& g) { return g.max_tasks; }
+
+  __device__ static Task task_of(const Globals& g, const GroupTable& tb, int t) {
+    Task r{};
+    const int groups = g.num_groups;
+    if constexpr (kWeightGradMode) {
+      const int per = g.tiles_m * g.tiles_n;
+      const int e = tb.order[t / per];
+      const int2 tile = TileGrid{g.tiles_m, g.tiles_n, g.group_m}.tile(t % per);
+      const int rows = tb.start[e + 1] - tb.start[e];
+      r.valid = true;
+      r.group = e;
+      r.row0 = tile.x * BM;
+      r.row_end = g.m;
+      r.col0 = tile.y * BN;
+      r.k0 = tb.start[e];
+      r.k_blocks = (rows + BK - 1) / BK;
+      r.k_last = rows - (r.k_blocks - 1) * BK;  // 1..64 when k_blocks > 0
+    } else {
+      const int tiles = tb.tile_start[groups + 1];
+      if (t >= tiles * g.tiles_n) return r;  // valid = false
+      const int2 tile = TileGrid{tiles, g.tiles_n, g.group_m}.tile(t);
+      const int e = tb.group_of_tile(tile.x, groups);
+      r.valid = true;
+      r.group = e;
+      r.row0 = tb.start[e] + (tile.x - tb.tile_start[e]) * BM;
+      r.row_end = tb.start[e + 1];
+      r.col0 = tile.y * BN;
+      r.k0 = 0;
+      r.k_blocks = e == groups ? 0 : (g.k + BK - 1) / BK;  // the tail's tiles are zeros
+      r.k_last = BK;
+    }
+    return r;
+  }
+
+  // Output rows of warpgroup w's 64-row slice that belong to the tile's group (0..64).
+  __device__ static int slice_rows(const Task& task, int w) {
+    const int rows = task.row_end - (task.row0 + w * 64);
+    return rows < 0 ? 0 : (rows > 64 ? 64 : rows);
+  }
+  // Whether the storer's TMA stores the slice: all 64 rows are the group's, or the group ends at the
+  // output's last row (TMA clips there). Otherwise a partial slice is copied by its consumers.
+  __device__ static bool tma_stored(const Globals& g, const Task& task, int w) {
+    const int rows = slice_rows(task, w);
+    return rows > 0 && (rows == 64 || task.row_end >= (kWeightGradMode ? g.m : g.tokens));
+  }
+
+  __device__ static void begin(const Globals& g, Shared& s) {
+    s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode);
+  }
+
+  __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int t) {
+    const Task task = task_of(g, s.ext.table, t);
+    if (!task.valid) return;
+    for (int kb = 0; kb < task.k_blocks; ++kb) {
+      st.pos.wait_empty(s.ring);
+      Stage& dst = s.stage[st.pos.stage];
+      uint64_t* full = &s.ring.full[st.pos.stage];
+      tma::mbar_expect_tx(full, Base::kStageBytes);  // out-of-bounds box parts count too (zero-filled)
+      const int krow = task.k0 + kb * BK;
+      if constexpr (kWeightGradMode) {
+        // x (tokens, m): BM/64 M-major boxes of 64 token rows x 64 m; y (tokens, n): BN/64 N-major boxes.
+#pragma unroll
+        for (int j = 0; j < BM / kBoxCols; ++j)
+          tma::load_tile_2d(dst.a + j * BK * kBoxCols, &g.a, task.row0 + j * kBoxCols, krow, full);
+#pragma unroll
+        for (int j = 0; j < BN / kBoxCols; ++j)
+          tma::load_tile_2d(dst.b + j * BK * kBoxCols, &g.b, task.col0 + j * kBoxCols, krow, full);
+      } else {
+        tma::load_tile_2d(dst.a, &g.a, krow, task.row0, full);  // BM token rows from the tile's first row
+        if constexpr (MODE == kInputGrad) {  // w[e] stored (n, k): one K-major box of BN n-rows x 64 k
+          tma::load_tile_3d(dst.b, &g.b, krow, task.col0, task.group, full);
+        } else {  // w[e] stored (k, n): BN/64 N-major boxes of 64 k-rows x 64 n
+#pragma unroll
+          for (int j = 0; j < BN / kBoxCols; ++j)
+            tma::load_tile_3d(dst.b + j * BK * kBoxCols, &g.b, task.col0 + j * kBoxCols, krow, task.group, full);
+        }
+      }
+      st.pos.advance();
+    }
+  }
+
+  // Zero k-rows [valid, 64) of one 64-row x 128-byte box (a k-row is one whole swizzled 128-byte row).
+  __device__ static void zero_k_rows(T* box, int valid, int thread) {
+    uint4* p = reinterpret_cast<uint4*>(box);
+    for (int c = valid * 8 + thread; c < 64 * 8; c += 128) p[c] = make_uint4(0, 0, 0, 0);
+  }
+
+  // Weight grad, last k-block of a group: the consumers zero the k-rows past the group's end in both
+  // operands (the next group's rows; rows past `tokens` are already TMA zeros), then all of them sync
+  // before any MMA reads the stage. Warpgroup w zeros its own A box and B boxes w, w + WGS, ...
+  __device__ static void mask_stage(Stage& in, int warpgroup, int valid) {
+    const int thread = threadIdx.x % 128;
+    zero_k_rows(in.a + warpgroup * BK * kBoxCols, valid, thread);
+#pragma unroll
+    for (int j = warpgroup; j < BN / kBoxCols; j += WGS) zero_k_rows(in.b + j * BK * kBoxCols, valid, thread);
+    tma::fence_proxy_async_shared();  // generic-proxy zeros before the async-proxy (wgmma) reads
+    asm volatile("bar.sync 1, %0;" ::"n"(128 * WGS) : "memory");  // every consumer thread's zeros are in
+  }
+
+  // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks).
+  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2]) {
+    const int lane = threadIdx.x % 32;
+    if (task.k_blocks == 0) {
+#pragma unroll
+      for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
+      return;
+    }
+    int prev = -1;
+    for (int kb = 0; kb < task.k_blocks; ++kb) {
+      st.pos.wait_full(s.ring);
+      Stage& in = s.stage[st.pos.stage];
+      if constexpr (kWeightGradMode) {
+        if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
+      }
+      wgmma::fence();
+      Base::mma_stage(in, st.warpgroup, acc, kb != 0);
+      wgmma::commit();
+      wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
+      if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+      prev = st.pos.stage;
+      st.pos.advance();
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+  }
+
+  // A warpgroup whose slice stores nothing only walks the ring (hands each stage back unread).
+  __device__ static void skip_task(Shared& s, ConsumerState& st, const Task& task) {
+    for (int kb = 0; kb < task.k_blocks; ++kb) {
+      st.pos.wait_full(s.ring);
+      if (threadIdx.x % 32 == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+      st.pos.advance();
+    }
+  }
+
+  // A partial slice: the warpgroup copies its first `rows` rows (columns < n) from the slot to out.
+  __device__ static void copy_rows(const Globals& g, const T* slot, const Task& task, int w, int rows) {
+    asm volatile("bar.sync %0, 128;" ::"r"(2 + w) : "memory");  // the warpgroup's stmatrix writes are in
+    constexpr int kChunks = BN / 8;                             // 16-byte chunks of a slot row
+    const int cols = g.n - task.col0 < BN ? g.n - task.col0 : BN;  // a multiple of 8 (n is)
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
+    T* out = static_cast<T*>(g.out);
+    const size_t row0 = size_t(task.row0 + w * 64);
+    for (int i = threadIdx.x % 128; i < rows * kChunks; i += 128) {
+      const int r = i / kChunks, c = (i % kChunks) * 8;
+      if (c < cols) {
+        const uint4 v = *reinterpret_cast<const uint4*>(src + swizzled_tile_offset<T>(r, c, 64));
+        *reinterpret_cast<uint4*>(out + (row0 + r) * size_t(g.n) + task.col0 + c) = v;
+      }
+    }
+  }
+
+  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
+    const Task task = task_of(g, s.ext.table, t);
+    if (!task.valid) return;
+    const int w = st.warpgroup;
+    const int rows = slice_rows(task, w);
+    float acc[BN / 2];
+    // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
+    if (!kWeightGradMode && rows == 0) skip_task(s, st, task);
+    else mma_task(s, st, task, acc);
+    Handoff& slot = s.c_slot[w];
+    tma::mbar_wait(&slot.empty, st.c_phase ^ 1);
+    if (rows > 0) {
+      store_acc<T, BN, SlotLayout>(s.c[w], acc);
+      if (tma_stored(g, task, w)) tma::fence_proxy_async_shared();  // the storer's TMA reads the slot
+      else copy_rows(g, s.c[w], task, w, rows);
+    }
+    tma::mbar_arrive(&slot.full);
+    st.c_phase ^= 1;
+  }
+
+  __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int t) {
+    const Task task = task_of(g, s.ext.table, t);
+    if (!task.valid) return;
+    for (int w = 0; w < WGS; ++w) {
+      tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
+      if (!tma_stored(g, task, w)) continue;
+      const T* slot = s.c[w];
+#pragma unroll
+      for (int j = 0; j < BN / kOutBoxCols; ++j) {
+        const int col = task.col0 + j * kOutBoxCols, row = task.row0 + w * 64;
+        if constexpr (kWeightGradMode) tma::store_tile_3d(&g.c, col, row, task.group, slot + j * 64 * kOutBoxCols);
+        else tma::store_tile_2d(&g.c, col, row, slot + j * 64 * kOutBoxCols);
+      }
+      tma::commit_group();
+    }
+    tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
+    for (int w = 0; w < WGS; ++w) tma::mbar_arrive(&s.c_slot[w].empty);
+    st.c_phase ^= 1;
+  }
+
+  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+};
+
+}  // namespace pk::grouped
