@@ -28,6 +28,7 @@ extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkGroupedMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkAttentionBwd(XLA_FFI_CallFrame*);
 
 namespace {
 
@@ -99,6 +100,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_grouped_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkGroupedMatmul));
     d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
     d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
+    d["pk_attention_bwd"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionBwd));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {

@@ -16,9 +16,12 @@ Implementations:
   "fallback": the default until the kernel is measured: jax.nn.dot_product_attention (cuDNN where it
               can, else XLA) when neither the LSE nor a causal offset is asked for, else an XLA einsum
               path with float32 accumulation (pk_jax/context/block_attention.py).
-Backward (`jax.grad`, both implementations): a custom VJP that recomputes the probabilities with
-XLA einsums from the saved LSE (block_attention_bwd), float32 accumulation, gradients in the input
-dtypes; a cotangent of the LSE output is honoured. Not a fused backward kernel yet.
+Backward (`jax.grad`): a custom VJP from the saved LSE; a cotangent of the LSE output is honoured
+(delta = rowsum(dO * O) - dLSE, computed by XLA). Where the forward ran our kernel, the backward is our
+kernel too (kernels/attention_bwd_kernel.cuh, primitive pk_attention_bwd: dK and dV in registers per
+key block, dQ added into a float32 buffer by TMA bulk reduce-adds, so dQ's bits may differ between
+runs; dK and dV are deterministic); elsewhere (the fallback, CPU) XLA einsums recompute the
+probabilities (block_attention_bwd), float32 accumulation, gradients in the input dtypes.
 """
 
 from __future__ import annotations
@@ -46,6 +49,10 @@ SCHEDULES = ("in_turn", "pipelined")
 
 pk_attention_p = core.Primitive("pk_attention")
 pk_attention_p.multiple_results = True
+pk_attention_bwd_p = core.Primitive("pk_attention_bwd")
+pk_attention_bwd_p.multiple_results = True
+LOG2E = 1.4426950408889634
+DQ_ROWS = 64  # the backward kernel's query block: dq_acc and lse2 / delta rows are padded to a multiple
 
 
 def reference(q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, *, scale: float,
@@ -122,6 +129,80 @@ def _batch(args, dims, *, scale, causal, with_lse):
 batching.primitive_batchers[pk_attention_p] = _batch
 
 
+def _vary_like(avals, *inputs):
+    if not config._check_vma.value:
+        return avals
+    varying = frozenset().union(*(x.mat.varying for x in inputs))
+    return [a.update(manual_axis_type=inputs[0].mat.update(varying=varying)) for a in avals]
+
+
+def _bwd_abstract_eval(q, k, v, dout, lse, delta, offsets, *, scale, causal):
+    del dout, lse, delta, scale, causal
+    return _vary_like([q.update(shape=q.shape, dtype=q.dtype), k.update(shape=k.shape, dtype=k.dtype),
+                       v.update(shape=v.shape, dtype=v.dtype)], q, k, v, offsets)
+
+
+def reference_bwd(q, k, v, dout, lse, delta, offsets, *, scale, causal):
+    """XLA einsums: (dq, dk, dv) in the input dtypes from lse and delta (B, N, Tq) float32, where
+    delta = rowsum(dout * out) - d_lse. What pk_attention_bwd computes; its lowering off CUDA."""
+    dq, dk, dv = block_attention_bwd(q, k, v, dout, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), scale=scale,
+                                     causal=causal, q_offset=offsets[0], kv_offset=offsets[1])
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def dq_from_chunks(acc: jax.Array, tq: int, scale: float) -> jax.Array:
+    """The backward kernel's float32 dq_acc (B, N, Tq_pad, D) -> dq (B, Tq, N, D) float32, times scale.
+    Each 64-row block of a head holds D / 64 chunks (column boxes) of 64 x 64; inside a chunk float
+    ((c * 128 + t) * 4 + j) is accumulator register 4c + j of consumer thread t = 32 wp + 4 lq + lr:
+    row 16 wp + 8 (j // 2) + lq, column 8 c + 2 lr + j % 2 (wgmma's accumulator layout)."""
+    b, n, tp, d = acc.shape
+    x = acc.reshape(b, n, tp // DQ_ROWS, d // 64, 8, 4, 8, 4, 2, 2)  # b n blk box c wp lq lr jh jl
+    x = x.transpose(0, 2, 5, 8, 6, 1, 3, 4, 7, 9)                 # b blk (wp jh lq) n (box c lr jl)
+    return x.reshape(b, tp, n, d)[:, :tq] * jnp.float32(scale)
+
+
+def kernel_bwd_inputs(lse: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """lse, delta (B, N, Tq) -> the kernel's lse2 = lse * log2(e) and delta, (B, N, Tq_pad): rows past
+    Tq and rows that see no key (lse = -inf) get lse2 = +inf (P = 0 exactly), padded delta 0."""
+    tq = lse.shape[-1]
+    pad = ((0, 0), (0, 0), (0, -tq % DQ_ROWS))
+    lse2 = jnp.where(jnp.isneginf(lse), jnp.inf, lse * jnp.float32(LOG2E))
+    return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta.astype(jnp.float32), pad)
+
+
+def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal):
+    b, tq, n, d = q.shape
+    lse2, delta = kernel_bwd_inputs(lse, delta)
+    out_types = (jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype))
+    dq_acc, dk, dv = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
+        q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal))
+    return dq_from_chunks(dq_acc, tq, scale).astype(q.dtype), dk, dv
+
+
+pk_attention_bwd_p.def_abstract_eval(_bwd_abstract_eval)
+pk_attention_bwd_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_bwd_p))
+mlir.register_lowering(pk_attention_bwd_p, mlir.lower_fun(reference_bwd, multiple_results=True))
+if _ext.available():
+    mlir.register_lowering(pk_attention_bwd_p, mlir.lower_fun(_kernel_bwd_call, multiple_results=True),
+                           platform="cuda")
+
+
+def _batch_bwd(args, dims, *, scale, causal):
+    """vmap: the mapped axis folds into the batch axis (offsets must be shared), one kernel call."""
+    if dims[6] is not None:
+        outs = jax.vmap(lambda *a: reference_bwd(*a, scale=scale, causal=causal), in_axes=dims)(*args)
+        return outs, (0, 0, 0)
+    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    front = [batching.bdim_at_front(x, d, size) for x, d in zip(args[:6], dims[:6])]
+    fold = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])
+    outs = pk_attention_bwd_p.bind(*(fold(x) for x in front), args[6], scale=scale, causal=causal)
+    return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0, 0, 0)
+
+
+batching.primitive_batchers[pk_attention_bwd_p] = _batch_bwd
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _kernel_attention(q, k, v, offsets, scale, causal):
     return tuple(_bind(q, k, v, offsets, scale, causal, True))
@@ -132,16 +213,30 @@ def _kernel_fwd(q, k, v, offsets, scale, causal):
     return (out, lse), (q, k, v, offsets, out, lse)
 
 
+def _delta(out, d_out, d_lse):
+    """(B, N, Tq) float32: rowsum(d_out * out) - d_lse. d lse_i / d s_ij = p_ij, so the LSE's cotangent
+    enters as -d_lse in delta (ds = p (dp - delta))."""
+    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B, Tq, N)
+    return jnp.swapaxes(delta, 1, 2) - d_lse
+
+
 def _kernel_bwd(scale, causal, res, cts):
+    """The forward ran our kernel: the backward kernel (its primitive lowers to XLA off CUDA)."""
     q, k, v, offsets, out, lse = res
     d_out, d_lse = cts
     d_out = d_out.astype(q.dtype)
-    # d lse_i / d s_ij = p_ij, so the LSE's cotangent enters as -d_lse in delta (ds = p (dp - delta)).
-    delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B, Tq, N)
-    delta = delta - jnp.swapaxes(d_lse, 1, 2)
-    dq, dk, dv = block_attention_bwd(q, k, v, d_out, jnp.swapaxes(lse, 1, 2), delta, scale=scale, causal=causal,
-                                     q_offset=offsets[0], kv_offset=offsets[1])
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+    dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, d_out, lse, _delta(out, d_out, d_lse), offsets, scale=scale,
+                                         causal=causal)
+    return dq, dk, dv, None
+
+
+def _xla_bwd(scale, causal, res, cts):
+    """The fallback's backward: XLA einsums, any dtype and head dim."""
+    q, k, v, offsets, out, lse = res
+    d_out, d_lse = cts
+    d_out = d_out.astype(q.dtype)
+    dq, dk, dv = reference_bwd(q, k, v, d_out, lse, _delta(out, d_out, d_lse), offsets, scale=scale, causal=causal)
+    return dq, dk, dv, None
 
 
 _kernel_attention.defvjp(_kernel_fwd, _kernel_bwd)
@@ -253,4 +348,4 @@ def _reference_fwd(q, k, v, offsets, scale, causal):
     return (out, lse), (q, k, v, offsets, out, lse)
 
 
-_reference_attention.defvjp(_reference_fwd, _kernel_bwd)
+_reference_attention.defvjp(_reference_fwd, _xla_bwd)

@@ -167,3 +167,57 @@ def test_no_keys_and_other_head_dims_fall_back():
     out = pk_jax.attention(q, k, v, causal=True, implementation="pk")
     want, _ = attention_f32(q, k, v, scale=32 ** -0.5, causal=True)
     np.testing.assert_allclose(np.asarray(out, np.float32), want, **tol(jnp.bfloat16))
+
+
+def _kernel_chunks(dq: np.ndarray) -> np.ndarray:
+    """What the backward kernel's storer adds into dq_acc for dq (B, Tq_pad, N, D), written from the
+    kernel's own indexing (attention_bwd_kernel.cuh): consumer thread t's accumulator register
+    i = 4c + j holds row 16 (t // 32) + (t % 32) // 4 + 8 (j // 2), column 8c + 2 (t % 4) + j % 2 of its
+    64 x 64 chunk, stored as float (c * 128 + t) * 4 + j; chunk `box` of block m sits at
+    ((b N + h) Tq_pad + 64 m) D + 4096 box."""
+    b, tp, n, d = dq.shape
+    acc = np.zeros((b, n, tp * d), np.float32)
+    t, c, j = np.meshgrid(np.arange(128), np.arange(8), np.arange(4), indexing="ij")
+    rows = 16 * (t // 32) + (t % 32) // 4 + 8 * (j // 2)
+    cols = 8 * c + 2 * (t % 4) + j % 2
+    where = (c * 128 + t) * 4 + j
+    by_head = dq.transpose(0, 2, 1, 3)  # (B, N, Tq_pad, D)
+    for m in range(tp // 64):
+        for box in range(d // 64):
+            acc[:, :, m * 64 * d + box * 4096 + where] = by_head[:, :, 64 * m + rows, 64 * box + cols]
+    return acc.reshape(b, n, tp, d)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_backward_kernel_dq_layout(d):
+    """pk_jax.attention.dq_from_chunks inverts the backward kernel's dQ chunk order (and crops, scales)."""
+    from pk_jax.attention import dq_from_chunks
+
+    dq = np.asarray(rand(3, (2, 192, 3, d), jnp.float32))
+    got = np.asarray(dq_from_chunks(jnp.asarray(_kernel_chunks(dq)), 150, 0.5))
+    np.testing.assert_array_equal(got, dq[:, :150] * 0.5)
+
+
+def test_backward_kernel_inputs():
+    """lse2 = lse * log2(e), +inf where a row sees nothing and past Tq (P = 0 exactly); delta padded with 0."""
+    from pk_jax.attention import LOG2E, kernel_bwd_inputs
+
+    lse = jnp.asarray([[[1.0, -jnp.inf, 2.0]]], jnp.float32)
+    lse2, delta = kernel_bwd_inputs(lse, jnp.ones_like(lse))
+    assert lse2.shape == delta.shape == (1, 1, 64)
+    np.testing.assert_allclose(np.asarray(lse2[0, 0, :3]), [LOG2E, np.inf, 2 * LOG2E], rtol=1e-6)
+    assert np.all(np.isposinf(np.asarray(lse2[0, 0, 3:])))
+    np.testing.assert_array_equal(np.asarray(delta[0, 0]), [1, 1, 1] + [0] * 61)
+
+
+def test_kernel_path_backward_binds_its_primitive():
+    """The kernel forward's VJP binds pk_attention_bwd (its lowering off CUDA: XLA einsums), under vmap too."""
+    q, k, v = inputs(CASES[1], jnp.bfloat16)
+    f = lambda q, k, v: jnp.sum(pk_jax.attention(q, k, v, causal=True, implementation="pk").astype(jnp.float32))
+    assert "pk_attention_bwd" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
+    qs, ks, vs = (jnp.stack([x, x * 0.5]) for x in (q, k, v))
+    got = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1, 2))))(qs, ks, vs)
+    for i in range(2):
+        want = jax.grad(f, argnums=(0, 1, 2))(qs[i], ks[i], vs[i])
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w, np.float32), atol=2e-2, rtol=2e-2)

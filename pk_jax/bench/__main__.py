@@ -57,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
+    p.add_argument("--cases", nargs="+", default=None,
+                   help="attention: only these cases (fwd, fwd_causal, fwd_gqa, fwd_causal_gqa and their fwd_bwd* "
+                        "forms: forward + backward)")
+    p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention: only these sequence lengths")
+    p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile; "
@@ -168,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pk_jax.bench attention: {results.device_description()} (uses GPU 0), {reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: both sides run XLA at tiny sizes; timings only exercise the plumbing)")
-        rows = attention.run(quick=args.quick, reps=reps, full=args.variants)
+        rows = attention.run(quick=args.quick, reps=reps, full=args.variants, cases=args.cases,
+                             seqs=args.seqs, head_dims=args.head_dims)
         return _report(out, args.suite, rows, attention.print_table, bad=lambda r: r["extra"]["check"] != "ok")
     if args.suite in ("context", "moe"):  # both run at group 1 too
         import importlib

@@ -1,8 +1,11 @@
-"""Attention forward: pk_jax.attention(implementation="pk") vs cuDNN
+"""Attention forward, and forward + backward: pk_jax.attention(implementation="pk") vs cuDNN
 (jax.nn.dot_product_attention(implementation="cudnn")) in the same run, bf16.
 
 Rows: suite "attention", shape [B, S, N, D] (S = Tq = Tk), case fwd / fwd_causal / fwd_gqa (K = N / 8) /
-fwd_causal_gqa; TFLOP/s count 4 B S² N D (causal: half). Default: B*S = 64k tokens, S = 1024..65536,
+fwd_causal_gqa, and fwd_bwd* the same four with the gradients (jax.vjp: the forward, then dq, dk, dv
+from a random cotangent; ours runs our forward and backward kernels); TFLOP/s count 4 B S² N D for the
+forward (causal: half) and 2.5 times that for the backward (as FlashAttention counts: fwd+bwd = 3.5x).
+`cases`, `seqs`, `head_dims` (--cases, --seqs, --head-dims on the command line) pick a subset. Default: B*S = 64k tokens, S = 1024..65536,
 N = 16 (D 128) / 32 (D 64), every case (< 4 min). --variants: the full sweep, B*S = 64k..512k tokens and
 N = 16..128. Without a GPU: tiny sizes, both sides run XLA (plumbing only). On GPUs the kernel's second
 consumer schedule (pk_jax.attention.SCHEDULES: "pipelined", opt-in until it measures faster) is timed in the
@@ -23,6 +26,16 @@ from pk_jax.bench import timing
 from pk_jax.bench.progress import Progress
 
 CASES = {"fwd": (False, 1), "fwd_causal": (True, 1), "fwd_gqa": (False, 8), "fwd_causal_gqa": (True, 8)}
+CASES.update({"fwd_bwd" + name[3:]: spec for name, spec in list(CASES.items())})
+BWD_FLOPS = 2.5  # backward FLOPs per forward FLOP
+
+
+def _with_grads(fn):
+    """(q, k, v, d_out) -> (out, dq, dk, dv): the forward and its VJP, as training runs them."""
+    def run(q, k, v, d_out):
+        out, vjp = jax.vjp(fn, q, k, v)
+        return (out, *vjp(d_out))
+    return run
 
 
 def shapes(quick: bool, full: bool, on_gpu: bool) -> list[tuple[int, int, int, int]]:
@@ -47,9 +60,10 @@ def _baseline(causal: bool, on_gpu: bool):
     return impl or "xla", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation=impl)
 
 
-def _inputs(b, s, n, kh, d, count, seed):
+def _inputs(b, s, n, kh, d, count, seed, grads=False):
     make = jax.jit(lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16), static_argnums=1)
-    return [tuple(make(jax.random.key(seed + 3 * i + j), (b, s, heads, d)) for j, heads in enumerate((n, kh, kh)))
+    heads = (n, kh, kh, n) if grads else (n, kh, kh)  # grads: d_out too
+    return [tuple(make(jax.random.key(seed + 4 * i + j), (b, s, h, d)) for j, h in enumerate(heads))
             for i in range(count)]
 
 
@@ -71,26 +85,38 @@ def _compiled_with_schedule(fn, triples, schedule: str):
             os.environ[var] = old
 
 
-def run(quick: bool, reps: int, full: bool = False) -> list[dict]:
+def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = None,
+        seqs: list[int] | None = None, head_dims: list[int] | None = None) -> list[dict]:
     on_gpu = jax.devices()[0].platform == "gpu"
-    todo = [(shape, case) for shape in shapes(quick, full, on_gpu) for case in CASES]
+    unknown = sorted(set(cases or ()) - set(CASES))
+    if unknown:
+        raise ValueError(f"pk_jax.bench attention: unknown cases {unknown}; pick from {list(CASES)}")
+    todo = [(shape, case) for shape in shapes(quick, full, on_gpu) for case in CASES if not cases or case in cases
+            if (not seqs or shape[1] in seqs) and (not head_dims or shape[3] in head_dims)]
     bar = Progress(len(todo), "attention")
     rows = []
     for (b, s, n, d), case in todo:
         causal, ratio_kv = CASES[case]
+        grads = case.startswith("fwd_bwd")
         kh = n // ratio_kv
-        per_call = (2 * b * s * n * d + 2 * b * s * kh * d) * 2
+        per_call = (2 * b * s * n * d + 2 * b * s * kh * d) * (4 if grads else 2)  # grads: + d_out, dq, dk, dv
         count = timing.calls_per_measure(per_call, budget_bytes=8 << 30, lo=2 if on_gpu else 1, hi=20 if on_gpu else 2)
-        triples = _inputs(b, s, n, kh, d, count, seed=len(rows) * 101)
-        flops = 4.0 * b * s * s * n * d * (0.5 if causal else 1.0)
+        triples = _inputs(b, s, n, kh, d, count, seed=len(rows) * 101, grads=grads)
+        flops = 4.0 * b * s * s * n * d * (0.5 if causal else 1.0) * (1.0 + BWD_FLOPS if grads else 1.0)
         base_name, base_fn = _baseline(causal, on_gpu)
         pk_fn = lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, implementation="pk")
+        if grads:
+            base_fn, pk_fn = _with_grads(base_fn), _with_grads(pk_fn)
         base = _runner(base_fn)
-        rel = lambda got, want: float(jnp.linalg.norm((got - want).astype(jnp.float32))
-                                      / jnp.linalg.norm(want.astype(jnp.float32)))
+
+        def rel(got, want):  # worst relative error norm over the outputs (out; dq, dk, dv with grads)
+            got, want = (got, want) if grads else ((got,), (want,))
+            return max(float(jnp.linalg.norm((g - w).astype(jnp.float32)) / jnp.linalg.norm(w.astype(jnp.float32)))
+                       for g, w in zip(got, want))
+
         try:
             ours = _compiled_with_schedule(pk_fn, triples, "in_turn")
-            piped = _compiled_with_schedule(pk_fn, triples, "pipelined") if on_gpu else None
+            piped = _compiled_with_schedule(pk_fn, triples, "pipelined") if on_gpu and not grads else None
             want = base(triples[:1])[0]
             err = rel(ours(triples)[0], want)
             pipe_err = rel(piped(triples)[0], want) if piped else None

@@ -90,7 +90,7 @@ def test_gradients_through_kernel_forward():
         scale = float(jnp.max(jnp.abs(r)))
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r), atol=3e-2 * scale, rtol=3e-2,
                                    err_msg=f"d{name}")
-    print("PASS attention gradients (kernel forward, XLA backward)")
+    print("PASS attention gradients (kernel forward and backward)")
 
 
 def test_vmap_and_traced_offsets():

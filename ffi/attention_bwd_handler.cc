@@ -1,0 +1,106 @@
+// XLA FFI handler `pk_attention_bwd`: the attention backward kernel (kernels/attention_bwd.cuh) on one GPU.
+// Operands q (B, Tq, N, D), k and v (B, Tk, Nkv, D), dout (B, Tq, N, D), lse2 and delta (B, N, Tq_pad)
+// float32 (Tq_pad = Tq rounded up to 64; see attention_bwd.cuh for their contents), offsets int32[2]
+// (q_offset, kv_offset); results dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk
+// order, which pk_jax/attention.py turns into dQ), dk and dv (B, Tk, Nkv, D) in the input dtype.
+// Stateless per call (tensor maps rebuilt, dq_acc zeroed on the stream each time), so it can be
+// captured into command buffers.
+#include <cuda_runtime.h>
+
+#include <string>
+
+#include "../kernels/attention_bwd.cuh"
+#include "ffi_types.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+std::string dims_str(ffi::Span<const int64_t> d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+bool same_dims(ffi::Span<const int64_t> a, std::initializer_list<int64_t> b) {
+  if (a.size() != b.size()) return false;
+  size_t i = 0;
+  for (int64_t x : b)
+    if (a[i++] != x) return false;
+  return true;
+}
+
+ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
+                         ffi::Result<ffi::AnyBuffer> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t causal) {
+  const auto dq = q.dimensions(), dkk = k.dimensions();
+  if (dq.size() != 4 || dkk.size() != 4)
+    return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
+  const int64_t b = dq[0], tq = dq[1], n = dq[2], d = dq[3], tk = dkk[1], nkv = dkk[2];
+  const int64_t tq_pad = (tq + 63) / 64 * 64;
+  if (dkk[0] != b || dkk[3] != d)
+    return ffi::Error::InvalidArgument("pk_jax attention backward: k " + dims_str(dkk) +
+                                       " must share batch and head_dim with q " + dims_str(dq));
+  if (!same_dims(v.dimensions(), {b, tk, nkv, d}) || !same_dims(dk->dimensions(), {b, tk, nkv, d}) ||
+      !same_dims(dv->dimensions(), {b, tk, nkv, d}))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: v, dk and dv must match k " + dims_str(dkk));
+  if (!same_dims(dout.dimensions(), {b, tq, n, d}))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: dout " + dims_str(dout.dimensions()) +
+                                       " must match q " + dims_str(dq));
+  if (!same_dims(lse2.dimensions(), {b, n, tq_pad}) || !same_dims(delta.dimensions(), {b, n, tq_pad}))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: lse2 " + dims_str(lse2.dimensions()) +
+                                       " and delta " + dims_str(delta.dimensions()) + " must be (batch, heads, " +
+                                       std::to_string(tq_pad) + ") (tq rounded up to 64)");
+  if (!same_dims(dq_acc->dimensions(), {b, n, tq_pad, d}))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: dq_acc " + dims_str(dq_acc->dimensions()) +
+                                       " must be (batch, heads, tq rounded up to 64, head_dim)");
+  if (lse2.element_type() != ffi::DataType::F32 || delta.element_type() != ffi::DataType::F32 ||
+      dq_acc->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("pk_jax attention backward: lse2, delta and dq_acc must be float32");
+  if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
+    return ffi::Error::InvalidArgument("pk_jax attention backward: offsets must be int32[2] (q_offset, kv_offset)");
+  if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention backward: causal must be 0 or 1");
+  pk::attention_bwd::Problem p{};
+  const auto t = q.element_type();
+  if (!pk::to_elem_type(t, p.type) || p.type == pk::ElemType::kF32 || k.element_type() != t ||
+      v.element_type() != t || dout.element_type() != t || dk->element_type() != t || dv->element_type() != t)
+    return ffi::Error::InvalidArgument(
+        "pk_jax attention backward: q, k, v, dout, dk and dv must all be bfloat16 or all float16");
+  p.q = q.untyped_data(), p.k = k.untyped_data(), p.v = v.untyped_data(), p.dout = dout.untyped_data();
+  p.lse2 = static_cast<const float*>(lse2.untyped_data());
+  p.delta = static_cast<const float*>(delta.untyped_data());
+  p.dq_acc = static_cast<float*>(dq_acc->untyped_data());
+  p.dk = dk->untyped_data(), p.dv = dv->untyped_data();
+  p.offsets = static_cast<const int*>(offsets.untyped_data());
+  p.batch = int(b), p.tq = int(tq), p.heads = int(n), p.head_dim = int(d), p.tk = int(tk), p.kv_heads = int(nkv);
+  p.tq_pad = int(tq_pad);
+  p.scale = scale;
+  p.causal = causal == 1;
+  if (cudaError_t e = pk::attention_bwd::configure_once(ordinal); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("pk_jax attention backward: configuring kernels: ") +
+                                cudaGetErrorString(e));
+  const int sms = pk::attention_bwd::num_sms(ordinal);
+  return pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); });
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse2
+                                  .Arg<ffi::AnyBuffer>()  // delta
+                                  .Arg<ffi::AnyBuffer>()  // offsets
+                                  .Ret<ffi::AnyBuffer>()  // dq_acc
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("causal"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,98 @@
+// Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128.
+#include "attention_bwd.cuh"
+
+#include <cmath>
+#include <stdexcept>
+#include <string>
+
+#include "attention_bwd_kernel.cuh"
+#include "pk/device_setup.h"
+
+namespace pk::attention_bwd {
+namespace {
+
+constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
+
+// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (at most 4).
+template <int D>
+constexpr int stages_for() {
+  constexpr size_t stage = size_t(2) * 64 * D * 2 + 1024;                     // Q and dO tiles, lse2 / delta
+  constexpr size_t fixed = size_t(2) * 128 * D * 2 + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4 + 2048;  // K, V, dS, dQ
+  constexpr size_t n = (kSmemLimit - 1024 - fixed) / stage;
+  return n > 4 ? 4 : int(n);
+}
+
+template <typename T, int D>
+using KernelOf = Kernel<T, D, stages_for<D>()>;
+
+template <typename T, int D>
+void run(const Problem& p, int compute_sms, cudaStream_t stream) {
+  using K = KernelOf<T, D>;
+  static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
+  static_assert(K::STAGES >= 2, "at least two Q/dO stages");
+  Globals g{};
+  g.q = make_tensor_map_bthd(p.q, p.type, p.batch, p.tq, p.heads, D, K::BM);
+  g.dout = make_tensor_map_bthd(p.dout, p.type, p.batch, p.tq, p.heads, D, K::BM);
+  g.k = make_tensor_map_bthd(p.k, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
+  g.v = make_tensor_map_bthd(p.v, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
+  g.lse2 = p.lse2, g.delta = p.delta, g.dq_acc = p.dq_acc, g.dk = p.dk, g.dv = p.dv;
+  g.offsets = p.offsets;
+  g.batch = p.batch, g.tq = p.tq, g.tk = p.tk, g.heads = p.heads, g.kv_heads = p.kv_heads, g.tq_pad = p.tq_pad;
+  g.scale = p.scale;
+  g.scale_log2 = p.scale * 1.4426950408889634f;
+  g.causal = p.causal ? 1 : 0;
+  g.num_comm_sms = 0;
+  const size_t acc_bytes = size_t(p.batch) * p.heads * p.tq_pad * D * sizeof(float);
+  cudaError_t e = cudaMemsetAsync(p.dq_acc, 0, acc_bytes, stream);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: zeroing dQ: ") + cudaGetErrorString(e));
+  e = lcsc::launch<K>(g, compute_sms, stream);
+  if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward launch: ") + cudaGetErrorString(e));
+}
+
+template <typename T>
+cudaError_t configure_type() {
+  const cudaError_t e = lcsc::configure<KernelOf<T, 64>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128>>() : e;
+}
+
+}  // namespace
+
+cudaError_t configure() {
+  const cudaError_t e = configure_type<__nv_bfloat16>();
+  return e == cudaSuccess ? configure_type<__half>() : e;
+}
+
+cudaError_t configure_once(int ordinal) { return setup_status<configure>(ordinal); }
+
+int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
+
+void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
+  if (p.type == ElemType::kF32)
+    throw std::invalid_argument("pk_jax attention backward: q, k, v, dout must be bfloat16 or float16");
+  if (p.head_dim != 64 && p.head_dim != 128)
+    throw std::invalid_argument("pk_jax attention backward: head_dim must be 64 or 128, got " +
+                                std::to_string(p.head_dim));
+  if (p.batch <= 0 || p.tq <= 0 || p.tk <= 0 || p.heads <= 0 || p.kv_heads <= 0)
+    throw std::invalid_argument("pk_jax attention backward: empty q or k/v (batch, lengths and heads must be > 0)");
+  if (p.heads % p.kv_heads)
+    throw std::invalid_argument("pk_jax attention backward: kv_heads (" + std::to_string(p.kv_heads) +
+                                ") must divide the query heads (" + std::to_string(p.heads) + ")");
+  if (p.tq_pad % 64 || p.tq_pad < p.tq || p.tq_pad - p.tq >= 64)
+    throw std::invalid_argument("pk_jax attention backward: tq_pad (" + std::to_string(p.tq_pad) +
+                                ") must be tq (" + std::to_string(p.tq) + ") rounded up to a multiple of 64");
+  if (!(p.scale > 0.f) || !std::isfinite(p.scale))
+    throw std::invalid_argument("pk_jax attention backward: scale must be a finite positive number");
+  if (p.offsets == nullptr || p.lse2 == nullptr || p.delta == nullptr || p.dq_acc == nullptr || p.dk == nullptr ||
+      p.dv == nullptr)
+    throw std::invalid_argument("pk_jax attention backward: a buffer is missing");
+  const bool bf16 = p.type == ElemType::kBF16;
+  if (p.head_dim == 64) {
+    if (bf16) run<__nv_bfloat16, 64>(p, compute_sms, stream);
+    else run<__half, 64>(p, compute_sms, stream);
+  } else {
+    if (bf16) run<__nv_bfloat16, 128>(p, compute_sms, stream);
+    else run<__half, 128>(p, compute_sms, stream);
+  }
+}
+
+}  // namespace pk::attention_bwd

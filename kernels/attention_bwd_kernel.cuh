@@ -1,0 +1,412 @@
+// Attention backward (dQ, dK, dV) on the LCSC template (pk/lcsc.cuh), after FlashAttention-2/3:
+// P is recomputed from Q, K and the forward's saved LSE, delta = rowsum(dO * O) comes precomputed.
+// q, dout (B, Tq, N, D), k, v (B, Tk, Nkv, D) as JAX stores them (GQA: query head h reads kv head
+// h / (N / Nkv)), T = bf16 or f16, D = 64 or 128.
+//
+// A task is one key block of BN = 128 keys of one (batch, kv head); it loads K and V once and walks
+// every (query head of the group, query block of BM = 64 rows) pair that sees one of its keys. The
+// two consumer warpgroups own 64 keys each and compute in the "swapped" orientation (keys are the
+// wgmma M dimension), so P and dS come out of the accumulators already transposed and feed dV and
+// dK from registers:
+//   Sᵀ  = K_wg Qᵀ                      (SS, K-major both)
+//   Pᵀ  = exp2(Sᵀ * scale * log2e - lse2[q])          masked to 0 where a query cannot see the key
+//   dV += Pᵀ dO                         (RS, dO MN-major: the transpose-B bit)
+//   dPᵀ = V_wg dOᵀ                      (SS, K-major both)
+//   dSᵀ = Pᵀ ∘ (dPᵀ − delta[q])
+//   dK += dSᵀ Q                         (RS, Q MN-major)
+//   dQ  = dS K                          (SS: dSᵀ from shared memory as the M-major A operand, the
+//                                        transpose-A bit; K MN-major)
+// dQ is a partial sum over this task's keys: each warpgroup writes a 64 x 64 float32 chunk to shared
+// memory in its accumulator order (conflict-free float4 stores) and the storer thread adds it into a
+// float32 buffer with a TMA bulk reduce-add (cp.reduce.async.bulk .add.f32). The buffer, zeroed by
+// the host before the launch, is (B, N, tq_pad, D) in that chunk order; pk_jax/attention.py
+// un-permutes it, scales it and casts it (one XLA fusion). The adds from different CTAs land in a
+// run-dependent order: dQ's bits may differ between runs (dK and dV are deterministic).
+//   D = 128: warpgroup w computes dQ columns [64w, 64w + 64) over all 128 keys, so it reads both
+//            warpgroups' dS: a 256-thread named barrier per block pair publishes it.
+//   D = 64:  warpgroup w computes all 64 columns over its own 64 keys (its own dS only; a 128-thread
+//            named barrier), and both warpgroups add into the same dQ block.
+//   dSᵀ is double-buffered in shared memory either way.
+// Scores that cannot be seen: keys past the sequence's end, and (causal) keys after the query's
+// global position (q_offset + i >= kv_offset + j, as the forward). Query blocks in which no row sees
+// a key of the task are skipped; a task with none writes dK = dV = 0. Rows past Tq read zeros (TMA)
+// and lse2 = +inf (the host pads it), so their P is exactly 0. dK is scaled by `scale` here.
+#pragma once
+#include <cuda.h>
+#include <math_constants.h>
+
+#include <climits>
+
+#include "pk/acc_store.cuh"
+#include "pk/lcsc.cuh"
+#include "pk/pipeline.cuh"
+#include "pk/tma.cuh"
+#include "pk/wgmma.cuh"
+
+namespace pk::attention_bwd {
+
+struct Globals {
+  CUtensorMap q, k, v, dout;  // 4-D maps (d, head, t, batch); boxes of 64 d x rows (q, dout: BM; k, v: BN)
+  const float* lse2;          // (B, N, tq_pad) float32: LSE * log2(e), +inf for padding and rows that see nothing
+  const float* delta;         // (B, N, tq_pad) float32: rowsum(dO * O) - dLSE, 0 for padding
+  float* dq_acc;              // (B, N, tq_pad, D) float32, zeroed; 64 x 64 chunks in accumulator order
+  void* dk;                   // (B, Tk, Nkv, D), the input dtype
+  void* dv;
+  const int* offsets;  // device int32[2]: q_offset, kv_offset
+  int batch, tq, tk, heads, kv_heads, tq_pad;
+  float scale, scale_log2;
+  int causal;
+  int num_comm_sms;  // always 0 (no communicator)
+};
+
+struct Work {
+  int n0, kv_head, batch;
+  int q_offset, kv_offset;
+  int group;     // query heads per kv head
+  int m_begin;   // first query block any row of which sees a key of this block
+  int m_count;   // query blocks visited per head (m_begin .. m_begin + m_count - 1)
+  int iters;     // group * m_count block pairs
+};
+
+template <typename T, int D_, int STAGES_>
+struct Kernel {
+  using Globals = attention_bwd::Globals;
+  struct CommShared {};
+  static constexpr int D = D_, STAGES = STAGES_;
+  static constexpr int WGS = 2, BN = 64 * WGS, BM = 64;
+  static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
+  static constexpr bool kDqShared = D == 128;            // dQ column halves over all keys (else own keys)
+  // dSᵀ is double-buffered: a warp rewrites buffer b two block pairs later, after a named barrier that
+  // every warp reading b (its dQ wgmma retired) has passed since.
+  static constexpr int kDsBufs = 2;
+  static constexpr int kConsumerWarpgroups = WGS;
+  // 128 * 48 + 256 * 232 = 65536: the loader's address math needs more than 40 registers, the D = 128
+  // consumer (dK and dV: 128 accumulators) all of 232 (ptxas -v: no spills at this split).
+  static constexpr int kProducerRegs = 48;
+  static constexpr int kConsumerRegs = 232;
+  static constexpr bool kHasCommunicator = false;
+  static constexpr bool kTaskCounter = false;
+  static constexpr bool kHasPusher = false;
+  static constexpr uint32_t kTileBytes = uint32_t(BM * D) * sizeof(T);  // one Q (or dO) tile
+  static constexpr uint32_t kKvBytes = uint32_t(BN * D) * sizeof(T);    // one K (or V) tile
+  static constexpr uint32_t kStageBytes = 2 * kTileBytes + 2 * BM * sizeof(float);
+  static constexpr int kChunk = 64 * 64;  // floats of one warpgroup's dQ chunk
+  static_assert(D == 64 || D == 128, "head dim 64 or 128");
+  static_assert(sizeof(T) == 2, "16-bit inputs");
+  static_assert(kBoxCols == BM, "a dSᵀ row of BM queries is one 128-byte box row");
+
+  // Tiles are D/64 boxes of `rows` x 64, one after another (box j holds columns 64j .. 64j+63).
+  struct Stage {
+    alignas(1024) T q[BM * D];
+    alignas(1024) T dout[BM * D];
+    alignas(16) float lse2[BM];
+    alignas(16) float delta[BM];
+  };
+  struct Shared {
+    alignas(1024) T k[BN * D];
+    alignas(1024) T v[BN * D];
+    Stage stage[STAGES];
+    alignas(1024) T ds[kDsBufs][BN * BM];  // dSᵀ: BN key rows x BM query columns, one swizzled box
+    alignas(1024) float dq[WGS][kChunk];   // each warpgroup's dQ chunk, accumulator order
+    Ring<STAGES> ring;  // full: Q, dO, lse2, delta landed; empty: every consumer warp is done with them
+    Handoff kv_slot;    // full: K and V landed; empty: both consumers' last block pair is done
+    Handoff dq_slot[WGS];
+  };
+  struct LoaderState {
+    RingPos<STAGES> pos;
+    uint32_t kv_phase;
+  };
+  struct ConsumerState {
+    int warpgroup;
+    RingPos<STAGES> pos;
+    uint32_t kv_phase, dq_phase;
+    int ds_buf;
+  };
+  struct StorerState {
+    uint32_t dq_phase;
+  };
+
+  __host__ __device__ static int kv_blocks(const Globals& g) { return (g.tk + BN - 1) / BN; }
+  __host__ __device__ static int q_blocks(const Globals& g) { return (g.tq + BM - 1) / BM; }
+  __host__ __device__ static int num_tasks(const Globals& g) { return kv_blocks(g) * g.kv_heads * g.batch; }
+
+  // Key blocks in ascending order: with a causal mask the first ones see the most query blocks, so
+  // the heavy tasks start first and the persistent CTAs' last wave holds light ones.
+  __device__ static Work work_of(const Globals& g, int task) {
+    Work w;
+    const int per_block = g.kv_heads * g.batch;
+    w.n0 = (task / per_block) * BN;
+    w.kv_head = (task % per_block) % g.kv_heads;
+    w.batch = (task % per_block) / g.kv_heads;
+    w.group = g.heads / g.kv_heads;
+    w.q_offset = g.offsets[0];
+    w.kv_offset = g.offsets[1];
+    const int all = q_blocks(g);
+    w.m_begin = 0;
+    if (g.causal) {
+      // The first query row that sees key n0 (a later key is seen by no earlier row).
+      const long long q_min = (long long)w.kv_offset + w.n0 - w.q_offset;
+      if (q_min >= g.tq) w.m_begin = all;
+      else if (q_min > 0) w.m_begin = int(q_min / BM);
+    }
+    w.m_count = all - w.m_begin;
+    w.iters = w.group * w.m_count;
+    return w;
+  }
+
+  __device__ static void init(const Globals& g, Shared& s) {
+    s.ring.init(1, 4 * WGS);  // full: the loader's expect_tx arrival; empty: one per consumer warp
+    s.kv_slot.init(1, 4 * WGS);
+    for (int w = 0; w < WGS; ++w) s.dq_slot[w].init(128, 1);
+    tma::prefetch_tensor_map(&g.q);
+    tma::prefetch_tensor_map(&g.k);
+    tma::prefetch_tensor_map(&g.v);
+    tma::prefetch_tensor_map(&g.dout);
+  }
+
+  __device__ static void load_boxes(T* dst, const CUtensorMap* map, int rows, int head, int row0, int batch,
+                                    uint64_t* bar) {
+#pragma unroll
+    for (int j = 0; j < D / kBoxCols; ++j)
+      tma::load_tile_4d(dst + j * rows * kBoxCols, map, j * kBoxCols, head, row0, batch, bar);
+  }
+
+  __device__ static size_t row_index(const Globals& g, const Work& w, int head, int m) {
+    return (size_t(w.batch) * g.heads + head) * g.tq_pad + size_t(m) * BM;
+  }
+
+  __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int task) {
+    const Work w = work_of(g, task);
+    if (w.iters == 0) return;  // the consumers write dK = dV = 0 without K or V
+    tma::mbar_wait(&s.kv_slot.empty, st.kv_phase ^ 1);
+    tma::mbar_expect_tx(&s.kv_slot.full, 2 * kKvBytes);
+    load_boxes(s.k, &g.k, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
+    load_boxes(s.v, &g.v, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
+    st.kv_phase ^= 1;
+    const int head0 = w.kv_head * w.group;
+    for (int head = head0; head < head0 + w.group; ++head) {
+      // tq_pad is a multiple of BM: rows row .. row + BM of lse2 / delta exist.
+      const float* lse2 = g.lse2 + row_index(g, w, head, w.m_begin);
+      const float* delta = g.delta + row_index(g, w, head, w.m_begin);
+      for (int m = w.m_begin; m < w.m_begin + w.m_count; ++m, lse2 += BM, delta += BM) {
+        st.pos.wait_empty(s.ring);
+        Stage& dst = s.stage[st.pos.stage];
+        uint64_t* bar = &s.ring.full[st.pos.stage];
+        tma::mbar_expect_tx(bar, kStageBytes);
+        load_boxes(dst.q, &g.q, BM, head, m * BM, w.batch, bar);
+        load_boxes(dst.dout, &g.dout, BM, head, m * BM, w.batch, bar);
+        tma::load_async(dst.lse2, lse2, BM * sizeof(float), bar);
+        tma::load_async(dst.delta, delta, BM * sizeof(float), bar);
+        st.pos.advance();
+      }
+    }
+  }
+
+  // Accumulator register i of a thread holds row kRow(i) (0 or 8, plus the thread's base row) and
+  // column 8 * (i / 4) + 2 * (lane % 4) + i % 2 of the warpgroup's 64 x N tile (wgmma's layout).
+  __device__ static constexpr int row_half(int i) { return (i / 2) % 2; }
+  __device__ static int col_of(int i, int lane) { return 8 * (i / 4) + 2 * (lane % 4) + i % 2; }
+
+  // Whether any (key, query) pair of the block pair may be invisible: a partial key block, or the
+  // causal diagonal crossing it. (Query rows past Tq need no mask: lse2 = +inf makes their P 0.)
+  __device__ static bool needs_mask(const Globals& g, const Work& w, int m) {
+    const int last_key = w.n0 + BN - 1;
+    return last_key >= g.tk || (g.causal && (long long)w.kv_offset + last_key > (long long)w.q_offset + m * BM);
+  }
+
+  // acc (+)= A B over `steps` k-steps of 16: both operands K-major tiles (rows of D along K).
+  template <int N>
+  __device__ static void issue_kmajor(const T* a, int a_rows, const T* b, int b_rows, float (&acc)[N / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const int box = kk / 4, step = (kk % 4) * 16;  // k step kk: box kk / 4, 32 bytes per step inside a row
+      const uint64_t da = wgmma::desc_sw128(a + box * a_rows * kBoxCols + step, 16, 1024);
+      const uint64_t db = wgmma::desc_sw128(b + box * b_rows * kBoxCols + step, 16, 1024);
+      wgmma::mma<T, N, 0, 0>(acc, da, db, kk != 0);
+    }
+    wgmma::commit();
+  }
+
+  // acc (D columns) += A(registers, 64 x BM) B, B = a BM x D tile read MN-major (transpose-B bit):
+  // 16 rows per k step; LBO steps to the next 64-column box.
+  __device__ static void issue_rs(const uint32_t (&a)[BM / 16][4], const T* b, float (&acc)[D / 2]) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      const uint64_t db = wgmma::desc_sw128(b + kk * 16 * kBoxCols, BM * kBoxCols * sizeof(T), 1024);
+      wgmma::mma_rs<T, D, 1>(acc, a[kk], db, 1);
+    }
+    wgmma::commit();
+  }
+
+  // dQ chunk (64 queries x 64 columns) = dS K over `KEYS` keys starting at key row `key0`: A = dSᵀ
+  // read M-major (transpose-A bit; M = the 64 queries of one box row), B = K's column box `box`
+  // read MN-major.
+  template <int KEYS>
+  __device__ static void issue_dq(const T* ds, const T* k, int key0, int box, float (&acc)[32]) {
+#pragma unroll
+    for (int kk = 0; kk < KEYS / 16; ++kk) {
+      const int row = key0 + kk * 16;
+      const uint64_t da = wgmma::desc_sw128(ds + row * kBoxCols, BN * kBoxCols * sizeof(T), 1024);
+      const uint64_t db = wgmma::desc_sw128(k + box * BN * kBoxCols + row * kBoxCols, BN * kBoxCols * sizeof(T), 1024);
+      wgmma::mma<T, 64, 1, 1>(acc, da, db, kk != 0);
+    }
+    wgmma::commit();
+  }
+
+  __device__ static void to_a_fragments(const float (&p)[BM / 2], uint32_t (&a)[BM / 16][4]) {
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[kk][r] = pack2<T>(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1]);
+  }
+
+  __device__ static void named_sync(int id, int count) {
+    asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(count) : "memory");
+  }
+
+  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int task) {
+    const Work w = work_of(g, task);
+    const int wg = st.warpgroup, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int key_row = wg * 64 + warp * 16 + lane / 4;  // the thread's key rows in the block: +0, +8
+    float dk[D / 2], dv[D / 2];
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    if (w.iters > 0) {
+      tma::mbar_wait(&s.kv_slot.full, st.kv_phase);
+      st.kv_phase ^= 1;
+      for (int it = 0; it < w.iters; ++it) {
+        const int m = w.m_begin + it % w.m_count;
+        block_pair(g, s, st, w, m, key_row, lane, dk, dv);
+      }
+      if (lane == 0) tma::mbar_arrive(&s.kv_slot.empty);  // this warp's last read of K and V is done
+    }
+    store_dkv(g, w, key_row, lane, dk, dv);
+  }
+
+  // One (query block m, key block) pair of one head: dV and dK accumulate, the dQ chunk goes to the
+  // storer. Both score-shaped products are waited for before the elementwise work, and P and dS are
+  // packed before dV += Pᵀ dO is issued: fewer live registers (D = 128 holds dK and dV: 128 of them).
+  __device__ static void block_pair(const Globals& g, Shared& s, ConsumerState& st, const Work& w, int m,
+                                    int key_row, int lane, float (&dk)[D / 2], float (&dv)[D / 2]) {
+    const int wg = st.warpgroup;
+    const Stage& in = s.stage[st.pos.stage];
+    st.pos.wait_full(s.ring);
+    float sc[BM / 2], dp[BM / 2];
+    wgmma::fence();
+    issue_kmajor<BM>(s.k + wg * 64 * kBoxCols, BN, in.q, BM, sc);     // Sᵀ = K_wg Qᵀ
+    issue_kmajor<BM>(s.v + wg * 64 * kBoxCols, BN, in.dout, BM, dp);  // dPᵀ = V_wg dOᵀ
+    wgmma::wait<1>();  // Sᵀ is done (groups retire in order)
+    wgmma::fence_operands(sc);
+    // Column (query in the block) from which each of the thread's two key rows is seen: the causal
+    // diagonal, INT_MAX for keys past Tk (kv_offset + key <= q_offset + q  <=>  q - m BM >= first).
+    int first[2] = {INT_MIN, INT_MIN};
+    if (needs_mask(g, w, m)) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = w.n0 + key_row + 8 * h;
+        first[h] = key >= g.tk ? INT_MAX : g.causal ? w.kv_offset + key - w.q_offset - m * BM : INT_MIN;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BM / 2; i += 2) {
+      const int col = col_of(i, lane);  // even: registers i, i + 1 are columns col, col + 1
+      const float2 lse2 = *reinterpret_cast<const float2*>(&in.lse2[col]);
+      const float p0 = exp2f(fmaf(sc[i], g.scale_log2, -lse2.x));
+      const float p1 = exp2f(fmaf(sc[i + 1], g.scale_log2, -lse2.y));
+      sc[i] = col < first[row_half(i)] ? 0.f : p0;
+      sc[i + 1] = col + 1 < first[row_half(i)] ? 0.f : p1;
+    }
+    wgmma::wait<0>();  // dPᵀ is done
+    wgmma::fence_operands(dp);
+#pragma unroll
+    for (int i = 0; i < BM / 2; i += 2) {
+      const float2 delta = *reinterpret_cast<const float2*>(&in.delta[col_of(i, lane)]);
+      dp[i] = sc[i] * (dp[i] - delta.x);
+      dp[i + 1] = sc[i + 1] * (dp[i + 1] - delta.y);
+    }
+    uint32_t pa[BM / 16][4];
+    to_a_fragments(sc, pa);
+    // dSᵀ to shared memory (this warpgroup's 64 key rows of the buffer), then to the async proxy.
+    T* ds = s.ds[st.ds_buf];
+    store_acc<T, BM>(ds + wg * 64 * kBoxCols, dp);
+    tma::fence_proxy_async_shared();
+    uint32_t dsa[BM / 16][4];
+    to_a_fragments(dp, dsa);
+    wgmma::fence();
+    issue_rs(pa, in.dout, dv);  // dV += Pᵀ dO
+    issue_rs(dsa, in.q, dk);    // dK += dSᵀ Q
+    float dq[32];
+    if constexpr (kDqShared) {
+      named_sync(1, 256);  // both warpgroups' dSᵀ are in ds[ds_buf]
+      issue_dq<BN>(ds, s.k, 0, wg, dq);
+    } else {
+      named_sync(1 + wg, 128);  // the warpgroup's four warps' dSᵀ rows are in
+      issue_dq<64>(ds, s.k, wg * 64, 0, dq);
+    }
+    st.ds_buf ^= 1;
+    wgmma::wait<0>();
+    wgmma::fence_operands(dq);
+    wgmma::fence_operands(dk);
+    wgmma::fence_operands(dv);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+    st.pos.advance();
+    // The dQ chunk to this warpgroup's slot, one float4 per thread and register quad.
+    Handoff& slot = s.dq_slot[wg];
+    tma::mbar_wait(&slot.empty, st.dq_phase ^ 1);
+    float4* out = reinterpret_cast<float4*>(s.dq[wg]);
+    const int t = threadIdx.x % 128;
+#pragma unroll
+    for (int c = 0; c < 8; ++c) out[c * 128 + t] = make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+    tma::fence_proxy_async_shared();  // the storer's bulk reduce (async proxy) reads it
+    tma::mbar_arrive(&slot.full);
+    st.dq_phase ^= 1;
+  }
+
+  // dK (scaled) and dV rows straight from the accumulators to global memory (keys past Tk skipped).
+  __device__ static void store_dkv(const Globals& g, const Work& w, int key_row, int lane, const float (&dk)[D / 2],
+                                   const float (&dv)[D / 2]) {
+    T* dk_out = static_cast<T*>(g.dk);
+    T* dv_out = static_cast<T*>(g.dv);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int key = w.n0 + key_row + 8 * h;
+      if (key >= g.tk) continue;
+      const size_t base = ((size_t(w.batch) * g.tk + key) * g.kv_heads + w.kv_head) * D;
+#pragma unroll
+      for (int i = 0; i < D / 2; i += 2)
+        if (row_half(i) == h) {
+          const int col = col_of(i, lane);
+          *reinterpret_cast<uint32_t*>(dk_out + base + col) = pack2<T>(dk[i] * g.scale, dk[i + 1] * g.scale);
+          *reinterpret_cast<uint32_t*>(dv_out + base + col) = pack2<T>(dv[i], dv[i + 1]);
+        }
+    }
+  }
+
+  // Adds every dQ chunk into the float32 buffer (TMA bulk reduce), in the consumers' order.
+  __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
+    const Work w = work_of(g, task);
+    const int head0 = w.kv_head * w.group;
+    for (int head = head0; head < head0 + w.group; ++head) {
+      float* block = g.dq_acc + row_index(g, w, head, w.m_begin) * D;
+      for (int m = 0; m < w.m_count; ++m, block += BM * D) {
+        for (int wg = 0; wg < WGS; ++wg) {
+          tma::mbar_wait(&s.dq_slot[wg].full, st.dq_phase);
+          tma::store_add_async(block + (kDqShared ? wg * kChunk : 0), s.dq[wg], kChunk * sizeof(float));
+          tma::commit_group();
+        }
+        tma::wait_group_read<0>();  // the slots may be rewritten once the reduce has read them
+        for (int wg = 0; wg < WGS; ++wg) tma::mbar_arrive(&s.dq_slot[wg].empty);
+        st.dq_phase ^= 1;
+      }
+    }
+  }
+
+  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+  __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
+  __device__ static void begin(const Globals&, Shared&) {}
+  __device__ static uint32_t* task_counter(const Globals&) { return nullptr; }
+  __device__ static void pusher(const Globals&, Shared&) {}
+  __device__ static void finish(const Globals&) {}
+};
+
+}  // namespace pk::attention_bwd

@@ -1,0 +1,109 @@
+"""The attention backward kernel (pk_attention_bwd, kernels/attention_bwd_kernel.cuh) on one GPU:
+jax.grad through pk_jax.attention(implementation="pk") vs the gradients of a float32 reference
+(tests/gpu/attention_reference.py), NaN-poisoned outputs, bf16/f16, head_dim 64/128, causal and not,
+GQA 8:1 and MQA, odd and unequal lengths, causal offsets (incl. rows that see no key and a key block
+no row sees), a cotangent on the LSE; repeated calls (dK and dV bit-identical; dQ is summed by
+float32 bulk reduce-adds in a run-dependent order, so only its closeness is asserted and whether its
+bits repeated is printed). Each case checks that the lowered program holds both custom calls."""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pk_jax
+
+from .attention_reference import attention_f32
+from .poison import poison_allocator
+
+MIN_GPUS = 1
+_seed = itertools.count(4242)
+
+# (B, Tq, N, Tk, K, D, causal, q_offset, kv_offset)
+CASES = [
+    (2, 256, 4, 256, 4, 64, False, 0, 0),
+    (2, 256, 4, 256, 4, 128, False, 0, 0),
+    (1, 1024, 8, 1024, 8, 128, True, 0, 0),      # skipped and diagonal block pairs
+    (1, 1024, 8, 1024, 1, 64, True, 0, 0),       # MQA
+    (2, 512, 16, 512, 2, 128, True, 0, 0),       # GQA 8:1
+    (1, 77, 4, 1001, 2, 128, False, 0, 0),       # odd lengths, Tk >> Tq
+    (1, 1000, 4, 129, 4, 64, True, 0, 0),        # odd lengths, Tq > Tk
+    (3, 1, 2, 300, 2, 64, False, 0, 0),          # a single query
+    (1, 300, 4, 1, 4, 128, True, 0, 0),          # a single key
+    (1, 256, 4, 512, 4, 128, True, 512, 0),      # queries after the keys: nothing masked
+    (1, 384, 4, 384, 2, 64, True, 0, 200),       # rows 0..199 see no key; the last key block partly unseen
+    (1, 200, 2, 400, 2, 128, True, 0, 100),      # keys 100.. : key blocks 1, 2 and 3 partly / wholly unseen
+    (2, 640, 4, 512, 4, 128, True, 100, 37),     # diagonal through unaligned blocks
+    (1, 2048, 16, 2048, 2, 64, True, 0, 0),      # larger, GQA
+]
+
+
+def rand(shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(next(_seed)), shape, jnp.float32).astype(dtype)
+
+
+def _ids(case):
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    return f"B{b}-Tq{tq}-N{n}-Tk{tk}-K{kh}-D{d}-{'causal' if causal else 'full'}-off{qo}_{ko}"
+
+
+def _loss(attn, w_out, w_lse):
+    def f(q, k, v):
+        out, lse = attn(q, k, v)
+        lse = jnp.where(jnp.isfinite(lse), lse, 0.0)  # rows that see nothing: lse = -inf, no gradient
+        return jnp.sum(out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse)
+    return f
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_gradients_match_f32_reference(case, dtype):
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    q, k, v = rand((b, tq, n, d), dtype), rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
+    w_out, w_lse = rand((b, tq, n, d)), rand((b, n, tq))
+    scale = d ** -0.5
+    ours = _loss(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, return_lse=True, q_offset=qo, kv_offset=ko,
+                                                  implementation="pk"), w_out, w_lse)
+    ref = _loss(lambda q, k, v: attention_f32(q, k, v, scale=scale, causal=causal, q_offset=qo, kv_offset=ko, xp=jnp),
+                w_out, w_lse)
+    f = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))
+    text = f.lower(q, k, v).as_text()
+    assert "pk_attention_bwd" in text and "pk_attention" in text, "the kernel path was not taken"
+    poison_allocator(8 * (q.size + k.size) * 2)
+    got = [np.asarray(x, np.float32) for x in f(q, k, v)]
+    want = [np.asarray(x) for x in jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))]
+    tol = 3e-2 if dtype == jnp.bfloat16 else 1e-2
+    errs = []
+    for name, g, w, x in zip("qkv", got, want, (q, k, v)):
+        assert g.shape == x.shape
+        assert not np.isnan(g).any(), f"NaN in d{name}: elements never written or 0 * inf"
+        top = float(np.max(np.abs(w))) or 1.0
+        err = float(np.linalg.norm(g - w) / (np.linalg.norm(w) or 1.0))
+        errs.append(err)
+        np.testing.assert_allclose(g, w, atol=tol * top, rtol=tol, err_msg=f"d{name} (rel norm err {err:.2e})")
+        assert err < tol, f"d{name}: relative norm error {err:.2e}"
+    # Repeats: dK and dV bit-identical; dQ close (its float32 reduce-adds land in any order).
+    again = [np.asarray(x, np.float32) for x in f(q, k, v)]
+    assert np.array_equal(again[1], got[1]) and np.array_equal(again[2], got[2]), "dk / dv differ on a repeat"
+    np.testing.assert_allclose(again[0], got[0], atol=1e-2 * float(np.max(np.abs(want[0])) or 1.0), rtol=1e-2)
+    same_dq = np.array_equal(again[0], got[0])
+    print(f"PASS attention bwd {_ids(case)} {jnp.dtype(dtype).name}: rel err dq {errs[0]:.2e} dk {errs[1]:.2e} "
+          f"dv {errs[2]:.2e}; dq bits {'repeat' if same_dq else 'DIFFER (reduce order)'}")
+
+
+def test_vmap_of_grad_folds_into_one_call():
+    q, k, v = (rand((2, 1, 300, 4, 128), jnp.bfloat16) for _ in range(3))
+    loss = lambda q, k, v: jnp.sum(pk_jax.attention(q, k, v, causal=True, implementation="pk").astype(jnp.float32))
+    got = jax.jit(jax.vmap(jax.grad(loss, argnums=(0, 1, 2))))(q, k, v)
+    ref = lambda q, k, v: jnp.sum(attention_f32(q, k, v, scale=128 ** -0.5, causal=True, xp=jnp)[0])
+    for i in range(2):
+        want = jax.grad(ref, argnums=(0, 1, 2))(q[i].astype(jnp.float32), k[i].astype(jnp.float32),
+                                                v[i].astype(jnp.float32))
+        for g, w in zip(got, want):
+            top = float(jnp.max(jnp.abs(w)))
+            np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w), atol=3e-2 * top, rtol=3e-2)
+    print("PASS attention bwd under vmap")
