@@ -64,6 +64,25 @@ const MulticastApi& multicast_api() {
   return a;
 }
 
+const ShareApi& share_api() {
+  static ShareApi a;
+  static std::string error;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    try {
+      resolve(a.mem_retain_allocation_handle, "cuMemRetainAllocationHandle");
+      resolve(a.mem_get_allocation_properties_from_handle, "cuMemGetAllocationPropertiesFromHandle");
+      resolve(a.mem_export_to_shareable_handle, "cuMemExportToShareableHandle");
+      resolve(a.mem_import_from_shareable_handle, "cuMemImportFromShareableHandle");
+      resolve(a.device_get, "cuDeviceGet");
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  });
+  if (!error.empty()) throw std::runtime_error(error);
+  return a;
+}
+
 void check(CUresult r, const char* what) {
   if (r == CUDA_SUCCESS) return;
   const char* msg = "unknown error";

@@ -41,6 +41,20 @@ struct MulticastApi {
 // throwing on later calls, so a caller can fall back to peer-to-peer).
 const MulticastApi& multicast_api();
 
+// The entry points that share virtual-memory (cuMemCreate) allocations between processes by POSIX fd
+// (XLA's allocator region, ffi/vmm_share.h). Separate from Api and resolved on the first share_api() call,
+// so a driver without one of them only turns that sharing off (the caller falls back to staging).
+struct ShareApi {
+  decltype(&cuMemRetainAllocationHandle) mem_retain_allocation_handle;
+  decltype(&cuMemGetAllocationPropertiesFromHandle) mem_get_allocation_properties_from_handle;
+  decltype(&cuMemExportToShareableHandle) mem_export_to_shareable_handle;
+  decltype(&cuMemImportFromShareableHandle) mem_import_from_shareable_handle;
+  decltype(&cuDeviceGet) device_get;
+};
+
+// Loads the sharing entry points once; throws std::runtime_error naming a missing one (on every call).
+const ShareApi& share_api();
+
 // Throws std::runtime_error with the driver's message.
 void check(CUresult r, const char* what);
 

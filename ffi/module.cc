@@ -22,6 +22,7 @@
 namespace nb = nanobind;
 
 void bind_multicast(nb::module_& m);  // multicast_bindings.cc
+void bind_vmm(nb::module_& m);        // vmm_bindings.cc
 
 extern "C" XLA_FFI_Error* PkCollective(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
@@ -109,21 +110,28 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("is_initialized", [] { return pk::Runtime::get().initialized(); });
   // Multi-process start-up (pk_jax/distributed.py drives it; see Runtime::add_local_device).
   m.def("mp_add_local_device", [](int ordinal, int64_t global_id, int slot, int process, uintptr_t probe,
-                                  size_t staging_bytes) {
-    const pk::LocalExport e = pk::Runtime::get().add_local_device(ordinal, global_id, slot, process,
-                                                                  reinterpret_cast<const void*>(probe), staging_bytes);
+                                  size_t staging_bytes, uint64_t region_limit, bool share_by_fd) {
+    const pk::LocalExport e = pk::Runtime::get().add_local_device(
+        ordinal, global_id, slot, process, reinterpret_cast<const void*>(probe), staging_bytes, region_limit,
+        share_by_fd);
     std::vector<nb::bytes> handles;
     for (const auto& h : e.region_handle) handles.emplace_back(h.data(), h.size());
+    // (ctrl handle, region begins, sizes, handles, fds per region (owned by the caller), why XLA's region
+    // is not shared ("" when it is), how it is shared ("cuda_ipc" | "posix_fd" | ""))
     return nb::make_tuple(nb::bytes(e.ctrl_handle.data(), e.ctrl_handle.size()), e.region_begin, e.region_size,
-                          handles, e.why_not_shared);
-  });
+                          handles, e.region_fds, e.why_not_shared, e.xla_sharing);
+  }, nb::arg("ordinal"), nb::arg("global_id"), nb::arg("slot"), nb::arg("process"), nb::arg("probe"),
+     nb::arg("staging_bytes"), nb::arg("region_limit") = 0, nb::arg("share_by_fd") = true);
+  // region_fds[i]: the fds of region i when shared by POSIX fd (closed here, also on failure), else [].
   m.def("mp_attach_member", [](int64_t global_id, int slot, int process, nb::bytes ctrl_handle,
-                               const std::vector<nb::bytes>& region_handles) {
+                               const std::vector<nb::bytes>& region_handles,
+                               const std::vector<std::vector<int>>& region_fds) {
     std::vector<std::string> regions;
     for (const auto& h : region_handles) regions.emplace_back(h.c_str(), h.size());
-    return pk::Runtime::get().attach_member(global_id, slot, process, std::string(ctrl_handle.c_str(), ctrl_handle.size()),
-                                            regions);
-  });
+    const std::string ctrl(ctrl_handle.c_str(), ctrl_handle.size());
+    return pk::Runtime::get().attach_member(global_id, slot, process, ctrl, regions, region_fds);
+  }, nb::arg("global_id"), nb::arg("slot"), nb::arg("process"), nb::arg("ctrl_handle"), nb::arg("region_handles"),
+     nb::arg("region_fds") = std::vector<std::vector<int>>{});
   m.def("mp_set_region_delta", [](int64_t local_global_id, size_t region, int member_slot, uint64_t address) {
     pk::Runtime::get().set_region_delta(local_global_id, region, member_slot, address);
   });
@@ -216,4 +224,5 @@ NB_MODULE(_pk_jax_ext, m) {
   });
   // Multicast: the transport plan, fd passing, MulticastGroup with injected driver/transport (CPU tests).
   bind_multicast(m);
+  bind_vmm(m);
 }

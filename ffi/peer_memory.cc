@@ -8,6 +8,7 @@
 #include <string>
 
 #include "driver_api.h"
+#include "vmm_share.h"
 
 namespace pk {
 namespace {
@@ -56,6 +57,34 @@ ExportedRegion export_region(const void* ptr) {
     return r;
   }
   r.handle.assign(reinterpret_cast<const char*>(&h), sizeof(h));
+  r.sharing = "cuda_ipc";
+  return r;
+}
+
+ExportedRegion export_xla_region(const void* ptr, uint64_t max_bytes, bool by_fd) {
+  ExportedRegion r = export_region(ptr);
+  if (!r.handle.empty() || r.begin == 0) return r;
+  if (!by_fd) {
+    r.why_not += "; POSIX-fd sharing is off (PK_JAX_FD_SHARING=0)";
+    return r;
+  }
+  unsigned long long handle_types = 0;  // NOLINT(runtime/int): the attribute's type
+  if (driver::api().pointer_get_attribute(&handle_types, CU_POINTER_ATTRIBUTE_ALLOWED_HANDLE_TYPES,
+                                          reinterpret_cast<CUdeviceptr>(ptr)) != CUDA_SUCCESS ||
+      !(handle_types & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR))
+    return r;  // neither legacy IPC nor POSIX fd: r.why_not says why
+  vmm::Exported e;
+  std::string why;
+  if (!vmm::export_region(ptr, max_bytes, e, why)) {
+    r.why_not += "; POSIX-fd export failed: " + why;
+    return r;
+  }
+  r.begin = e.layout.begin;
+  r.size = e.layout.size;
+  r.handle = vmm::encode_descriptor(e.layout);
+  r.fds = std::move(e.fds);
+  r.sharing = "posix_fd";
+  r.why_not.clear();
   return r;
 }
 

@@ -7,6 +7,8 @@
 #include <mutex>
 #include <stdexcept>
 
+#include <unistd.h>
+
 #include "../kernels/attention.cuh"
 #include "../kernels/gemm.cuh"
 #include "../kernels/multimem_collectives.cuh"
@@ -118,7 +120,7 @@ void Runtime::load_kernels_and_errors(size_t i, int ordinal) {
 }
 
 LocalExport Runtime::add_local_device(int ordinal, int64_t global_id, int slot, int process, const void* probe,
-                                      size_t staging_bytes) {
+                                      size_t staging_bytes, uint64_t region_limit, bool share_by_fd) {
   std::lock_guard<std::mutex> lock(init_mutex);
   if (initialized()) throw std::runtime_error("pk_jax: the runtime is already initialized");
   if (devices_.size() >= size_t(kMaxSlots) || slot < 0 || slot >= kMaxSlots)
@@ -158,31 +160,75 @@ LocalExport Runtime::add_local_device(int ordinal, int64_t global_id, int slot, 
     out.region_begin.push_back(r.begin);
     out.region_size.push_back(r.size);
     out.region_handle.push_back(r.handle);
+    out.region_fds.push_back(r.fds);
   };
-  const ExportedRegion xla = export_region(probe);
-  if (xla.handle.empty()) out.why_not_shared = xla.why_not;
-  else add_region(xla);
+  const ExportedRegion xla = export_xla_region(probe, region_limit, share_by_fd);
+  if (xla.handle.empty()) {
+    out.why_not_shared = xla.why_not;
+  } else {
+    add_region(xla);
+    out.xla_sharing = xla.sharing;
+  }
   if (staging_bytes > 0) {
-    PK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d.staging), staging_bytes));
-    d.staging_bytes = staging_bytes;
-    const ExportedRegion st = export_region(d.staging);
-    if (st.handle.empty()) throw std::runtime_error("pk_jax: cannot export the staging heap: " + st.why_not);
-    add_region(st);
+    try {
+      PK_CUDA(cudaMalloc(reinterpret_cast<void**>(&d.staging), staging_bytes));
+      d.staging_bytes = staging_bytes;
+      const ExportedRegion st = export_region(d.staging);
+      if (st.handle.empty()) throw std::runtime_error("pk_jax: cannot export the staging heap: " + st.why_not);
+      add_region(st);
+    } catch (...) {
+      for (const auto& fds : out.region_fds)  // nobody will send or close XLA's region's fds
+        for (int fd : fds) ::close(fd);
+      throw;
+    }
   }
   return out;
 }
 
 std::vector<uint64_t> Runtime::attach_member(int64_t global_id, int slot, int process, const std::string& ctrl_handle,
-                                             const std::vector<std::string>& region_handles) {
+                                             const std::vector<std::string>& region_handles,
+                                             const std::vector<std::vector<int>>& region_fds) {
   std::lock_guard<std::mutex> lock(init_mutex);
+  struct CloseFds {  // every fd passed in is ours to close, whatever happens
+    const std::vector<std::vector<int>>& fds;
+    ~CloseFds() {
+      for (const auto& region : fds)
+        for (int fd : region)
+          if (fd >= 0) ::close(fd);
+    }
+  } close_fds{region_fds};
   if (devices_.empty()) throw std::runtime_error("pk_jax: add the local devices before attaching peers");
   if (slot < 0 || slot >= kMaxSlots) throw std::runtime_error("pk_jax: member slot out of range");
   DeviceGuard guard;
   PK_CUDA(cudaSetDevice(devices_.front().ordinal));
+  if (region_fds.size() > region_handles.size())
+    throw std::runtime_error("pk_jax: attach_member: fds for more regions than handles");
   auto* ctrl = static_cast<ControlBlock*>(open_region(ctrl_handle));
   members_.push_back(Member{global_id, slot, process, ctrl});
+  std::vector<int> ordinals;  // every GPU of this process reaches the peer's memory
+  for (const auto& d : devices_) ordinals.push_back(d.ordinal);
   std::vector<uint64_t> mapped;
-  for (const auto& h : region_handles) mapped.push_back(reinterpret_cast<uint64_t>(open_region(h)));
+  for (size_t i = 0; i < region_handles.size(); ++i) {
+    const std::string& h = region_handles[i];
+    const bool by_fd = i < region_fds.size() && !region_fds[i].empty();
+    if (!by_fd) {
+      if (vmm::is_descriptor(h))
+        throw std::runtime_error("pk_jax: region " + std::to_string(i) + " of rank " + std::to_string(process) +
+                                 " is shared by POSIX fd, but no fds arrived for it");
+      mapped.push_back(reinterpret_cast<uint64_t>(open_region(h)));
+      continue;
+    }
+    try {
+      auto imported = std::make_unique<vmm::ImportedRegion>(h, region_fds[i], ordinals);
+      mapped.push_back(imported->address());
+      imports_.push_back(std::move(imported));
+    } catch (const std::exception& e) {
+      throw std::runtime_error("pk_jax: mapping rank " + std::to_string(process) +
+                               "'s XLA memory (shared by POSIX fd) failed: " + e.what() +
+                               ". The processes' GPUs need a peer-to-peer path (NVLink or PCIe P2P), or the ranks "
+                               "must share one GPU under MPS.");
+    }
+  }
   return mapped;
 }
 

@@ -13,6 +13,7 @@
 #include "../kernels/collectives.cuh"
 #include "../kernels/pk/control_block.h"
 #include "symmetric_memory.h"
+#include "vmm_share.h"
 
 namespace pk {
 
@@ -46,11 +47,15 @@ struct Member {
   ControlBlock* ctrl;
 };
 
-// What a local device exports in a multi-process job (handles: CUDA IPC handle bytes).
+// What a local device exports in a multi-process job (handles: CUDA IPC handle bytes, or for a region
+// shared by POSIX fd a vmm descriptor with one fd per chunk in region_fds; the caller sends the fds to
+// the peer processes and closes them).
 struct LocalExport {
   std::string ctrl_handle;
   std::vector<uint64_t> region_begin, region_size;
   std::vector<std::string> region_handle;
+  std::vector<std::vector<int>> region_fds;  // per region; empty: legacy IPC
+  std::string xla_sharing;     // "cuda_ipc" or "posix_fd" when XLA's region is shared
   std::string why_not_shared;  // XLA's region could not be exported: buffers go through staging
 };
 
@@ -65,14 +70,18 @@ class Runtime {
 
   // Multi-process start-up, driven by pk_jax.initialize() (which exchanges the exports through the
   // jax.distributed key-value store): (1) add_local_device for each local device: control block,
-  // kernels, and the export of XLA's region (found from `probe`, a live XLA buffer) and of a staging
-  // heap; (2) attach_member for each device of another process of this host: maps its control block
-  // and regions, returning their addresses here; (3) set_region_delta with where each peer mapped
+  // kernels, and the export of XLA's region (found from `probe`, a live XLA buffer; legacy IPC, else
+  // POSIX fd over at most `region_limit` bytes of contiguous chunks, 0: the probe's chunk, unless
+  // `share_by_fd` is false) and of a
+  // staging heap; (2) attach_member for each device of another process of this host: maps its control
+  // block and regions (`region_fds[i]`: the fds of region i when shared by POSIX fd, else empty; all of
+  // them are closed before it returns or throws), returning their addresses here; (3) set_region_delta with where each peer mapped
   // our regions; (4) finish_multiprocess. Not thread-safe; called once, before any op runs.
   LocalExport add_local_device(int ordinal, int64_t global_id, int slot, int process, const void* probe,
-                               size_t staging_bytes);
+                               size_t staging_bytes, uint64_t region_limit = 0, bool share_by_fd = true);
   std::vector<uint64_t> attach_member(int64_t global_id, int slot, int process, const std::string& ctrl_handle,
-                                      const std::vector<std::string>& region_handles);
+                                      const std::vector<std::string>& region_handles,
+                                      const std::vector<std::vector<int>>& region_fds = {});
   void set_region_delta(int64_t local_global_id, size_t region, int member_slot, uint64_t member_address);
   void finish_multiprocess();
   bool multiprocess() const { return multiprocess_; }
@@ -103,6 +112,9 @@ class Runtime {
   std::vector<LocalDevice> devices_;
   std::vector<Member> members_;
   std::unique_ptr<SymmetricRegion> control_;
+  // Peers' regions mapped here by POSIX fd; unmapped, released and their VA freed when destroyed (the
+  // runtime lives for the process, so in practice at exit, after every op).
+  std::vector<std::unique_ptr<vmm::ImportedRegion>> imports_;
   ErrorRecord* errors_ = nullptr;  // kMaxSlots records, host-mapped
   std::atomic<uint64_t> timeout_ns_{5000ull * 1000000ull};
   std::thread watchdog_;

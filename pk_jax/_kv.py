@@ -1,7 +1,8 @@
 """The jax.distributed key-value store, in one place (it lives in a private jax module).
 
 pk_jax.initialize() exchanges a few hundred bytes per GPU through it at start-up (IPC handles and
-addresses); no extra ports, sockets or MPI.
+addresses); no extra ports or MPI. (Only memory shared by POSIX fd needs more: its fds go over Unix sockets
+in a private per-job directory whose path travels through this store; see pk_jax/distributed.py.)
 """
 
 from __future__ import annotations

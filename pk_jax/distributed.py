@@ -5,7 +5,10 @@
 
 `initialize` finds the processes on this host (the NVLink domain), and through the jax.distributed
 key-value store (no extra ports, no MPI) exchanges what each GPU shares: its control block and the
-memory region of XLA's allocator (legacy CUDA IPC handles, 64 bytes each), plus a staging heap.
+memory region of XLA's allocator (legacy CUDA IPC handles, 64 bytes each), plus a staging heap. When
+XLA's memory is virtual-memory memory that legacy IPC refuses (XLA's cuMemCreate allocator, created
+with POSIX-fd handles), it is shared by POSIX fd instead: a descriptor through the store and one fd per
+chunk over Unix sockets in a private per-job directory (ffi/fd_passing.h; peers' uid and pid checked).
 Every process maps its peers' regions once; kernels then translate each published buffer address by
 the region it lies in (kernels/pk/group.cuh AddressMap), so ops read and write the peers' XLA buffers
 directly, with no per-call host exchange, exactly as in one process. A buffer outside the shared regions
@@ -19,6 +22,7 @@ across them (NCCL refuses duplicate GPUs), so such a fallback raises instead.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
@@ -54,6 +58,8 @@ class DistributedInfo:
     startup_s: seconds spent in initialize.
     staging: True when XLA's memory could not be shared, so every buffer copies through the staging heap.
     kernels: False in processes without GPUs or without the extension (every op runs jax.lax there).
+    sharing: how XLA's memory is shared with this host's other processes: "cuda_ipc" (legacy CUDA IPC),
+        "posix_fd" (virtual-memory chunks by POSIX fd), "" when it is not (staging) or in one process.
     """
 
     ranks: int
@@ -65,6 +71,7 @@ class DistributedInfo:
     startup_s: float
     staging: bool = False
     kernels: bool = True
+    sharing: str = ""
 
 
 def _host_key() -> str:
@@ -84,6 +91,11 @@ def _staging_bytes() -> int:
     # 1 GiB: every buffer peers touch in one op must fit (2 ranks, 8B-width MLP block at T = 4096 needed
     # more than 64 MiB on an H200 where XLA's memory could not be shared).
     return max(int(os.environ.get("PK_JAX_STAGING_MB", "1024")), 1) << 20
+
+
+def _fd_sharing() -> bool:
+    # PK_JAX_FD_SHARING=0: never share XLA's memory by POSIX fd (legacy IPC or staging only).
+    return os.environ.get("PK_JAX_FD_SHARING", "1") != "0"
 
 
 def info() -> DistributedInfo | None:
@@ -149,11 +161,32 @@ class _Native:
     def pci_bus_id(self, ordinal: int) -> str:
         return _ext.ext.pci_bus_id(ordinal)
 
-    def add_local_device(self, ordinal, device_id, slot, process, probe_ptr, staging_bytes):
-        return _ext.ext.mp_add_local_device(ordinal, device_id, slot, process, probe_ptr, staging_bytes)
+    def add_local_device(self, ordinal, device_id, slot, process, probe_ptr, staging_bytes, region_limit,
+                         share_by_fd):
+        """(ctrl handle, region begins, sizes, handles, fds per region (ours to send and close), why XLA's
+        region is not shared, how it is shared)."""
+        return _ext.ext.mp_add_local_device(ordinal, device_id, slot, process, probe_ptr, staging_bytes,
+                                            region_limit, share_by_fd)
 
-    def attach_member(self, device_id, slot, process, ctrl, regions):
-        return _ext.ext.mp_attach_member(device_id, slot, process, ctrl, regions)
+    def attach_member(self, device_id, slot, process, ctrl, regions, region_fds):
+        """Maps a peer device's control block and regions; closes every fd of `region_fds`."""
+        return _ext.ext.mp_attach_member(device_id, slot, process, ctrl, regions, region_fds)
+
+    def region_limit(self, device) -> int:
+        """Bytes XLA's allocator holds on `device` (its pool): the most of contiguous virtual-memory
+        chunks around the probe that POSIX-fd sharing takes as XLA's region; 0 (the probe's chunk only)
+        when the allocator does not say."""
+        try:
+            stats = device.memory_stats() or {}
+        except Exception:  # noqa: BLE001 - not every backend reports
+            return 0
+        return int(stats.get("pool_bytes", 0) or 0)
+
+    def fd_create_job_dir(self) -> str:
+        return _ext.ext.fd_create_job_dir()
+
+    def fd_endpoint(self, job_dir: str, index: int, pids: Sequence[int]):
+        return _ext.ext.FdEndpoint(job_dir, index, list(pids))
 
     def set_region_delta(self, device_id, region, slot, address):
         _ext.ext.mp_set_region_delta(device_id, region, slot, address)
@@ -186,28 +219,49 @@ def _initialize(native, gpus: Sequence) -> DistributedInfo:
                            "every process of a host must run pk_jax's kernels, or none")
 
     # Our exports: control block, XLA's region (found from a live buffer), the staging heap.
-    shared = True
-    for d in gpus:
-        probe, ptr = native.probe_pointer(d)
-        ctrl, _begins, _sizes, handles, why_not = native.add_local_device(
-            d.local_hardware_id, d.id, plan.slot_of[d.id], rank, ptr, _staging_bytes())
-        _probes.append(probe)  # the exported region must outlive the job (see _probes)
-        if why_not:
-            shared = False
-            print(f"pk_jax: rank {rank}: XLA's GPU memory cannot be shared ({why_not}); every buffer the peers "
-                  f"touch goes through the staging heap (PK_JAX_STAGING_MB)", flush=True)
-        _kv.put(f"{_PREFIX}dev/{d.id}", json.dumps({"ctrl": bytes(ctrl).hex(),
-                                                     "regions": [bytes(h).hex() for h in handles]}))
+    shared, sharing = True, ""
+    my_fds: dict[int, list[list[int]]] = {}  # device id -> fds per region (POSIX-fd sharing), ours to close
+    try:
+        for d in gpus:
+            probe, ptr = native.probe_pointer(d)
+            ctrl, _begins, sizes, handles, fds, why_not, how = native.add_local_device(
+                d.local_hardware_id, d.id, plan.slot_of[d.id], rank, ptr, _staging_bytes(), native.region_limit(d),
+                _fd_sharing())
+            _probes.append(probe)  # the exported region must outlive the job (see _probes)
+            my_fds[d.id] = [list(f) for f in fds]
+            if why_not:
+                shared = False
+                print(f"pk_jax: rank {rank}: XLA's GPU memory cannot be shared ({why_not}); every buffer the peers "
+                      f"touch goes through the staging heap (PK_JAX_STAGING_MB)", flush=True)
+            else:
+                sharing = how
+                print(f"pk_jax: rank {rank}: {_sharing_message(how, len(fds[0]) if fds else 0, sizes[0])}",
+                      flush=True)
+            _kv.put(f"{_PREFIX}dev/{d.id}", json.dumps({"ctrl": bytes(ctrl).hex(),
+                                                         "regions": [bytes(h).hex() for h in handles],
+                                                         "chunks": [len(f) for f in fds]}))
+
+        # Every other device of this host: its exports; the fds of regions shared by POSIX fd come over
+        # the job's sockets (needed or not, every process of the host decides the same from the same data).
+        peers = {dev_id: json.loads(_kv.get(f"{_PREFIX}dev/{dev_id}", timeout))
+                 for dev_id in plan.slot_of if plan.process_of[dev_id] != rank}
+        received: dict[tuple[int, int, int], int] = {}
+        if peers and (any(any(e.get("chunks", ())) for e in peers.values()) or any(any(f) for f in my_fds.values())):
+            received = _exchange_fds(native, plan, rank, my_fds, peers, timeout)
+    finally:
+        _close_fds(fd for fds in my_fds.values() for f in fds for fd in f)
 
     # Map every other process's exports on this host; tell each owner where its regions landed here.
-    for dev_id, slot in plan.slot_of.items():
-        p = plan.process_of[dev_id]
-        if p == rank:
-            continue
-        exp = json.loads(_kv.get(f"{_PREFIX}dev/{dev_id}", timeout))
-        mapped = native.attach_member(dev_id, slot, p, bytes.fromhex(exp["ctrl"]),
-                                      [bytes.fromhex(h) for h in exp["regions"]])
-        _kv.put(f"{_PREFIX}map/{dev_id}/{rank}", json.dumps([int(a) for a in mapped]))
+    try:
+        for dev_id, exp in peers.items():
+            p, slot = plan.process_of[dev_id], plan.slot_of[dev_id]
+            chunks = exp.get("chunks", [0] * len(exp["regions"]))
+            region_fds = [[received.pop((dev_id, region, c)) for c in range(n)] for region, n in enumerate(chunks)]
+            mapped = native.attach_member(dev_id, slot, p, bytes.fromhex(exp["ctrl"]),
+                                          [bytes.fromhex(h) for h in exp["regions"]], region_fds)
+            _kv.put(f"{_PREFIX}map/{dev_id}/{rank}", json.dumps([int(a) for a in mapped]))
+    finally:
+        _close_fds(received.values())
     for d in gpus:
         for p in plan.local_ranks:
             if p == rank:
@@ -217,9 +271,119 @@ def _initialize(native, gpus: Sequence) -> DistributedInfo:
                 for region, addr in enumerate(addrs):
                     native.set_region_delta(d.id, region, plan.slot_of[peer["id"]], addr)
     _barrier(f"{_PREFIX}ready", rank, plan.local_ranks, timeout)  # no op before every peer mapped ours
+    _remove_job_dir()
     native.finish()
     return DistributedInfo(ranks, rank, plan.local_ranks, plan.ranks_per_gpu, tuple(plan.slot_of), plan.host_of,
-                           time.perf_counter() - t0, staging=not shared)
+                           time.perf_counter() - t0, staging=not shared, sharing=sharing if shared else "")
+
+
+def _sharing_message(how: str, chunks: int, size: int) -> str:
+    if how == "posix_fd":
+        return f"XLA's memory shared by POSIX fd ({chunks} chunk{'s' if chunks != 1 else ''}, {size / 2**20:.0f} MiB)"
+    return f"XLA's memory shared by CUDA IPC ({size / 2**20:.0f} MiB)"
+
+
+_FD_MAGIC = "pk_jax-fd/1"
+_job_dir: str | None = None  # the per-job socket directory this process created (removed after start-up)
+
+
+def fd_payload(device_id: int, region: int, chunk: int) -> bytes:
+    """What travels with each fd: which device's region and chunk it is."""
+    return f"{_FD_MAGIC} {device_id} {region} {chunk}".encode()
+
+
+def parse_fd_payload(payload: bytes) -> tuple[int, int, int]:
+    """(device id, region, chunk) of an fd message; ValueError when it is not one."""
+    parts = payload.decode("ascii", "replace").split(" ")
+    if len(parts) != 4 or parts[0] != _FD_MAGIC or not all(p.isdigit() for p in parts[1:]):
+        raise ValueError(f"pk_jax.initialize: unexpected fd message {payload[:60]!r}")
+    return int(parts[1]), int(parts[2]), int(parts[3])
+
+
+def _close_fds(fds) -> None:
+    for fd in list(fds):
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _exchange_fds(native, plan: DomainPlan, rank: int, my_fds: dict[int, list[list[int]]], peers: dict[int, dict],
+                  timeout: float) -> dict[tuple[int, int, int], int]:
+    """Sends every fd of our regions to each other process of this host and receives theirs:
+    {(device id, region, chunk): fd} (ours to close). The host's lowest rank creates the job directory
+    (0700) and publishes it; each process listens on it at its index among the host's ranks, accepting
+    only the job's pids. A thread receives while this one sends, so no order of sends can deadlock."""
+    global _job_dir
+    local = plan.local_ranks
+    host = plan.host_of[rank]
+    if rank == local[0]:
+        _job_dir = native.fd_create_job_dir()
+        atexit.register(_remove_job_dir)  # also when start-up fails past this point
+        _kv.put(f"{_PREFIX}fd/{host}/dir", _job_dir)
+    _kv.put(f"{_PREFIX}fd/pid/{rank}", str(os.getpid()))
+    job_dir = _kv.get(f"{_PREFIX}fd/{host}/dir", timeout)
+    pids = [int(_kv.get(f"{_PREFIX}fd/pid/{p}", timeout)) for p in local]
+    endpoint = native.fd_endpoint(job_dir, local.index(rank), pids)
+    timeout_ms = int(timeout * 1000)
+    expected = {(dev_id, region, c): local.index(plan.process_of[dev_id])
+                for dev_id, exp in peers.items() for region, n in enumerate(exp.get("chunks", ())) for c in range(n)}
+    received: dict[tuple[int, int, int], int] = {}
+    errors: list[BaseException] = []
+
+    def receive() -> None:
+        try:
+            while len(received) < len(expected):
+                sender, fd, payload = endpoint.receive(timeout_ms)
+                try:
+                    key = parse_fd_payload(payload)
+                    if key not in expected or key in received:
+                        raise ValueError(f"pk_jax.initialize: unexpected or repeated fd for {key}")
+                    if expected[key] != sender or fd < 0:
+                        raise ValueError(f"pk_jax.initialize: the fd for {key} came from host index {sender}, "
+                                         f"not from its owner's {expected[key]} (or without an fd)")
+                except Exception:
+                    _close_fds([fd] if fd >= 0 else [])
+                    raise
+                received[key] = fd
+        except BaseException as e:  # noqa: BLE001 - reported by the sending thread
+            errors.append(e)
+
+    receiver = threading.Thread(target=receive, name="pk_jax-fd-receive", daemon=True)
+    receiver.start()
+    try:
+        for dev_id, regions in my_fds.items():
+            for p in local:
+                if p == rank:
+                    continue
+                for region, fds in enumerate(regions):
+                    for c, fd in enumerate(fds):
+                        endpoint.send(local.index(p), fd, fd_payload(dev_id, region, c), timeout_ms)
+        receiver.join(timeout + 5)
+        if receiver.is_alive():
+            raise TimeoutError(f"pk_jax.initialize: rank {rank}: the peers' fds did not all arrive within "
+                               f"{timeout:.0f} s")
+        if errors:
+            raise RuntimeError(f"pk_jax.initialize: rank {rank}: receiving the peers' memory fds failed: "
+                               f"{errors[0]}") from errors[0]
+    except BaseException:
+        receiver.join(1)
+        _close_fds(received.values())
+        raise
+    return received  # our endpoint (and socket) goes with this frame; a receiver still running keeps it
+
+
+def _remove_job_dir() -> None:
+    """After start-up (every endpoint is closed by then): the job directory this process created."""
+    global _job_dir
+    if _job_dir is not None:
+        try:
+            for name in os.listdir(_job_dir):  # sockets of peers that failed before closing theirs
+                os.unlink(os.path.join(_job_dir, name))
+            os.rmdir(_job_dir)
+        except OSError:
+            pass
+        _job_dir = None
 
 
 def _barrier(name: str, rank: int, ranks: Sequence[int], timeout: float) -> None:

@@ -81,12 +81,69 @@ def test_exchange_maps_same_host_peers_and_sets_every_delta(tmp_path):
         for p in local:
             if p != r:
                 d = ids[p]
-                assert attached[d][1:] == [slot[d], p, f"ctrl{d}", [f"xla{d}", f"stage{d}"]]
+                assert attached[d][1:] == [slot[d], p, f"ctrl{d}", [f"xla{d}", f"stage{d}"], [[], []]]
         # Our regions as each peer process mapped them.
         expect = sorted([ids[r], i, slot[ids[p]], _mapped(p, ids[r], i)] for p in local if p != r for i in range(2))
         assert sorted(calls["delta"]) == expect
         assert calls["finish"] == [r]
         assert calls["probes_alive"] == [True], "the probe buffer (XLA's exported region) was freed"
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_exchange_passes_fds_of_regions_shared_by_posix_fd(tmp_path, chunks):
+    # Processes 0, 1, 3 on host A, 2 alone on host B; XLA's region of every device goes by fd.
+    hosts, pcis = ["A", "A", "B", "A"], ["gpu0", "gpu0", "gpu0", "gpu1"]
+    res = _run(tmp_path, hosts, pcis, FAKE_VMM_CHUNKS=str(chunks), XDG_RUNTIME_DIR=str(tmp_path))
+    ids = {r: 100 + r for r in range(4)}
+    for r, out in enumerate(res):
+        info, calls = out["info"], out["calls"]
+        local = [0, 1, 3] if r != 2 else [2]
+        assert info["staging"] is False
+        assert info["sharing"] == "posix_fd"
+        attached = {a[0]: a for a in calls["attach"]}
+        assert sorted(attached) == sorted(ids[p] for p in local if p != r)
+        for d, a in attached.items():
+            # Each chunk's fd is the very file its owner opened, in chunk order; the staging heap has none.
+            assert a[4] == [f"vmm{d}", f"stage{d}"]
+            assert a[5] == [[f"dev{d}/chunk{c}" for c in range(chunks)], []]
+        assert calls["open_chunk_fds"] == [], "an fd of a chunk (ours or a peer's) stayed open"
+        # Host A's lowest rank made the job directory and removed it; a host with one process makes none.
+        assert ("job_dir" in calls) == (r == 0)
+        if r == 0:
+            assert calls["job_dir_exists"] is False
+            assert os.path.dirname(calls["job_dir"]) == str(tmp_path)
+        if r != 2:
+            assert calls["endpoint"] == [local.index(r), 3, True]
+        else:
+            assert "endpoint" not in calls
+
+
+def test_fd_sharing_can_be_turned_off(tmp_path):
+    res = _run(tmp_path, ["A", "A"], ["gpu0", "gpu0"], FAKE_VMM_CHUNKS="2", PK_JAX_FD_SHARING="0",
+               XDG_RUNTIME_DIR=str(tmp_path))
+    for out in res:
+        assert out["info"]["sharing"] == "cuda_ipc"  # the fake's other answer
+        assert "job_dir" not in out["calls"] and "endpoint" not in out["calls"]
+        assert all(a[5] == [[], []] for a in out["calls"]["attach"])
+
+
+def test_fd_message_format():
+    from pk_jax.distributed import fd_payload, parse_fd_payload
+
+    assert fd_payload(7, 0, 12) == b"pk_jax-fd/1 7 0 12"
+    assert parse_fd_payload(fd_payload(7, 0, 12)) == (7, 0, 12)
+    for bad in [b"", b"pk_jax-fd/1 7 0", b"pk_jax-fd/2 7 0 1", b"pk_jax-fd/1 7 0 -1", b"pk_jax-fd/1 7 0 1 2",
+                b"0:fd:", b"pk_jax-fd/1 a 0 1", b"\xff\xfe"]:
+        with pytest.raises(ValueError, match="unexpected fd message"):
+            parse_fd_payload(bad)
+
+
+def test_sharing_message_names_the_method_chunks_and_size():
+    from pk_jax.distributed import _sharing_message
+
+    assert _sharing_message("posix_fd", 1, 3 << 30) == "XLA's memory shared by POSIX fd (1 chunk, 3072 MiB)"
+    assert _sharing_message("posix_fd", 4, 5 << 20) == "XLA's memory shared by POSIX fd (4 chunks, 5 MiB)"
+    assert _sharing_message("cuda_ipc", 0, 64 << 20) == "XLA's memory shared by CUDA IPC (64 MiB)"
 
 
 def test_exchange_with_two_gpus_per_process(tmp_path):

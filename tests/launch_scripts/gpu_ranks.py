@@ -5,7 +5,12 @@
 
 jax.distributed from the launcher's environment, pk_jax.initialize(), then each collective and a fused op
 across the ranks against NumPy (jax.lax cannot run across ranks sharing a GPU). Prints `PASS <op>` /
-`FAIL <op>` per check and `ALL PASS rank r` at the end; exits 1 on any failure."""
+`FAIL <op>` per check and `ALL PASS rank r` at the end; exits 1 on any failure.
+
+XLA's memory must be shared with the peers (CUDA IPC, or POSIX fd for XLA's virtual-memory allocator),
+and then no op may copy an ordinary jitted buffer through the staging heap
+(pk_jax.runtime.stats()["staged_buffers"] == 0). PK_JAX_EXPECT_SHARING=posix_fd|cuda_ipc demands that
+method; PK_JAX_EXPECT_SHARING=staging accepts unshared memory (e.g. with PK_JAX_FD_SHARING=0)."""
 
 import os
 import sys
@@ -36,6 +41,12 @@ def check(name: str, ok: bool, detail: str = "") -> None:
 
 check("init", info.ranks == ranks and info.rank == rank and info.kernels
       and info.ranks_per_gpu == int(os.environ["PK_JAX_RANKS_PER_GPU"]), str(info))
+expect_sharing = os.environ.get("PK_JAX_EXPECT_SHARING", "")
+print(f"sharing rank {rank}: {info.sharing or 'none (staging)'}", flush=True)
+want = {"": ("cuda_ipc", "posix_fd"), "staging": ("",)}.get(expect_sharing, (expect_sharing,))
+check("xla memory sharing", info.sharing in want and info.staging == (info.sharing == ""),
+      f"sharing={info.sharing!r} staging={info.staging} (expected {' or '.join(w or 'staging' for w in want)})")
+staged_at_start = pk_jax.runtime.stats()["staged_buffers"]
 mesh = jax.make_mesh((ranks,), ("x",))
 rng = np.random.default_rng(0)  # same inputs on every rank
 
@@ -79,6 +90,11 @@ try:
                                                           deterministic=True),
                 [xr, wr], [P(None, "x"), P("x")], P("x")), bf(xr) @ bf(wr), 0.05)
     pk_jax.runtime.check()
+    staged = pk_jax.runtime.stats()["staged_buffers"] - staged_at_start
+    if not info.staging:  # every jitted buffer lies in XLA's shared region: nothing may be staged
+        check("no staging copies", staged == 0, f"staged_buffers={staged}")
+    else:
+        print(f"staged_buffers {staged} (XLA's memory is not shared)", flush=True)
 except Exception as e:  # noqa: BLE001 - report and fail this rank; the launcher stops the others
     check("no exception", False, f"{type(e).__name__}: {str(e)[:400]}")
 if not failures:
