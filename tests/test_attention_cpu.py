@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import pk_jax
+from pk_jax.attention import BWD_VAR
 from tests.gpu.attention_reference import attention_f32
 
 # (B, Tq, N, Tk, K, D, causal, q_offset, kv_offset)
@@ -210,10 +211,13 @@ def test_backward_kernel_inputs():
     np.testing.assert_array_equal(np.asarray(delta[0, 0]), [1, 1, 1] + [0] * 61)
 
 
-def test_kernel_path_backward_binds_its_primitive():
-    """The kernel forward's VJP binds pk_attention_bwd (its lowering off CUDA: XLA einsums), under vmap too."""
+def test_kernel_path_backward_binds_its_primitive(monkeypatch):
+    """With PK_JAX_ATTENTION_BWD=kernel the kernel forward's VJP binds pk_attention_bwd (its lowering off
+    CUDA: XLA einsums), under vmap too; without it (the default while the kernel is unproven) it does not."""
     q, k, v = inputs(CASES[1], jnp.bfloat16)
     f = lambda q, k, v: jnp.sum(pk_jax.attention(q, k, v, causal=True, implementation="pk").astype(jnp.float32))
+    assert "pk_attention_bwd" not in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
+    monkeypatch.setenv(BWD_VAR, "kernel")
     assert "pk_attention_bwd" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
     qs, ks, vs = (jnp.stack([x, x * 0.5]) for x in (q, k, v))
     got = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1, 2))))(qs, ks, vs)
