@@ -3,13 +3,14 @@
 
 Rows: suite "attention", shape [B, S, N, D] (S = Tq = Tk), case fwd / fwd_causal / fwd_gqa (K = N / 8) /
 fwd_causal_gqa, and fwd_bwd* the same four with the gradients (jax.vjp: the forward, then dq, dk, dv
-from a random cotangent; ours runs our forward and backward kernels); TFLOP/s count 4 B S² N D for the
-forward (causal: half) and 2.5 times that for the backward (as FlashAttention counts: fwd+bwd = 3.5x).
-`cases`, `seqs`, `head_dims` (--cases, --seqs, --head-dims on the command line) pick a subset. Default: B*S = 64k tokens, S = 1024..65536,
-N = 16 (D 128) / 32 (D 64), every case (< 4 min). --variants: the full sweep, B*S = 64k..512k tokens and
-N = 16..128. Without a GPU: tiny sizes, both sides run XLA (plumbing only). On GPUs the kernel's second
-consumer schedule (pk_jax.attention.SCHEDULES: "pipelined", opt-in until it measures faster) is timed in the
-same turns: extra.pipelined_ms / pipelined_ratio / pipelined_rel_err.
+from a random cotangent; ours runs our forward kernel and the backward pk_jax.attention picks: XLA einsums
+unless PK_JAX_ATTENTION_BWD=kernel); TFLOP/s count 4 B S² N D for the forward (causal: half) and 2.5 times
+that for the backward (as FlashAttention counts: fwd+bwd = 3.5x). `cases`, `seqs`, `head_dims` (--cases,
+--seqs, --head-dims on the command line) pick a subset. Default: B*S = 64k tokens, S = 1024..65536, N = 16
+(D 128) / 32 (D 64), every case. --variants: the full sweep, B*S = 64k..512k tokens and N = 16..128, and on
+GPUs the kernel's second consumer schedule (pk_jax.attention.SCHEDULES: "pipelined"; 0.59-0.81x cuDNN against
+the default's 0.73-0.95x on 2026-11-23) timed in the same turns: extra.pipelined_ms / pipelined_ratio /
+pipelined_rel_err. Without a GPU: tiny sizes, both sides run XLA (plumbing only).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
 
         try:
             ours = _compiled_with_schedule(pk_fn, triples, "in_turn")
-            piped = _compiled_with_schedule(pk_fn, triples, "pipelined") if on_gpu and not grads else None
+            piped = _compiled_with_schedule(pk_fn, triples, "pipelined") if on_gpu and full and not grads else None
             want = base(triples[:1])[0]
             err = rel(ours(triples)[0], want)
             pipe_err = rel(piped(triples)[0], want) if piped else None
