@@ -16,6 +16,10 @@
 #   democlone   the tree (no builds) copied to a fresh directory, then `bash scripts/demo.sh` there
 #               (set-up + build + demo, as a new user runs it; issue 28: <= 2 min after the build)  ~2 min
 #   attention   our attention kernel's GPU tests (both schedules), then its bench         ~6 min
+#   grouped     grouped_matmul GPU tests, then its bench rows (vs ragged_dot_mgpu, jnp.dot)  ~2 min
+#   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
+#               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
+#   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -57,6 +61,19 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                tar --exclude=./.git --exclude=./build --exclude=./.venv --exclude=./.prebuilt --exclude='*.so' -cf - . \
                  | tar -xf - -C /tmp/pk_jax_fresh
                stage democlone 300 bash -c "cd /tmp/pk_jax_fresh && time bash scripts/demo.sh --out $OUT/$day-demo-clone.json" ;;
+    grouped) stage grouped-tests 150 python3 -m pytest tests/gpu/test_grouped_matmul_gpu.py -m gpu -q -x -rs
+             stage grouped 240 python3 -m pk_jax.bench moe --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped.json" ;;
+    attnbwd) export PK_JAX_ATTENTION_BWD=kernel
+             stage attnbwd-first 90 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"
+             if grep -q " passed" "$OUT/attnbwd-first.log"; then
+               stage attnbwd-tests 180 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs
+               stage attnbwd 200 python3 -m pk_jax.bench attention --cases fwd_bwd fwd_bwd_causal fwd_bwd_gqa \
+                 fwd_bwd_causal_gqa --seqs 1024 4096 16384 --head-dims 128 --reps 5 --out "$OUT/$day-attention-fwd-bwd.json"
+             fi
+             unset PK_JAX_ATTENTION_BWD ;;
+    fdshare) stage fdshare 150 bash -c "PK_JAX_EXPECT_SHARING=posix_fd python3 -m pk_jax.launch --share-gpu -n 2 --timeout 60 \
+               tests/launch_scripts/gpu_ranks.py && PK_JAX_EXPECT_SHARING=posix_fd python3 -m pk_jax.launch --share-gpu -n 4 \
+               --timeout 70 tests/launch_scripts/gpu_ranks.py" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
