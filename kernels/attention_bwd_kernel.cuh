@@ -80,9 +80,13 @@ struct Kernel {
   // every warp reading b (its dQ wgmma retired) has passed since.
   static constexpr int kDsBufs = 2;
   static constexpr int kConsumerWarpgroups = WGS;
-  // 128 * 48 + 256 * 232 = 65536: the loader's address math needs more than 40 registers, the D = 128
-  // consumer (dK and dV: 128 accumulators) all of 232 (ptxas -v: no spills at this split).
-  static constexpr int kProducerRegs = 48;
+  // The split must fit what the CTA holds from its launch: __launch_bounds__(384, 1) gives every thread
+  // 168 registers (ptxas -v: "Used 168 registers"), 384 * 168 = 64512, and setmaxnreg.inc blocks until
+  // the CTA's pool has the registers: 128 * 40 + 256 * 232 = 64512 exactly (as the forward and the
+  // GEMM). (48 / 232 asked for 65536: the second consumer warpgroup's setmaxnreg.inc waited forever,
+  // the hang of the first GPU run; lcsc.cuh now checks the sum at compile time.) The D = 128 consumer
+  // (dK and dV: 128 accumulators) needs all of 232; the loader fits 40 with its loops kept rolled.
+  static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kHasCommunicator = false;
   static constexpr bool kTaskCounter = false;
@@ -184,19 +188,21 @@ struct Kernel {
     load_boxes(s.v, &g.v, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
     st.kv_phase ^= 1;
     const int head0 = w.kv_head * w.group;
+    // Rolled loops and one row index for lse2 and delta: the producer warpgroup has 40 registers.
+#pragma unroll 1
     for (int head = head0; head < head0 + w.group; ++head) {
-      // tq_pad is a multiple of BM: rows row .. row + BM of lse2 / delta exist.
-      const float* lse2 = g.lse2 + row_index(g, w, head, w.m_begin);
-      const float* delta = g.delta + row_index(g, w, head, w.m_begin);
-      for (int m = w.m_begin; m < w.m_begin + w.m_count; ++m, lse2 += BM, delta += BM) {
+#pragma unroll 1
+      for (int m = w.m_begin; m < w.m_begin + w.m_count; ++m) {
+        // tq_pad is a multiple of BM: rows row .. row + BM of lse2 / delta exist.
+        const size_t row = row_index(g, w, head, m);
         st.pos.wait_empty(s.ring);
         Stage& dst = s.stage[st.pos.stage];
         uint64_t* bar = &s.ring.full[st.pos.stage];
         tma::mbar_expect_tx(bar, kStageBytes);
         load_boxes(dst.q, &g.q, BM, head, m * BM, w.batch, bar);
         load_boxes(dst.dout, &g.dout, BM, head, m * BM, w.batch, bar);
-        tma::load_async(dst.lse2, lse2, BM * sizeof(float), bar);
-        tma::load_async(dst.delta, delta, BM * sizeof(float), bar);
+        tma::load_async(dst.lse2, g.lse2 + row, BM * sizeof(float), bar);
+        tma::load_async(dst.delta, g.delta + row, BM * sizeof(float), bar);
         st.pos.advance();
       }
     }
