@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "../kernels/attention.cuh"
+#include "../kernels/attention_bwd.cuh"
 #include "../kernels/gemm.cuh"
 #include "../kernels/multimem_collectives.cuh"
 #include "../kernels/tp_gemm.cuh"
@@ -110,6 +111,7 @@ void Runtime::load_kernels_and_errors(size_t i, int ordinal) {
   PK_CUDA(configure_kernels());
   PK_CUDA(gemm::configure_once(ordinal));
   PK_CUDA(attention::configure_once(ordinal));
+  PK_CUDA(attention_bwd::configure_once(ordinal));
   PK_CUDA(tp::configure());
   PK_CUDA(multimem::configure());  // loads the multimem kernels only where the multicast policy allows it
   cudaDeviceProp prop;

@@ -2,6 +2,8 @@
 #include "attention_bwd.cuh"
 
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -22,12 +24,26 @@ constexpr int stages_for() {
   return n > 4 ? 4 : int(n);
 }
 
-template <typename T, int D>
-using KernelOf = Kernel<T, D, stages_for<D>()>;
+// DEBUG: the variant whose mbarrier waits time out, report and trap (attention_bwd_kernel.cuh).
+template <typename T, int D, bool DEBUG = false>
+using KernelOf = Kernel<T, D, stages_for<D>(), DEBUG>;
 
-template <typename T, int D>
-void run(const Problem& p, int compute_sms, cudaStream_t stream) {
-  using K = KernelOf<T, D>;
+// The debug variant's wait limit in ns when $PK_JAX_ATTENTION_BWD_DEBUG is set to anything but "" or "0"
+// ($PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), else 0: the default kernel. Read at every launch.
+unsigned long long debug_timeout_ns() {
+  const char* on = std::getenv("PK_JAX_ATTENTION_BWD_DEBUG");
+  if (on == nullptr || on[0] == '\0' || std::strcmp(on, "0") == 0) return 0;
+  unsigned long long ms = 2000;
+  if (const char* t = std::getenv("PK_JAX_ATTENTION_BWD_TIMEOUT_MS")) {
+    const unsigned long long v = std::strtoull(t, nullptr, 10);
+    if (v > 0) ms = v;
+  }
+  return ms * 1000000ull;
+}
+
+template <typename T, int D, bool DEBUG>
+void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long long timeout_ns) {
+  using K = KernelOf<T, D, DEBUG>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two Q/dO stages");
   Globals g{};
@@ -42,6 +58,7 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   g.scale_log2 = p.scale * 1.4426950408889634f;
   g.causal = p.causal ? 1 : 0;
   g.num_comm_sms = 0;
+  g.debug_timeout_ns = timeout_ns;
   const size_t acc_bytes = size_t(p.batch) * p.heads * p.tq_pad * D * sizeof(float);
   cudaError_t e = cudaMemsetAsync(p.dq_acc, 0, acc_bytes, stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: zeroing dQ: ") + cudaGetErrorString(e));
@@ -49,10 +66,19 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward launch: ") + cudaGetErrorString(e));
 }
 
+template <typename T, int D>
+void run(const Problem& p, int compute_sms, cudaStream_t stream) {
+  const unsigned long long timeout_ns = debug_timeout_ns();
+  if (timeout_ns) run<T, D, true>(p, compute_sms, stream, timeout_ns);
+  else run<T, D, false>(p, compute_sms, stream, 0);
+}
+
 template <typename T>
 cudaError_t configure_type() {
-  const cudaError_t e = lcsc::configure<KernelOf<T, 64>>();
-  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128>>() : e;
+  cudaError_t e = lcsc::configure<KernelOf<T, 64>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 128>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 64, true>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128, true>>() : e;
 }
 
 }  // namespace

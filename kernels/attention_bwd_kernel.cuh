@@ -36,8 +36,10 @@
 #include <math_constants.h>
 
 #include <climits>
+#include <cstdio>
 
 #include "pk/acc_store.cuh"
+#include "pk/debug_wait.cuh"
 #include "pk/lcsc.cuh"
 #include "pk/pipeline.cuh"
 #include "pk/tma.cuh"
@@ -57,6 +59,7 @@ struct Globals {
   float scale, scale_log2;
   int causal;
   int num_comm_sms;  // always 0 (no communicator)
+  unsigned long long debug_timeout_ns;  // the DEBUG variant's mbarrier wait limit (unused otherwise)
 };
 
 struct Work {
@@ -68,11 +71,16 @@ struct Work {
   int iters;     // group * m_count block pairs
 };
 
-template <typename T, int D_, int STAGES_>
+// DEBUG_: every mbarrier wait is bounded (Globals::debug_timeout_ns); one that times out prints which
+// role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
+// becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
+// variant's waits are tma::mbar_wait, unchanged.
+template <typename T, int D_, int STAGES_, bool DEBUG_ = false>
 struct Kernel {
   using Globals = attention_bwd::Globals;
   struct CommShared {};
   static constexpr int D = D_, STAGES = STAGES_;
+  static constexpr bool DEBUG = DEBUG_;
   static constexpr int WGS = 2, BN = 64 * WGS, BM = 64;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr bool kDqShared = D == 128;            // dQ column halves over all keys (else own keys)
@@ -80,9 +88,13 @@ struct Kernel {
   // every warp reading b (its dQ wgmma retired) has passed since.
   static constexpr int kDsBufs = 2;
   static constexpr int kConsumerWarpgroups = WGS;
-  // 128 * 48 + 256 * 232 = 65536: the loader's address math needs more than 40 registers, the D = 128
-  // consumer (dK and dV: 128 accumulators) all of 232 (ptxas -v: no spills at this split).
-  static constexpr int kProducerRegs = 48;
+  // The split must fit what the CTA holds from its launch: __launch_bounds__(384, 1) gives every thread
+  // 168 registers (ptxas -v: "Used 168 registers"), 384 * 168 = 64512, and setmaxnreg.inc blocks until
+  // the CTA's pool has the registers: 128 * 40 + 256 * 232 = 64512 exactly (as the forward and the
+  // GEMM). (48 / 232 asked for 65536: the second consumer warpgroup's setmaxnreg.inc waited forever,
+  // the hang of the first GPU run; lcsc.cuh now checks the sum at compile time.) The D = 128 consumer
+  // (dK and dV: 128 accumulators) needs all of 232; the loader fits 40 with its loops kept rolled.
+  static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kHasCommunicator = false;
   static constexpr bool kTaskCounter = false;
@@ -102,6 +114,15 @@ struct Kernel {
     alignas(16) float lse2[BM];
     alignas(16) float delta[BM];
   };
+  // What each role has done (DEBUG variant only; written with volatile stores, read by a report):
+  // task -1 = the role has not begun a task (e.g. blocked in setmaxnreg.inc before it), pairs = block
+  // pairs loaded / finished / stored so far, step = where a consumer is in its block pair.
+  struct Progress {
+    int loader_task, loader_pairs;
+    int consumer_task[WGS], consumer_pairs[WGS], consumer_step[WGS];
+    int storer_task, storer_pairs;
+  };
+  enum Step { kStepIdle = 0, kStepKv = 1, kStepRingFull = 2, kStepDsBarrier = 3, kStepDqSlot = 4 };
   struct Shared {
     alignas(1024) T k[BN * D];
     alignas(1024) T v[BN * D];
@@ -111,6 +132,7 @@ struct Kernel {
     Ring<STAGES> ring;  // full: Q, dO, lse2, delta landed; empty: every consumer warp is done with them
     Handoff kv_slot;    // full: K and V landed; empty: both consumers' last block pair is done
     Handoff dq_slot[WGS];
+    Progress progress;  // DEBUG variant only
   };
   struct LoaderState {
     RingPos<STAGES> pos;
@@ -158,10 +180,55 @@ struct Kernel {
     s.ring.init(1, 4 * WGS);  // full: the loader's expect_tx arrival; empty: one per consumer warp
     s.kv_slot.init(1, 4 * WGS);
     for (int w = 0; w < WGS; ++w) s.dq_slot[w].init(128, 1);
+    if constexpr (DEBUG) {
+      s.progress.loader_task = s.progress.storer_task = -1;
+      s.progress.loader_pairs = s.progress.storer_pairs = 0;
+      for (int w = 0; w < WGS; ++w) {
+        s.progress.consumer_task[w] = -1;
+        s.progress.consumer_pairs[w] = 0;
+        s.progress.consumer_step[w] = kStepIdle;
+      }
+    }
     tma::prefetch_tensor_map(&g.q);
     tma::prefetch_tensor_map(&g.k);
     tma::prefetch_tensor_map(&g.v);
     tma::prefetch_tensor_map(&g.dout);
+  }
+
+  // DEBUG variant: a volatile store into the progress record (nothing otherwise).
+  __device__ static void note(int& field, int value) {
+    if constexpr (DEBUG) *const_cast<volatile int*>(&field) = value;
+  }
+
+  // Every mbarrier wait of the kernel: tma::mbar_wait, or (DEBUG) bounded, reporting and trapping.
+  // `what` names the barrier, `index` its stage (ring) or warpgroup (dq_slot), -1 for none.
+  __device__ static void wait(const Globals& g, Shared& s, uint64_t* bar, uint32_t parity, const char* what,
+                              int index) {
+    if constexpr (!DEBUG) {
+      tma::mbar_wait(bar, parity);
+    } else {
+      if (debug::wait_bounded(bar, parity, g.debug_timeout_ns)) return;
+      report_timeout(g, s, bar, parity, what, index);
+      debug::spin_ns(1000000000ull);  // 1 s for the other stuck roles to time out and report too
+      __trap();
+    }
+  }
+
+  __device__ __noinline__ static void report_timeout(const Globals& g, Shared& s, const uint64_t* bar,
+                                                     uint32_t parity, const char* what, int index) {
+    const int t = threadIdx.x, wg = t / 128;
+    if (wg > 0 && t % 128 != 0) return;  // one line per consumer warpgroup (its threads wait alike)
+    const char* role = wg > 0 ? (wg == 1 ? "consumer wg0" : "consumer wg1") : (t / 32 == 0 ? "loader" : "storer");
+    const volatile Progress& p = s.progress;
+    printf("pk_jax attention_bwd<D=%d, STAGES=%d> TIMEOUT after %llu ms: block %d thread %d (%s) waits on "
+           "%s[%d] parity %u, word 0x%016llx | progress (task -1: not begun): loader task %d pairs %d; "
+           "consumer0 task %d pairs %d step %d; consumer1 task %d pairs %d step %d; storer task %d pairs %d "
+           "(steps: 1 kv_slot.full, 2 ring.full, 3 dS named barrier, 4 dq_slot.empty) | kv_slot words full "
+           "0x%016llx empty 0x%016llx; tasks %d, grid %d, tq %d tk %d heads %d kv_heads %d\n",
+           D, STAGES, g.debug_timeout_ns / 1000000ull, int(blockIdx.x), t, role, what, index, parity, debug::raw_word(bar), p.loader_task, p.loader_pairs,
+           p.consumer_task[0], p.consumer_pairs[0], p.consumer_step[0], p.consumer_task[1], p.consumer_pairs[1],
+           p.consumer_step[1], p.storer_task, p.storer_pairs, debug::raw_word(&s.kv_slot.full),
+           debug::raw_word(&s.kv_slot.empty), num_tasks(g), int(gridDim.x), g.tq, g.tk, g.heads, g.kv_heads);
   }
 
   __device__ static void load_boxes(T* dst, const CUtensorMap* map, int rows, int head, int row0, int batch,
@@ -177,27 +244,31 @@ struct Kernel {
 
   __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int task) {
     const Work w = work_of(g, task);
+    note(s.progress.loader_task, task);
     if (w.iters == 0) return;  // the consumers write dK = dV = 0 without K or V
-    tma::mbar_wait(&s.kv_slot.empty, st.kv_phase ^ 1);
+    wait(g, s, &s.kv_slot.empty, st.kv_phase ^ 1, "kv_slot.empty", -1);
     tma::mbar_expect_tx(&s.kv_slot.full, 2 * kKvBytes);
     load_boxes(s.k, &g.k, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
     load_boxes(s.v, &g.v, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
     st.kv_phase ^= 1;
     const int head0 = w.kv_head * w.group;
+    // Rolled loops and one row index for lse2 and delta: the producer warpgroup has 40 registers.
+#pragma unroll 1
     for (int head = head0; head < head0 + w.group; ++head) {
-      // tq_pad is a multiple of BM: rows row .. row + BM of lse2 / delta exist.
-      const float* lse2 = g.lse2 + row_index(g, w, head, w.m_begin);
-      const float* delta = g.delta + row_index(g, w, head, w.m_begin);
-      for (int m = w.m_begin; m < w.m_begin + w.m_count; ++m, lse2 += BM, delta += BM) {
-        st.pos.wait_empty(s.ring);
+#pragma unroll 1
+      for (int m = w.m_begin; m < w.m_begin + w.m_count; ++m) {
+        // tq_pad is a multiple of BM: rows row .. row + BM of lse2 / delta exist.
+        const size_t row = row_index(g, w, head, m);
+        wait(g, s, &s.ring.empty[st.pos.stage], st.pos.phase ^ 1, "ring.empty", st.pos.stage);
         Stage& dst = s.stage[st.pos.stage];
         uint64_t* bar = &s.ring.full[st.pos.stage];
         tma::mbar_expect_tx(bar, kStageBytes);
         load_boxes(dst.q, &g.q, BM, head, m * BM, w.batch, bar);
         load_boxes(dst.dout, &g.dout, BM, head, m * BM, w.batch, bar);
-        tma::load_async(dst.lse2, lse2, BM * sizeof(float), bar);
-        tma::load_async(dst.delta, delta, BM * sizeof(float), bar);
+        tma::load_async(dst.lse2, g.lse2 + row, BM * sizeof(float), bar);
+        tma::load_async(dst.delta, g.delta + row, BM * sizeof(float), bar);
         st.pos.advance();
+        if constexpr (DEBUG) note(s.progress.loader_pairs, s.progress.loader_pairs + 1);
       }
     }
   }
@@ -271,8 +342,10 @@ struct Kernel {
     float dk[D / 2], dv[D / 2];
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) dk[i] = dv[i] = 0.f;
+    note(s.progress.consumer_task[wg], task);
     if (w.iters > 0) {
-      tma::mbar_wait(&s.kv_slot.full, st.kv_phase);
+      note(s.progress.consumer_step[wg], kStepKv);
+      wait(g, s, &s.kv_slot.full, st.kv_phase, "kv_slot.full", -1);
       st.kv_phase ^= 1;
       for (int it = 0; it < w.iters; ++it) {
         const int m = w.m_begin + it % w.m_count;
@@ -290,7 +363,8 @@ struct Kernel {
                                     int key_row, int lane, float (&dk)[D / 2], float (&dv)[D / 2]) {
     const int wg = st.warpgroup;
     const Stage& in = s.stage[st.pos.stage];
-    st.pos.wait_full(s.ring);
+    note(s.progress.consumer_step[wg], kStepRingFull);
+    wait(g, s, &s.ring.full[st.pos.stage], st.pos.phase, "ring.full", st.pos.stage);
     float sc[BM / 2], dp[BM / 2];
     wgmma::fence();
     issue_kmajor<BM>(s.k + wg * 64 * kBoxCols, BN, in.q, BM, sc);     // Sᵀ = K_wg Qᵀ
@@ -336,6 +410,7 @@ struct Kernel {
     issue_rs(pa, in.dout, dv);  // dV += Pᵀ dO
     issue_rs(dsa, in.q, dk);    // dK += dSᵀ Q
     float dq[32];
+    note(s.progress.consumer_step[wg], kStepDsBarrier);
     if constexpr (kDqShared) {
       named_sync(1, 256);  // both warpgroups' dSᵀ are in ds[ds_buf]
       issue_dq<BN>(ds, s.k, 0, wg, dq);
@@ -352,7 +427,8 @@ struct Kernel {
     st.pos.advance();
     // The dQ chunk to this warpgroup's slot, one float4 per thread and register quad.
     Handoff& slot = s.dq_slot[wg];
-    tma::mbar_wait(&slot.empty, st.dq_phase ^ 1);
+    note(s.progress.consumer_step[wg], kStepDqSlot);
+    wait(g, s, &slot.empty, st.dq_phase ^ 1, "dq_slot.empty", wg);
     float4* out = reinterpret_cast<float4*>(s.dq[wg]);
     const int t = threadIdx.x % 128;
 #pragma unroll
@@ -360,6 +436,12 @@ struct Kernel {
     tma::fence_proxy_async_shared();  // the storer's bulk reduce (async proxy) reads it
     tma::mbar_arrive(&slot.full);
     st.dq_phase ^= 1;
+    if constexpr (DEBUG) {
+      if (threadIdx.x % 128 == 0) {
+        note(s.progress.consumer_pairs[wg], s.progress.consumer_pairs[wg] + 1);
+        note(s.progress.consumer_step[wg], kStepIdle);
+      }
+    }
   }
 
   // dK (scaled) and dV rows straight from the accumulators to global memory (keys past Tk skipped).
@@ -385,18 +467,20 @@ struct Kernel {
   // Adds every dQ chunk into the float32 buffer (TMA bulk reduce), in the consumers' order.
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     const Work w = work_of(g, task);
+    note(s.progress.storer_task, task);
     const int head0 = w.kv_head * w.group;
     for (int head = head0; head < head0 + w.group; ++head) {
       float* block = g.dq_acc + row_index(g, w, head, w.m_begin) * D;
       for (int m = 0; m < w.m_count; ++m, block += BM * D) {
         for (int wg = 0; wg < WGS; ++wg) {
-          tma::mbar_wait(&s.dq_slot[wg].full, st.dq_phase);
+          wait(g, s, &s.dq_slot[wg].full, st.dq_phase, "dq_slot.full", wg);
           tma::store_add_async(block + (kDqShared ? wg * kChunk : 0), s.dq[wg], kChunk * sizeof(float));
           tma::commit_group();
         }
         tma::wait_group_read<0>();  // the slots may be rewritten once the reduce has read them
         for (int wg = 0; wg < WGS; ++wg) tma::mbar_arrive(&s.dq_slot[wg].empty);
         st.dq_phase ^= 1;
+        if constexpr (DEBUG) note(s.progress.storer_pairs, s.progress.storer_pairs + 1);
       }
     }
   }

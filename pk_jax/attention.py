@@ -224,7 +224,11 @@ def _delta(out, d_out, d_lse):
 def backward_kernel_enabled() -> bool:
     """Whether a kernel forward's VJP binds the backward kernel. Opt-in (PK_JAX_ATTENTION_BWD=kernel): its
     first GPU run (2026-11-23, H200) hung on the smallest test case (B2 T256 N4 D64, non-causal), so
-    by default the backward stays on the XLA einsums, which are measured correct."""
+    by default the backward stays on the XLA einsums, which are measured correct. The hang's cause, found
+    by reading (its setmaxnreg split asked for more registers than the CTA holds), is fixed but not yet
+    run. PK_JAX_ATTENTION_BWD_DEBUG=1 launches a variant whose barrier waits time out
+    (PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), print the barrier and every role's progress, and
+    trap: a hang becomes an error."""
     return os.environ.get(BWD_VAR, "") == "kernel"
 
 

@@ -49,6 +49,20 @@ constexpr size_t smem_bytes() {
   return s + 1024;  // slack to align the base to 1024 bytes (the 128-byte swizzle's period)
 }
 
+// Registers per thread a CTA of threads<K>() holds from its launch under __launch_bounds__(threads, 1):
+// the 64K-register file split evenly, in the allocation unit of 8 (384 threads: 168). setmaxnreg only
+// moves registers inside this per-CTA pool, and setmaxnreg.inc blocks until the pool has them: a split
+// that asks for more than the pool deadlocks the warpgroup that asks last.
+template <class K>
+constexpr int launch_regs() {
+  const int r = 65536 / threads<K>() / 8 * 8;
+  return r > 255 ? 255 : r;
+}
+template <class K>
+constexpr bool register_split_fits() {
+  return 128 * K::kProducerRegs + 128 * K::kConsumerWarpgroups * K::kConsumerRegs <= threads<K>() * launch_regs<K>();
+}
+
 constexpr int kQueueDepth = 4;
 // Only kernels that claim tasks at run time instantiate (and so allocate) the queue.
 template <class K>
@@ -105,6 +119,10 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
 
 template <class K>
 __global__ void __launch_bounds__(threads<K>(), 1) kernel(const __grid_constant__ typename K::Globals g) {
+  static_assert(register_split_fits<K>(), "setmaxnreg split: 128 * kProducerRegs + 128 * kConsumerWarpgroups * "
+                "kConsumerRegs must not exceed threads * launch_regs (384 threads: 64512), or setmaxnreg.inc hangs");
+  static_assert(K::kProducerRegs % 8 == 0 && K::kConsumerRegs % 8 == 0 && K::kProducerRegs >= 24 &&
+                K::kConsumerRegs <= 256, "setmaxnreg counts: multiples of 8 in [24, 256]");
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int comm = g.num_comm_sms;
