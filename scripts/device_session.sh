@@ -64,7 +64,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     grouped) stage grouped-tests 150 python3 -m pytest tests/gpu/test_grouped_matmul_gpu.py -m gpu -q -x -rs
              stage grouped 240 python3 -m pk_jax.bench moe --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped.json" ;;
     attnbwd) export PK_JAX_ATTENTION_BWD=kernel
-             stage attnbwd-first 90 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"
+             stage attnbwd-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 stdbuf -oL -eL python3 -m pytest -s -x -v -m gpu \
+               tests/gpu/test_attention_bwd_gpu.py -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"  # debug: waits time out and name the barrier
              if grep -q " passed" "$OUT/attnbwd-first.log"; then
                stage attnbwd-tests 180 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs
                stage attnbwd 200 python3 -m pk_jax.bench attention --cases fwd_bwd fwd_bwd_causal fwd_bwd_gqa \
