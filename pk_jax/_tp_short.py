@@ -34,6 +34,8 @@ def payload_fits(op: str, m: int, n: int, k: int, g: int, itemsize: int, auto: b
 def takes_small_path(op: str, schedule: str | None, m: int, n: int, k: int, g: int, itemsize: int) -> bool:
     """schedule "small": yes (ValueError if the small path cannot serve it); None: by `auto`."""
     if schedule == "small":
+        if op == "matmul_reduce_scatter" and m % g:
+            raise ValueError(f"pk_jax.{op}: schedule='small' needs x's rows (m={m}) divisible by the group size {g}")
         if not payload_fits(op, m, n, k, g, itemsize, auto=False):
             raise ValueError(f"pk_jax.{op}: schedule='small' serves collectives of at most "
                              f"{_small_path.SMALL_MAX_BYTES} bytes per member (m={m}, n={n}, k={k}, G={g}); "
