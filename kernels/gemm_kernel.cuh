@@ -175,13 +175,16 @@ struct Kernel {
     }
   }
 
-  // The warpgroup's 64 x BN accumulator for one tile, k-blocks streamed through the ring.
-  __device__ static void mma_tile(const Globals& g, Shared& s, ConsumerState& st, float (&acc)[BN / 2]) {
+  // The warpgroup's 64 x BN accumulator over `n` k-blocks streamed through the ring. prepare(stage, kb)
+  // runs on a landed stage before its MMAs (the grouped GEMM masks its last k-block there).
+  template <class Prepare>
+  __device__ static void mma_blocks(Shared& s, ConsumerState& st, int n, float (&acc)[BN / 2], Prepare&& prepare) {
     const int lane = threadIdx.x % 32;
     int prev = -1;
-    for (int kb = 0, n = k_blocks(g); kb < n; ++kb) {
+    for (int kb = 0; kb < n; ++kb) {
       st.pos.wait_full(s.ring);
-      const Stage& in = s.stage[st.pos.stage];
+      Stage& in = s.stage[st.pos.stage];
+      prepare(in, kb);
       wgmma::fence();
       mma_stage(in, st.warpgroup, acc, kb != 0);
       wgmma::commit();
@@ -193,6 +196,11 @@ struct Kernel {
     wgmma::wait<0>();
     wgmma::fence_operands(acc);
     if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+  }
+
+  // The warpgroup's 64 x BN accumulator for one tile.
+  __device__ static void mma_tile(const Globals& g, Shared& s, ConsumerState& st, float (&acc)[BN / 2]) {
+    mma_blocks(s, st, k_blocks(g), acc, [](Stage&, int) {});
   }
 
   // Accumulators -> this warpgroup's output slot (swizzled boxes the storer's TMA reads).

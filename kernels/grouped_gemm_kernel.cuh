@@ -170,30 +170,16 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad,
 
   // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks).
   __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2]) {
-    const int lane = threadIdx.x % 32;
     if (task.k_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       return;
     }
-    int prev = -1;
-    for (int kb = 0; kb < task.k_blocks; ++kb) {
-      st.pos.wait_full(s.ring);
-      Stage& in = s.stage[st.pos.stage];
+    Base::mma_blocks(s, st, task.k_blocks, acc, [&](Stage& in, int kb) {
       if constexpr (kWeightGradMode) {
         if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
       }
-      wgmma::fence();
-      Base::mma_stage(in, st.warpgroup, acc, kb != 0);
-      wgmma::commit();
-      wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
-      if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
-      prev = st.pos.stage;
-      st.pos.advance();
-    }
-    wgmma::wait<0>();
-    wgmma::fence_operands(acc);
-    if (lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+    });
   }
 
   // A warpgroup whose slice stores nothing only walks the ring (hands each stage back unread).
