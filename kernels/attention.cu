@@ -1,7 +1,6 @@
 // Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128 x in turn / pipelined.
 #include "attention.cuh"
 
-#include <cmath>
 #include <mutex>
 
 #include "pk/device_setup.h"
@@ -9,6 +8,7 @@
 #include <string>
 
 #include "attention_kernel.cuh"
+#include "attention_shape.cuh"
 
 namespace pk::attention {
 namespace {
@@ -78,25 +78,11 @@ cudaError_t configure_once(int ordinal) { return setup_status<configure>(ordinal
 int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 
 void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
-  if (p.type == ElemType::kF32) throw std::invalid_argument("pk_jax attention: q, k, v must be bfloat16 or float16");
-  if (p.head_dim != 64 && p.head_dim != 128)
-    throw std::invalid_argument("pk_jax attention: head_dim must be 64 or 128, got " + std::to_string(p.head_dim));
-  if (p.batch <= 0 || p.tq <= 0 || p.tk <= 0 || p.heads <= 0 || p.kv_heads <= 0)
-    throw std::invalid_argument("pk_jax attention: empty q or k/v (batch, lengths and heads must be > 0)");
-  if (p.heads % p.kv_heads)
-    throw std::invalid_argument("pk_jax attention: kv_heads (" + std::to_string(p.kv_heads) +
-                                ") must divide the query heads (" + std::to_string(p.heads) + ")");
-  if (!(p.scale > 0.f) || !std::isfinite(p.scale))
-    throw std::invalid_argument("pk_jax attention: scale must be a finite positive number");
+  attention_shape::check("pk_jax attention", p.type, p.batch, p.tq, p.tk, p.heads, p.kv_heads, p.head_dim, p.scale);
   if (p.offsets == nullptr) throw std::invalid_argument("pk_jax attention: offsets buffer missing");
-  const bool bf16 = p.type == ElemType::kBF16;
-  if (p.head_dim == 64) {
-    if (bf16) run_variant<__nv_bfloat16, 64>(p, compute_sms, stream);
-    else run_variant<__half, 64>(p, compute_sms, stream);
-  } else {
-    if (bf16) run_variant<__nv_bfloat16, 128>(p, compute_sms, stream);
-    else run_variant<__half, 128>(p, compute_sms, stream);
-  }
+  attention_shape::dispatch(p.type, p.head_dim, [&](auto t, auto d) {
+    run_variant<decltype(t), decltype(d)::value>(p, compute_sms, stream);
+  });
 }
 
 }  // namespace pk::attention

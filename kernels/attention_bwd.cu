@@ -1,13 +1,13 @@
 // Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128.
 #include "attention_bwd.cuh"
 
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <stdexcept>
 #include <string>
 
 #include "attention_bwd_kernel.cuh"
+#include "attention_shape.cuh"
 #include "pk/device_setup.h"
 
 namespace pk::attention_bwd {
@@ -93,32 +93,17 @@ cudaError_t configure_once(int ordinal) { return setup_status<configure>(ordinal
 int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 
 void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
-  if (p.type == ElemType::kF32)
-    throw std::invalid_argument("pk_jax attention backward: q, k, v, dout must be bfloat16 or float16");
-  if (p.head_dim != 64 && p.head_dim != 128)
-    throw std::invalid_argument("pk_jax attention backward: head_dim must be 64 or 128, got " +
-                                std::to_string(p.head_dim));
-  if (p.batch <= 0 || p.tq <= 0 || p.tk <= 0 || p.heads <= 0 || p.kv_heads <= 0)
-    throw std::invalid_argument("pk_jax attention backward: empty q or k/v (batch, lengths and heads must be > 0)");
-  if (p.heads % p.kv_heads)
-    throw std::invalid_argument("pk_jax attention backward: kv_heads (" + std::to_string(p.kv_heads) +
-                                ") must divide the query heads (" + std::to_string(p.heads) + ")");
+  attention_shape::check("pk_jax attention backward", p.type, p.batch, p.tq, p.tk, p.heads, p.kv_heads, p.head_dim,
+                         p.scale);
   if (p.tq_pad % 64 || p.tq_pad < p.tq || p.tq_pad - p.tq >= 64)
     throw std::invalid_argument("pk_jax attention backward: tq_pad (" + std::to_string(p.tq_pad) +
                                 ") must be tq (" + std::to_string(p.tq) + ") rounded up to a multiple of 64");
-  if (!(p.scale > 0.f) || !std::isfinite(p.scale))
-    throw std::invalid_argument("pk_jax attention backward: scale must be a finite positive number");
   if (p.offsets == nullptr || p.lse2 == nullptr || p.delta == nullptr || p.dq_acc == nullptr || p.dk == nullptr ||
       p.dv == nullptr)
     throw std::invalid_argument("pk_jax attention backward: a buffer is missing");
-  const bool bf16 = p.type == ElemType::kBF16;
-  if (p.head_dim == 64) {
-    if (bf16) run<__nv_bfloat16, 64>(p, compute_sms, stream);
-    else run<__half, 64>(p, compute_sms, stream);
-  } else {
-    if (bf16) run<__nv_bfloat16, 128>(p, compute_sms, stream);
-    else run<__half, 128>(p, compute_sms, stream);
-  }
+  attention_shape::dispatch(p.type, p.head_dim, [&](auto t, auto d) {
+    run<decltype(t), decltype(d)::value>(p, compute_sms, stream);
+  });
 }
 
 }  // namespace pk::attention_bwd
