@@ -128,7 +128,7 @@ def test_fd_sharing_can_be_turned_off(tmp_path):
 
 
 def test_fd_message_format():
-    from pk_jax.distributed import fd_payload, parse_fd_payload
+    from pk_jax._fd_exchange import fd_payload, parse_fd_payload
 
     assert fd_payload(7, 0, 12) == b"pk_jax-fd/1 7 0 12"
     assert parse_fd_payload(fd_payload(7, 0, 12)) == (7, 0, 12)

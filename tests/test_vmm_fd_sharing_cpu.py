@@ -131,7 +131,7 @@ class _DictKV:
 
 
 class _SocketsOnly:
-    """The native calls _exchange_fds makes: the real job directory and endpoints."""
+    """The native calls exchange_fds makes: the real job directory and endpoints."""
 
     def fd_create_job_dir(self):
         return ext.fd_create_job_dir()
@@ -144,7 +144,7 @@ def _two_ranks(monkeypatch, tmp_path, sent, announced, label=(10, 11), timeout=5
     """Ranks 0 and 1 (threads) exchange fds of files: rank r owns device 10 + r, sends `sent[r]` chunks
     labelled as device `label[r]`'s and announces `announced[r]` chunks to the other. Returns per rank
     ({key: file content}, error)."""
-    from pk_jax import distributed
+    from pk_jax import _fd_exchange, distributed
 
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
     kv = _DictKV()
@@ -160,21 +160,21 @@ def _two_ranks(monkeypatch, tmp_path, sent, announced, label=(10, 11), timeout=5
             path.write_text(f"rank{r}/chunk{c}")
             fds.append(os.open(path, os.O_RDONLY))
         try:
-            got = distributed._exchange_fds(_SocketsOnly(), plan, r, {label[r]: [fds, []]},
-                                            {11 - r: {"chunks": [announced[1 - r], 0]}}, timeout)
+            got = _fd_exchange.exchange_fds(_SocketsOnly(), plan, r, {label[r]: [fds, []]},
+                                            {11 - r: {"chunks": [announced[1 - r], 0]}}, timeout, "t/")
             results[r] = ({k: os.pread(fd, 64, 0).decode() for k, fd in got.items()}, None)
-            distributed._close_fds(got.values())
+            _fd_exchange.close_fds(got.values())
         except Exception as e:  # noqa: BLE001
             results[r] = (None, e)
         finally:
-            distributed._close_fds(fds)
+            _fd_exchange.close_fds(fds)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    distributed._remove_job_dir()
+    _fd_exchange.remove_job_dir()
     return results
 
 
