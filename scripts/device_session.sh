@@ -20,6 +20,9 @@
 #   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
+#   latency     (2 GPUs+) all_reduce latency sweep, small path on (PK_JAX_SMALL_PATH=1), forced variants   ~2 min
+#   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
+#   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -34,8 +37,13 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 day=$(date +%F)
 
-stage() {  # name, seconds, command...
+stage() {  # name, seconds, command... (the limit shrinks to what is left of DEADLINE seconds, if set)
   local name=$1 limit=$2; shift 2
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 20 ]; then echo "=== $name: skipped, ${left}s left of DEADLINE ==="; return; fi
+    [ "$left" -lt "$limit" ] && limit=$left
+  fi
   echo "=== $name (limit ${limit}s) ==="
   local t0=$SECONDS
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -75,6 +83,11 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     fdshare) stage fdshare 150 bash -c "PK_JAX_EXPECT_SHARING=posix_fd python3 -m pk_jax.launch --share-gpu -n 2 --timeout 60 \
                tests/launch_scripts/gpu_ranks.py && PK_JAX_EXPECT_SHARING=posix_fd python3 -m pk_jax.launch --share-gpu -n 4 \
                --timeout 70 tests/launch_scripts/gpu_ranks.py" ;;
+    latency) stage latency 200 env PK_JAX_SMALL_PATH=1 python3 -m pk_jax.bench collectives --latency --variants \
+               --out "$OUT/$day-collectives-latency.json" ;;
+    collectives) stage collectives 150 python3 -m pk_jax.bench collectives --out "$OUT/$day-collectives.json" ;;
+    smallfused) stage smallfused 200 python3 -m pk_jax.bench multirank --ranks ${RANKS:-2} --steps check_ops check_small \
+                  --out "$OUT/$day-multirank-small-fused.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
