@@ -23,6 +23,9 @@
 #   latency     (2 GPUs+) all_reduce latency sweep, small path on (PK_JAX_SMALL_PATH=1), forced variants   ~2 min
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
+#   floor       scripts/latency_floor.py under three XLA_FLAGS (command buffers default / off / custom calls)  ~3 min
+#   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
+#   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -88,6 +91,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     collectives) stage collectives 150 python3 -m pk_jax.bench collectives --out "$OUT/$day-collectives.json" ;;
     smallfused) stage smallfused 200 python3 -m pk_jax.bench multirank --ranks ${RANKS:-2} --steps check_ops check_small \
                   --out "$OUT/$day-multirank-small-fused.json" ;;
+    floor) mkdir -p "$OUT/hlo"  # where the small all_reduce's per-op time goes: chains 16/64/256, command buffers on/off
+           stage floor-default 90 python3 scripts/latency_floor.py --tag default --hlo-dir "$OUT/hlo" --out "$OUT/$day-floor-default.json"
+           stage floor-nocmd 90 env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/latency_floor.py --tag no_cmdbuf \
+             --out "$OUT/$day-floor-nocmd.json"
+           stage floor-cmd 90 env XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1" \
+             python3 scripts/latency_floor.py --tag cmd_custom --hlo-dir "$OUT/hlo" --out "$OUT/$day-floor-cmd.json" ;;
+    context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
+    moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -1,0 +1,93 @@
+"""Where a small all_reduce's per-op time goes (issue 25), on every visible GPU as one group.
+
+For each op it times jitted chains of 16, 64 and 256 dependent calls (one sync per call) and reports
+the per-op time of each chain and the slope (T256 - T64) / 192: the device time per op with the one
+call's dispatch taken out. Ops: pk_jax small one-shot all_reduce, jax.lax.psum, and an XLA-only chain
+(one elementwise kernel per step, no communication: the floor of any op launched from this program).
+It also says whether XLA put the custom calls into a command buffer (CUDA graph).
+Run it under different XLA_FLAGS (one process each) to see what command buffers change:
+  python scripts/latency_floor.py --tag default
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= python scripts/latency_floor.py --tag no_cmdbuf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax.bench import timing
+
+AX = "x"
+CHAINS = (16, 64, 256)
+
+
+def program(mesh: Mesh, op, chain: int):
+    def body(v):
+        for _ in range(chain):
+            v = op(v)
+        return v
+
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))
+
+
+def xla_step(v):
+    # One kernel per step: the barrier keeps XLA from fusing the steps into one.
+    return jax.lax.optimization_barrier(v * 0.5 + 1.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tag", default="default")
+    ap.add_argument("--bytes", type=int, nargs="+", default=[4096, 262144, 1 << 20])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--hlo-dir", default=None, help="write each chain-64 program's optimized HLO here")
+    args = ap.parse_args()
+    devices = jax.devices()
+    g = len(devices)
+    mesh = Mesh(np.array(devices), (AX,))
+    ops = {"pk_small_one_shot": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_one_shot"),
+           "pk_auto": lambda v: pk_jax.all_reduce(v, AX),
+           "psum": lambda v: jax.lax.psum(v, AX),
+           "xla_elementwise": xla_step}
+    print(f"latency_floor [{args.tag}] G={g} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
+    rows = []
+    for nbytes in args.bytes:
+        local = nbytes // 2
+        x = jax.jit(lambda k: jax.random.normal(k, (g * local,), jnp.float32).astype(jnp.bfloat16) * 1e-3,
+                    out_shardings=NamedSharding(mesh, P(AX)))(jax.random.key(nbytes))
+        for name, op in ops.items():
+            progs = [program(mesh, op, c) for c in CHAINS]
+            hlo = progs[1].lower(x).compile().as_text()
+            cmd = len(re.findall(r"command_buffer", hlo))
+            if args.hlo_dir and nbytes == args.bytes[0]:
+                with open(os.path.join(args.hlo_dir, f"{args.tag}-{name}.hlo.txt"), "w") as f:
+                    f.write(hlo)
+            calls = len(re.findall(r"custom-call\(|custom_call_target=", hlo))
+            ms = timing.time_interleaved([lambda xs, p=p: p(xs[0]) for p in progs], [x], warmup=3, reps=args.reps,
+                                         ops_per_call=1)
+            per_op = {c: m * 1e3 / c for c, m in zip(CHAINS, ms)}
+            slope = (ms[2] - ms[1]) * 1e3 / (CHAINS[2] - CHAINS[1])
+            row = {"tag": args.tag, "op": name, "bytes": nbytes, "group": g,
+                   "us_per_op": {str(c): round(u, 2) for c, u in per_op.items()}, "slope_us": round(slope, 2),
+                   "hlo_command_buffer_mentions": cmd, "hlo_custom_call_mentions": calls}
+            rows.append(row)
+            print(f"  {name:<18} {nbytes:>8} B  per op (chain 16/64/256): "
+                  + " / ".join(f"{per_op[c]:6.2f}" for c in CHAINS)
+                  + f" us  slope {slope:6.2f} us  [command_buffer x{cmd}, custom-call x{calls}]", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": jax.devices()[0].device_kind, "group": g, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
