@@ -97,6 +97,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              --out "$OUT/$day-floor-nocmd.json"
            stage floor-cmd 90 env XLA_FLAGS="--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL,COLLECTIVES --xla_gpu_graph_min_graph_size=1" \
              python3 scripts/latency_floor.py --tag cmd_custom --hlo-dir "$OUT/hlo" --out "$OUT/$day-floor-cmd.json" ;;
+    profile) stage floor-profile 120 python3 scripts/latency_floor.py --tag profile --bytes 4096 1048576 --profile \
+               --out "$OUT/$day-floor-profile.json" ;;
     context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
     moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;

@@ -13,7 +13,10 @@ Run it under different XLA_FLAGS (one process each) to see what command buffers 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import statistics
+import tempfile
 import os
 import re
 
@@ -44,6 +47,41 @@ def xla_step(v):
     return jax.lax.optimization_barrier(v * 0.5 + 1.0)
 
 
+def profile_summary(run, label: str, calls: int = 3) -> list[str]:
+    """Traces `calls` calls of run() (jax.profiler, CUPTI on GPUs) and returns one line per frequent event
+    name per plane line: count, median duration and median start-to-start interval, in microseconds. The GPU
+    lines show the kernels (duration = kernel time, interval - duration = the gap between kernels); the
+    host lines show each thunk's host time."""
+    from jax.profiler import ProfileData
+
+    run()
+    d = tempfile.mkdtemp(prefix="pk_floor_")
+    jax.profiler.start_trace(d)
+    for _ in range(calls):
+        run()
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not files:
+        return [f"  profile {label}: no trace written"]
+    out = []
+    for plane in ProfileData.from_file(files[0]).planes:
+        for line in plane.lines:
+            by_name: dict[str, list[tuple[float, float]]] = {}
+            for e in line.events:
+                # Thunks are named per instruction (pk_collective.192): group them by their stem.
+                by_name.setdefault(re.sub(r"\.\d+$", "", e.name), []).append((e.start_ns, e.duration_ns))
+            for name, evs in sorted(by_name.items(), key=lambda kv: -len(kv[1]))[:3]:
+                if len(evs) < 16:
+                    continue
+                evs.sort()
+                dur = statistics.median(d for _, d in evs) / 1e3
+                gaps = [b[0] - a[0] for a, b in zip(evs, evs[1:])]
+                step = statistics.median(gaps) / 1e3 if gaps else float("nan")
+                out.append(f"  profile {label}: {plane.name[:24]:<24} {line.name[:28]:<28} {name[:48]:<48} "
+                           f"n={len(evs):<5} dur {dur:7.2f} us  start-to-start {step:7.2f} us")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--tag", default="default")
@@ -51,6 +89,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo-dir", default=None, help="write each chain-64 program's optimized HLO here")
+    ap.add_argument("--profile", action="store_true", help="trace each op's chain-64 program at the first size")
     args = ap.parse_args()
     devices = jax.devices()
     g = len(devices)
@@ -80,6 +119,9 @@ def main() -> None:
             row = {"tag": args.tag, "op": name, "bytes": nbytes, "group": g,
                    "us_per_op": {str(c): round(u, 2) for c, u in per_op.items()}, "slope_us": round(slope, 2),
                    "hlo_command_buffer_mentions": cmd, "hlo_custom_call_mentions": calls}
+            if args.profile and nbytes == args.bytes[0]:
+                for line in profile_summary(lambda p=progs[1]: jax.block_until_ready(p(x)), name):
+                    print(line, flush=True)
             rows.append(row)
             print(f"  {name:<18} {nbytes:>8} B  per op (chain 16/64/256): "
                   + " / ".join(f"{per_op[c]:6.2f}" for c in CHAINS)
