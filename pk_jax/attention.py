@@ -18,7 +18,7 @@ Implementations:
               path with float32 accumulation (pk_jax/context/block_attention.py).
 Backward (`jax.grad`): a custom VJP from the saved LSE; a cotangent of the LSE output is honoured
 (delta = rowsum(dO * O) - dLSE, computed by XLA). Where the forward ran our kernel and
-PK_JAX_ATTENTION_BWD=kernel (opt-in: its first GPU run hung), the backward is our kernel too
+the backward is our kernel too (PK_JAX_ATTENTION_BWD=xla turns it off)
 (kernels/attention_bwd_kernel.cuh, primitive pk_attention_bwd: dK and dV in registers per key block, dQ added into a float32 buffer by TMA bulk reduce-adds, so dQ's bits may differ between
 runs; dK and dV are deterministic); elsewhere (the fallback, CPU) XLA einsums recompute the
 probabilities (block_attention_bwd), float32 accumulation, gradients in the input dtypes.
@@ -44,7 +44,7 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 KERNEL_HEAD_DIMS = (64, 128)
 IMPLEMENTATIONS = ("pk", "fallback")
 ENV_VAR = "PK_JAX_ATTENTION"
-BWD_VAR = "PK_JAX_ATTENTION_BWD"  # "kernel": the backward kernel (opt-in until it runs; see backward_kernel_enabled)
+BWD_VAR = "PK_JAX_ATTENTION_BWD"  # "xla": the XLA einsum backward instead of our kernel (see backward_kernel_enabled)
 SCHEDULE_VAR = "PK_JAX_ATTENTION_SCHEDULE"  # the kernel's consumer schedule: "in_turn" (default) or "pipelined"
 SCHEDULES = ("in_turn", "pipelined")
 
@@ -222,14 +222,13 @@ def _delta(out, d_out, d_lse):
 
 
 def backward_kernel_enabled() -> bool:
-    """Whether a kernel forward's VJP binds the backward kernel. Opt-in (PK_JAX_ATTENTION_BWD=kernel): its
-    first GPU run (2026-11-23, H200) hung on the smallest test case (B2 T256 N4 D64, non-causal), so
-    by default the backward stays on the XLA einsums, which are measured correct. The hang's cause, found
-    by reading (its setmaxnreg split asked for more registers than the CTA holds), is fixed but not yet
-    run. PK_JAX_ATTENTION_BWD_DEBUG=1 launches a variant whose barrier waits time out
-    (PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), print the barrier and every role's progress, and
-    trap: a hang becomes an error."""
-    return os.environ.get(BWD_VAR, "") == "kernel"
+    """Whether a kernel forward's VJP (and ring attention's block pairs) bind the backward kernel: yes
+    unless PK_JAX_ATTENTION_BWD=xla. It passed its 29 GPU tests on H200 (2026-11-23, session 9: odd
+    lengths, GQA, offsets, causal, dK/dV bits repeat) after the session-8 hang (a setmaxnreg split larger
+    than the CTA's register pool) was fixed. PK_JAX_ATTENTION_BWD_DEBUG=1 launches a variant whose barrier
+    waits time out (PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), print the barrier and every role's
+    progress, and trap: a hang becomes an error."""
+    return os.environ.get(BWD_VAR, "kernel") != "xla"
 
 
 def _kernel_bwd(scale, causal, res, cts):
@@ -315,7 +314,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
       q_offset, kv_offset: global positions of query row 0 and key 0 (Python ints or 0-d int32
         arrays, e.g. traced in a ring step); only the causal mask reads them.
       implementation: "pk" (our kernel), "fallback", or None: $PK_JAX_ATTENTION if set, else
-        "fallback" (the kernel is opt-in until it has been measured on GPUs; see the module doc).
+        "fallback" (the kernel trails cuDNN, 0.73-0.95x on H200; see the module doc).
 
     Returns:
       out (B, Tq, N, D) in q's dtype, or (out, lse) with return_lse.

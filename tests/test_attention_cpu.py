@@ -212,12 +212,13 @@ def test_backward_kernel_inputs():
 
 
 def test_kernel_path_backward_binds_its_primitive(monkeypatch):
-    """With PK_JAX_ATTENTION_BWD=kernel the kernel forward's VJP binds pk_attention_bwd (its lowering off
-    CUDA: XLA einsums), under vmap too; without it (the default while the kernel is unproven) it does not."""
+    """By default the kernel forward's VJP binds pk_attention_bwd (its lowering off CUDA: XLA einsums),
+    under vmap too; with PK_JAX_ATTENTION_BWD=xla it does not."""
     q, k, v = inputs(CASES[1], jnp.bfloat16)
     f = lambda q, k, v: jnp.sum(pk_jax.attention(q, k, v, causal=True, implementation="pk").astype(jnp.float32))
+    monkeypatch.setenv(BWD_VAR, "xla")
     assert "pk_attention_bwd" not in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
-    monkeypatch.setenv(BWD_VAR, "kernel")
+    monkeypatch.delenv(BWD_VAR)
     assert "pk_attention_bwd" in str(jax.make_jaxpr(jax.grad(f, argnums=(0, 1, 2)))(q, k, v))
     qs, ks, vs = (jnp.stack([x, x * 0.5]) for x in (q, k, v))
     got = jax.jit(jax.vmap(jax.grad(f, argnums=(0, 1, 2))))(qs, ks, vs)

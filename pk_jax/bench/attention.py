@@ -3,8 +3,8 @@
 
 Rows: suite "attention", shape [B, S, N, D] (S = Tq = Tk), case fwd / fwd_causal / fwd_gqa (K = N / 8) /
 fwd_causal_gqa, and fwd_bwd* the same four with the gradients (jax.vjp: the forward, then dq, dk, dv
-from a random cotangent; ours runs our forward kernel and the backward pk_jax.attention picks: XLA einsums
-unless PK_JAX_ATTENTION_BWD=kernel); TFLOP/s count 4 B S² N D for the forward (causal: half) and 2.5 times
+from a random cotangent; ours runs our forward kernel and the backward pk_jax.attention picks: our backward
+kernel unless PK_JAX_ATTENTION_BWD=xla); TFLOP/s count 4 B S² N D for the forward (causal: half) and 2.5 times
 that for the backward (as FlashAttention counts: fwd+bwd = 3.5x). `cases`, `seqs`, `head_dims` (--cases,
 --seqs, --head-dims on the command line) pick a subset. Default: B*S = 64k tokens, S = 1024..65536, N = 16
 (D 128) / 32 (D 64), every case. --variants: the full sweep, B*S = 64k..512k tokens and N = 16..128, and on

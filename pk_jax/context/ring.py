@@ -138,6 +138,22 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset):
     return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
 
 
+def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset):
+    """One block pair's (dq, dk, dv) float32 from the final lse and delta (B, Tq, N): our backward kernel
+    where the forward kernel takes the call and the backward kernel is on (pk_jax.attention.
+    backward_kernel_enabled; its primitive lowers to the XLA block path off CUDA), else the XLA block path
+    (which holds a (Tq_chunk, Tk) float32 score block per head in memory)."""
+    from pk_jax.attention import _kernel_refusal, backward_kernel_enabled, pk_attention_bwd_p
+
+    if _kernel_refusal(q, k, scale) is not None or not backward_kernel_enabled():
+        return block_attention_bwd(q, k, v, do, lse, delta, scale=scale, causal=causal, q_offset=q_offset,
+                                   kv_offset=kv_offset)
+    offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
+                                         scale=scale, causal=causal)
+    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+
+
 def _forward(q, k, v, axes, causal, layout, scale):
     g = group_size(axes)
     rank = lax.axis_index(axes)
@@ -182,9 +198,8 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             dq, (dk, dv) = state
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
-            dq_b, dk_b, dv_b = block_attention_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
-                                                   sl_q(delta), scale=scale, causal=causal,
-                                                   q_offset=p.q_offset, kv_offset=p.kv_offset)
+            dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
+                                               sl_q(delta), scale, causal, p.q_offset, p.kv_offset)
             return (_update(dq, sl_q(dq) + dq_b, p.q_start),
                     (_update(dk, sl_kv(dk) + dk_b, p.kv_start), _update(dv, sl_kv(dv) + dv_b, p.kv_start)))
         return _when(p.active, run, state)

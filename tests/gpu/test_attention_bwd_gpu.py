@@ -22,9 +22,7 @@ from .attention_reference import attention_f32
 from .poison import poison_allocator
 
 MIN_GPUS = 1
-# Opt-in until the kernel runs: its first GPU run (2026-11-23, H200) hung on the first case below.
-pytestmark = pytest.mark.skipif(not backward_kernel_enabled(), reason=f"the attention backward kernel is opt-in "
-                                f"({BWD_VAR}=kernel): its first GPU run hung (docs/NOTES.md, session 8)")
+pytestmark = pytest.mark.skipif(not backward_kernel_enabled(), reason=f"{BWD_VAR}=xla: the backward kernel is off")
 _seed = itertools.count(4242)
 
 # (B, Tq, N, Tk, K, D, causal, q_offset, kv_offset)
