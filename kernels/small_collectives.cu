@@ -10,6 +10,9 @@
 // Reductions sum in float32 in rank order, as the pull-reduce kernel does: identical bits on every
 // member and the same bits as the bulk path. Design and accounting: docs/design-small-collectives.md.
 #include "small_collectives.cuh"
+
+#include <cstdlib>
+
 #include "pk/ll.cuh"
 #include "pk/vec.cuh"
 
@@ -19,6 +22,30 @@ namespace {
 constexpr int kSmallThreads = 256;  // launch_bounds(256, 1): up to 255 registers, the reductions use 138-148
 constexpr int kWordsPerThread = 8;   // LL lines each thread has in flight per phase
 constexpr int kSmallMaxCtas = 128;   // 2048 lines per CTA: 1 CTA per 8 KiB, 128 at 1 MiB
+
+// Grid geometry: lines per CTA (fewer: the sends spread over more SMs) and the grid's cap (at most the
+// SMs, so every CTA is resident and no receiver waits on a sender that cannot start). Defaults above;
+// PK_JAX_SMALL_LINES_PER_CTA / PK_JAX_SMALL_MAX_CTAS override them for the latency sweep
+// (scripts/latency_floor.py). Read once per process: no per-call host state.
+struct SmallGeometry {
+  int64_t lines_per_cta;
+  int64_t max_ctas;
+};
+
+int64_t env_or(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  const long long x = std::atoll(v);
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+const SmallGeometry& small_geometry() {
+  static const SmallGeometry geo{
+      env_or("PK_JAX_SMALL_LINES_PER_CTA", int64_t(kSmallThreads) * kWordsPerThread, 32,
+             int64_t(kSmallThreads) * kWordsPerThread * 64),
+      env_or("PK_JAX_SMALL_MAX_CTAS", kSmallMaxCtas, 1, 1024)};
+  return geo;
+}
 
 // 4 bytes at byte offset `off` (even) of a buffer whose valid bytes end at `end`. 16-bit data may sit
 // at 2 (mod 4) (odd chunk sizes) and may end in half a word: those go by 16-bit halves.
@@ -326,8 +353,9 @@ cudaError_t launch_small(const Group& g, SmallOp op, DType dtype, const void* x,
   const void* k = small_kernel(op, dtype);
   if (!k) return cudaErrorInvalidValue;
   const int64_t work = op == SmallOp::kAllGather ? words * g.size : words;
-  const int64_t per_cta = int64_t(kSmallThreads) * kWordsPerThread;
-  const int64_t cap = lim.num_sms < kSmallMaxCtas ? lim.num_sms : kSmallMaxCtas;  // all CTAs co-resident
+  const SmallGeometry& geo = small_geometry();
+  const int64_t per_cta = geo.lines_per_cta;
+  const int64_t cap = lim.num_sms < geo.max_ctas ? lim.num_sms : geo.max_ctas;  // all CTAs co-resident
   int64_t grid = (work + per_cta - 1) / per_cta;
   grid = grid < 1 ? 1 : (grid > cap ? cap : grid);
   const char* s = static_cast<const char*>(x);

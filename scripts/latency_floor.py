@@ -89,6 +89,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--out", default=None)
     ap.add_argument("--hlo-dir", default=None, help="write each chain-64 program's optimized HLO here")
+    ap.add_argument("--ops", nargs="+", default=None, help="only these ops (default: all)")
     ap.add_argument("--profile", action="store_true", help="trace each op's chain-64 program at the first size")
     args = ap.parse_args()
     devices = jax.devices()
@@ -98,6 +99,8 @@ def main() -> None:
            "pk_auto": lambda v: pk_jax.all_reduce(v, AX),
            "psum": lambda v: jax.lax.psum(v, AX),
            "xla_elementwise": xla_step}
+    if args.ops:
+        ops = {k: v for k, v in ops.items() if k in args.ops}
     print(f"latency_floor [{args.tag}] G={g} XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}", flush=True)
     rows = []
     for nbytes in args.bytes:
@@ -122,6 +125,7 @@ def main() -> None:
             if args.profile and nbytes == args.bytes[0]:
                 for line in profile_summary(lambda p=progs[1]: jax.block_until_ready(p(x)), name):
                     print(line, flush=True)
+            row["env"] = {k: v for k, v in os.environ.items() if k.startswith("PK_JAX_SMALL")}
             rows.append(row)
             print(f"  {name:<18} {nbytes:>8} B  per op (chain 16/64/256): "
                   + " / ".join(f"{per_op[c]:6.2f}" for c in CHAINS)
