@@ -106,6 +106,14 @@ struct Kernel {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(sizeof(T) == 2, "16-bit inputs");
 
+  // DEBUG: a consumer's timed-out wait, for the loader's / storer's report (consumers do not print: a call
+  // in their code makes ptxas spill the live accumulators and serialize the wgmmas).
+  struct DebugRecord {
+    const char* what;
+    int index;
+    uint32_t parity;
+  };
+
   // Every tile is D/64 boxes of `rows` x 64, one after another (box j holds columns 64j .. 64j+63).
   struct Stage {
     alignas(1024) T k[BKV * D];
@@ -121,6 +129,7 @@ struct Kernel {
     uint64_t v_empty[kSplitRelease ? STAGES : 1];  // kSplitRelease: both consumers are done with V
     Handoff q_slot;                  // full: Q landed; empty: both consumers' last S is done
     Handoff o_slot[WGS];
+    DebugRecord stuck[DEBUG ? WGS : 1];  // DEBUG: the wait a consumer timed out on (what == nullptr: none)
   };
   struct LoaderState {
     RingPos<STAGES> pos;
@@ -178,6 +187,8 @@ struct Kernel {
     for (int i = 0; i < STAGES; ++i) tma::mbar_init(&s.v_full[i], 1);
     if constexpr (kSplitRelease)
       for (int i = 0; i < STAGES; ++i) tma::mbar_init(&s.v_empty[i], 4 * WGS);
+    if constexpr (DEBUG)
+      for (int w = 0; w < WGS; ++w) s.stuck[w] = DebugRecord{nullptr, -1, 0};
     s.q_slot.init(1, 4 * WGS);
     for (int w = 0; w < WGS; ++w) s.o_slot[w].init(128, 1);
     tma::prefetch_tensor_map(&g.q);
@@ -186,31 +197,55 @@ struct Kernel {
     tma::prefetch_tensor_map(&g.o);
   }
 
-  // Every mbarrier wait of the variants' code: tma::mbar_wait, or (DEBUG) bounded, reporting and trapping.
-  // `what` names the barrier, `index` its stage (-1: none).
-  __device__ __forceinline__ static void wait_bar(const Globals& g, uint64_t* bar, uint32_t parity, const char* what,
-                                                  int index) {
+  // Every mbarrier wait of the variants' loader and storer: tma::mbar_wait, or (DEBUG) bounded: on a timeout
+  // it prints the barrier and what the consumers are stuck on, then traps. `what` names the barrier,
+  // `index` its stage (-1: none).
+  __device__ __forceinline__ static void wait_bar(const Globals& g, Shared& s, uint64_t* bar, uint32_t parity,
+                                                  const char* what, int index) {
     if constexpr (!DEBUG) {
       tma::mbar_wait(bar, parity);
     } else {
       if (debug::wait_bounded(bar, parity, g.debug_timeout_ns)) return;
-      report_timeout(g, bar, parity, what, index);
-      debug::spin_ns(1000000000ull);  // 1 s for the other stuck roles to time out and report too
+      debug::spin_ns(g.debug_timeout_ns / 2);  // let stuck consumers record their waits first
+      report_timeout(g, s, bar, parity, what, index);
+      debug::spin_ns(1000000000ull);  // 1 s for the other stuck role to time out and report too
       __trap();
     }
   }
 
-  __device__ __noinline__ static void report_timeout(const Globals& g, const uint64_t* bar, uint32_t parity,
-                                                     const char* what, int index) {
-    const int t = threadIdx.x, wg = t / 128;
-    if (wg > 0 && t % 128 != 0) return;  // one line per consumer warpgroup
-    const char* role = wg > 0 ? (wg == 1 ? "consumer wg0" : "consumer wg1") : (t / 32 == 0 ? "loader" : "storer");
-    printf("pk_jax attention fwd<variant %d, D=%d, STAGES=%d> TIMEOUT after %llu ms: block %d thread %d (%s) "
-           "waits on %s[%d] parity %u, word 0x%016llx; tasks %d, grid %d, batch %d tq %d tk %d heads %d kv_heads "
-           "%d causal %d section %d\n",
-           VARIANT, D, STAGES, g.debug_timeout_ns / 1000000ull, int(blockIdx.x), t, role, what, index, parity,
-           debug::raw_word(bar), num_tasks(g), int(gridDim.x), g.batch, g.tq, g.tk, g.heads, g.kv_heads, g.causal,
-           g.heads_per_section);
+  // The consumers' waits: as wait_bar, but a timeout only records the wait (Shared::stuck) for the loader's
+  // or storer's report (which follows: a stuck consumer stops releasing stages and output slots), then
+  // traps after five more timeouts.
+  __device__ __forceinline__ static void wait_cons(const Globals& g, Shared& s, uint64_t* bar, uint32_t parity,
+                                                   const char* what, int index) {
+    if constexpr (!DEBUG) {
+      tma::mbar_wait(bar, parity);
+    } else {
+      if (debug::wait_bounded(bar, parity, g.debug_timeout_ns)) return;
+      if (threadIdx.x % 128 == 0) {
+        DebugRecord& r = s.stuck[threadIdx.x / 128 - 1];
+        *reinterpret_cast<volatile int*>(&r.index) = index;
+        *reinterpret_cast<volatile uint32_t*>(&r.parity) = parity;
+        *reinterpret_cast<const char* volatile*>(&r.what) = what;
+      }
+      debug::spin_ns(5 * g.debug_timeout_ns);
+      __trap();
+    }
+  }
+
+  __device__ __forceinline__ static void report_timeout(const Globals& g, Shared& s, const uint64_t* bar,
+                                                     uint32_t parity, const char* what, int index) {
+    const char* role = threadIdx.x / 32 == 0 ? "loader" : "storer";
+    const char* c0 = *reinterpret_cast<const char* volatile*>(&s.stuck[0].what);
+    const char* c1 = *reinterpret_cast<const char* volatile*>(&s.stuck[WGS - 1].what);
+    printf("pk_jax attention fwd<variant %d, D=%d, STAGES=%d> TIMEOUT after %llu ms: block %d (%s) waits on "
+           "%s[%d] parity %u, word 0x%016llx | consumer wg0 waits on %s[%d] parity %u, wg1 on %s[%d] parity %u "
+           "(none: not stuck on an mbarrier, e.g. a named-barrier turn) | tasks %d, grid %d, batch %d tq %d tk %d "
+           "heads %d kv_heads %d causal %d section %d\n",
+           VARIANT, D, STAGES, g.debug_timeout_ns / 1000000ull, int(blockIdx.x), role, what, index, parity,
+           debug::raw_word(bar), c0 ? c0 : "none", s.stuck[0].index, s.stuck[0].parity, c1 ? c1 : "none",
+           s.stuck[WGS - 1].index, s.stuck[WGS - 1].parity, num_tasks(g), int(gridDim.x), g.batch, g.tq, g.tk,
+           g.heads, g.kv_heads, g.causal, g.heads_per_section);
   }
 
   __device__ static void load_boxes(T* dst, const CUtensorMap* map, int rows, int head, int row0, int batch,
@@ -244,17 +279,17 @@ struct Kernel {
   // block can land while the consumers still read the V of an earlier one.
   __device__ static void loader_split(const Globals& g, Shared& s, LoaderState& st, int task) {
     const Work w = work_of(g, task);
-    wait_bar(g, &s.q_slot.empty, st.q_phase ^ 1, "q_slot.empty", -1);
+    wait_bar(g, s, &s.q_slot.empty, st.q_phase ^ 1, "q_slot.empty", -1);
     tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
     load_boxes(s.q, &g.q, BM, w.head, w.q0, w.batch, &s.q_slot.full);
     st.q_phase ^= 1;
     for (int kb = 0; kb < w.kv_blocks; ++kb) {
       const int i = st.pos.stage;
       Stage& dst = s.stage[i];
-      wait_bar(g, &s.ring.empty[i], st.pos.phase ^ 1, "k_empty", i);
+      wait_bar(g, s, &s.ring.empty[i], st.pos.phase ^ 1, "k_empty", i);
       tma::mbar_expect_tx(&s.ring.full[i], kKvBytes);
       load_boxes(dst.k, &g.k, BKV, w.kv_head, kb * BKV, w.batch, &s.ring.full[i]);
-      wait_bar(g, &s.v_empty[i], st.pos.phase ^ 1, "v_empty", i);
+      wait_bar(g, s, &s.v_empty[i], st.pos.phase ^ 1, "v_empty", i);
       tma::mbar_expect_tx(&s.v_full[i], kKvBytes);
       load_boxes(dst.v, &g.v, BKV, w.kv_head, kb * BKV, w.batch, &s.v_full[i]);
       st.pos.advance();
@@ -364,7 +399,7 @@ struct Kernel {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
-    wait_bar(g, &s.q_slot.full, st.q_phase, "q_slot.full", -1);
+    wait_cons(g, s, &s.q_slot.full, st.q_phase, "q_slot.full", -1);
     st.q_phase ^= 1;
     const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
     if constexpr (kPingpong) {
@@ -483,7 +518,7 @@ struct Kernel {
     float sc[BKV / 2], corr[2];
     uint32_t pa[BKV / 16][4];
     RingPos<STAGES> prev = st.pos;  // the block whose P is in `pa`
-    wait_bar(g, &s.ring.full[prev.stage], prev.phase, "k_full", prev.stage);
+    wait_cons(g, s, &s.ring.full[prev.stage], prev.phase, "k_full", prev.stage);
     turn_wait(st.warpgroup);
     wgmma::fence();
     issue_qk(q_wg, s.stage[prev.stage], sc);
@@ -498,8 +533,8 @@ struct Kernel {
     for (int kb = 1; kb < w.kv_blocks; ++kb) {
       RingPos<STAGES> cur = prev;
       cur.advance();
-      wait_bar(g, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
-      wait_bar(g, &s.v_full[prev.stage], prev.phase, "v_full", prev.stage);
+      wait_cons(g, s, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
+      wait_cons(g, s, &s.v_full[prev.stage], prev.phase, "v_full", prev.stage);
       turn_wait(st.warpgroup);
       wgmma::fence();
       issue_pv(s.stage[prev.stage], pa, o);
@@ -519,7 +554,7 @@ struct Kernel {
       to_a_fragments(sc, pa);
       prev = cur;
     }
-    wait_bar(g, &s.v_full[prev.stage], prev.phase, "v_full", prev.stage);
+    wait_cons(g, s, &s.v_full[prev.stage], prev.phase, "v_full", prev.stage);
     wgmma::fence();
     issue_pv(s.stage[prev.stage], pa, o);
     wgmma::wait<0>();
@@ -538,7 +573,7 @@ struct Kernel {
     float sc[BKV / 2], corr[2];
     uint32_t pa[BKV / 16][4];
     RingPos<STAGES> cur = st.pos;  // the block whose P is in `pa`
-    wait_bar(g, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
+    wait_cons(g, s, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
     turn_wait(st.warpgroup);
     wgmma::fence();
     issue_qk(q_wg, s.stage[cur.stage], sc);
@@ -552,8 +587,8 @@ struct Kernel {
     for (int kb = 1; kb < w.kv_blocks; ++kb) {
       RingPos<STAGES> next = cur;
       next.advance();
-      wait_bar(g, &s.ring.full[next.stage], next.phase, "k_full", next.stage);
-      wait_bar(g, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+      wait_cons(g, s, &s.ring.full[next.stage], next.phase, "k_full", next.stage);
+      wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
       turn_wait(st.warpgroup);
       wgmma::fence();
       issue_qk(q_wg, s.stage[next.stage], sc);
@@ -572,7 +607,7 @@ struct Kernel {
       to_a_fragments(sc, pa);
       cur = next;
     }
-    wait_bar(g, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+    wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
     wgmma::fence();
     issue_pv(s.stage[cur.stage], pa, o);
     wgmma::wait<0>();
@@ -599,7 +634,7 @@ struct Kernel {
       }
     }
     Handoff& slot = s.o_slot[st.warpgroup];
-    wait_bar(g, &slot.empty, st.o_phase ^ 1, "o_slot.empty", st.warpgroup);
+    wait_cons(g, s, &slot.empty, st.o_phase ^ 1, "o_slot.empty", st.warpgroup);
     store_acc<T, D>(s.o[st.warpgroup], o);
     tma::fence_proxy_async_shared();  // the storer's TMA (async proxy) reads what we just wrote
     tma::mbar_arrive(&slot.full);
@@ -609,7 +644,7 @@ struct Kernel {
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     const Work w = work_of(g, task);
     for (int wg = 0; wg < WGS; ++wg) {
-      wait_bar(g, &s.o_slot[wg].full, st.o_phase, "o_slot.full", wg);
+      wait_bar(g, s, &s.o_slot[wg].full, st.o_phase, "o_slot.full", wg);
 #pragma unroll
       for (int j = 0; j < D / kBoxCols; ++j)
         tma::store_tile_4d(&g.o, j * kBoxCols, w.head, w.q0 + wg * 64, w.batch, s.o[wg] + j * 64 * kBoxCols);
