@@ -2,7 +2,8 @@
 // Operands q (B, Tq, N, D), k and v (B, Tk, Nkv, D), offsets int32[2] (q_offset, kv_offset);
 // results o (B, Tq, N, D) in the input dtype and lse (B, N, Tq) float32 (written only when
 // `with_lse` is 1; otherwise XLA still allocates it, as a (1,1,1) placeholder); `pipelined` picks the
-// consumer schedule (kernels/attention_kernel.cuh). Stateless per call
+// consumer schedule of variant 0 and `variant` the forward variant (0 default, 1 l2order, 2 pingpong,
+// 3 fa3: kernels/attention_kernel.cuh; pk_jax/attention.py sets both when it lowers). Stateless per call
 // (tensor maps rebuilt each time), so it can be captured into command buffers.
 #include <cuda_runtime.h>
 
@@ -24,7 +25,7 @@ std::string dims_str(ffi::Span<const int64_t> d) {
 
 ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                     float scale, int32_t causal, int32_t with_lse, int32_t pipelined) {
+                     float scale, int32_t causal, int32_t with_lse, int32_t pipelined, int32_t variant) {
   const auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions(), dout = o->dimensions();
   if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4 || dout.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention: q, k, v and o must be 4-D (batch, seq, heads, head_dim)");
@@ -38,6 +39,8 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention: causal must be 0 or 1");
   if (with_lse != 0 && with_lse != 1) return ffi::Error::InvalidArgument("pk_jax attention: with_lse must be 0 or 1");
   if (pipelined != 0 && pipelined != 1) return ffi::Error::InvalidArgument("pk_jax attention: pipelined must be 0 or 1");
+  if (variant < 0 || variant > 3)
+    return ffi::Error::InvalidArgument("pk_jax attention: variant must be 0..3 (default, l2order, pingpong, fa3)");
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention: offsets must be int32[2] (q_offset, kv_offset)");
   if (lse->element_type() != ffi::DataType::F32)
@@ -59,6 +62,7 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
   p.scale = scale;
   p.causal = causal == 1;
   p.pipelined = pipelined == 1;
+  p.variant = variant;
   if (cudaError_t e = pk::attention::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention: configuring kernels: ") + cudaGetErrorString(e));
   const int sms = pk::attention::num_sms(ordinal);
@@ -80,5 +84,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, attention,
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("with_lse")
-                                  .Attr<int32_t>("pipelined"),
+                                  .Attr<int32_t>("pipelined")
+                                  .Attr<int32_t>("variant"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -1,11 +1,16 @@
-// Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128 x in turn / pipelined.
+// Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128 x in turn / pipelined, and
+// the forward variants l2order / pingpong / fa3 (attention_kernel.cuh), with bf16 DEBUG builds of the two
+// that change the barrier protocol.
 #include "attention.cuh"
 
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 #include "pk/device_setup.h"
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "attention_kernel.cuh"
 #include "attention_shape.cuh"
@@ -24,12 +29,39 @@ constexpr int stages_for() {
   return n > 4 ? 4 : int(n);
 }
 
-template <typename T, int D, bool PIPELINED>
-using KernelOf = Kernel<T, D, stages_for<D>(), NoRing, PIPELINED>;
+template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false>
+using KernelOf = Kernel<T, D, stages_for<D>(), NoRing, PIPELINED, VARIANT, DEBUG>;
 
-template <typename T, int D, bool PIPELINED>
-void run(const Problem& p, int compute_sms, cudaStream_t stream) {
-  using K = KernelOf<T, D, PIPELINED>;
+// The DEBUG builds' wait limit in ns when $PK_JAX_ATTENTION_FWD_DEBUG is set to anything but "" or "0"
+// ($PK_JAX_ATTENTION_FWD_TIMEOUT_MS, default 2000), else 0 (the normal build). Read at every launch; only
+// variants pingpong and fa3 with bf16 have DEBUG builds.
+unsigned long long debug_timeout_ns() {
+  const char* on = std::getenv("PK_JAX_ATTENTION_FWD_DEBUG");
+  if (on == nullptr || on[0] == '\0' || std::strcmp(on, "0") == 0) return 0;
+  unsigned long long ms = 2000;
+  if (const char* t = std::getenv("PK_JAX_ATTENTION_FWD_TIMEOUT_MS")) {
+    const unsigned long long v = std::strtoull(t, nullptr, 10);
+    if (v > 0) ms = v;
+  }
+  return ms * 1000000ull;
+}
+
+// Variants >= 1: (batch, head) pairs per task section, so that a section's K and V (bytes of its distinct
+// kv heads) stay within kL2Budget of the 50 MB L2 while its query tiles are worked on (query heads that
+// share a kv head count once: sections hold whole GQA groups).
+constexpr long long kL2Budget = 16ll << 20;
+int heads_per_section(const Problem& p, int d) {
+  const long long kv_bytes = 2ll * p.tk * d * 2;  // K and V of one (batch, kv head), 16-bit
+  long long kv = kL2Budget / (kv_bytes > 0 ? kv_bytes : 1);
+  if (kv < 1) kv = 1;
+  const long long pairs = (long long)p.batch * p.heads;
+  long long h = kv * (p.heads / p.kv_heads);
+  return int(h < pairs ? h : pairs);
+}
+
+template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false>
+void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long long timeout_ns = 0) {
+  using K = KernelOf<T, D, PIPELINED, VARIANT, DEBUG>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two K/V stages");
   Globals g{};
@@ -44,14 +76,24 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   g.scale_log2 = p.scale * 1.4426950408889634f;
   g.causal = p.causal ? 1 : 0;
   g.num_comm_sms = 0;
+  g.heads_per_section = heads_per_section(p, D);
+  g.debug_timeout_ns = timeout_ns;
   const cudaError_t e = lcsc::launch<K>(g, compute_sms, stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention launch: ") + cudaGetErrorString(e));
 }
 
 template <typename T, int D>
 cudaError_t configure_dim() {
-  const cudaError_t e = lcsc::configure<KernelOf<T, D, false>>();
-  return e == cudaSuccess ? lcsc::configure<KernelOf<T, D, true>>() : e;
+  cudaError_t e = lcsc::configure<KernelOf<T, D, false>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, true>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdL2Order>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdPingpong>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3>>();
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdPingpong, true>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3, true>>();
+  }
+  return e;
 }
 
 template <typename T>
@@ -62,8 +104,27 @@ cudaError_t configure_type() {
 
 template <typename T, int D>
 void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
-  if (p.pipelined) run<T, D, true>(p, compute_sms, stream);
-  else run<T, D, false>(p, compute_sms, stream);
+  const unsigned long long timeout_ns = p.variant >= kFwdPingpong ? debug_timeout_ns() : 0;
+  constexpr bool kHasDebug = std::is_same_v<T, __nv_bfloat16>;
+  switch (p.variant) {
+    case kFwdDefault:
+      if (p.pipelined) run<T, D, true>(p, compute_sms, stream);
+      else run<T, D, false>(p, compute_sms, stream);
+      return;
+    case kFwdL2Order:
+      run<T, D, false, kFwdL2Order>(p, compute_sms, stream);
+      return;
+    case kFwdPingpong:
+      if (kHasDebug && timeout_ns) run<T, D, false, kFwdPingpong, kHasDebug>(p, compute_sms, stream, timeout_ns);
+      else run<T, D, false, kFwdPingpong>(p, compute_sms, stream);
+      return;
+    case kFwdFa3:
+      if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3, kHasDebug>(p, compute_sms, stream, timeout_ns);
+      else run<T, D, false, kFwdFa3>(p, compute_sms, stream);
+      return;
+    default:
+      throw std::invalid_argument("pk_jax attention: forward variant " + std::to_string(p.variant) + " is not 0..3");
+  }
 }
 
 }  // namespace

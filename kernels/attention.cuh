@@ -17,7 +17,8 @@ struct Problem {
   ElemType type;  // bf16 or f16
   float scale;    // > 0
   bool causal;
-  bool pipelined;  // the consumers overlap softmax with the previous block's P V (unmeasured; opt-in)
+  bool pipelined;  // the consumers overlap softmax with the previous block's P V (measured slower; opt-in)
+  int variant;     // forward variant (attention_kernel.cuh FwdVariant): 0 default, 1 l2order, 2 pingpong, 3 fa3
 };
 
 // Loads and configures every attention kernel on the current device (see lcsc::configure).

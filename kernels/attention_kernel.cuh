@@ -14,11 +14,32 @@
 // device memory so ring attention can pass traced values). Fully masked key blocks are skipped;
 // blocks that cross the diagonal or the key sequence's end are masked. A row that sees no key
 // gets O = 0 and LSE = -inf. Ext is the hook for a later ring communicator (NoRing: none).
+//
+// Forward variants (VARIANT_, picked per lowering by $PK_JAX_ATTENTION_FWD_VARIANT; 0 is the kernel above,
+// untouched). Each adds to the one before it:
+//   1 l2order:  tasks in L2 sections: a few (batch, head) pairs whose K/V fit in L2 (Globals::
+//               heads_per_section), query tiles heaviest first, heads fastest; so ~132 / section CTAs read
+//               the same K/V block at about the same time (one HBM read, the rest L2 hits) where the
+//               default order (query tile slowest over all B x N heads) shares a K/V stream between ~2 CTAs.
+//   2 pingpong: l2order + K and V released separately (ring.empty: K, v_empty: V) + FlashAttention-3's
+//               warp-scheduler barriers: the two consumer warpgroups take turns issuing their GEMMs
+//               ([P V of block kb - 1, Q Kᵀ of block kb] as one slot, named barriers 1 and 2), so one
+//               warpgroup's softmax runs while the other's GEMMs do.
+//   3 fa3:      pingpong + the intra-warpgroup overlap of the pipelined schedule (slot = [Q Kᵀ of kb,
+//               P V of kb - 1]; block kb's softmax runs under P V of kb - 1): FA3's D = 128 mainloop.
+// All variants compute every output element with the same operations in the same order as variant 0
+// (bit-identical outputs). DEBUG_ (variants 2 and 3): every mbarrier wait is bounded
+// (Globals::debug_timeout_ns), prints the barrier and traps, so a protocol hang becomes a launch error
+// (host: PK_JAX_ATTENTION_FWD_DEBUG=1); the named-barrier turns are not bounded, but a stuck turn stops
+// the consumers' releases, and the loader's / storer's bounded waits then report and trap.
 #pragma once
 #include <cuda.h>
 #include <math_constants.h>
 
+#include <cstdio>
+
 #include "pk/acc_store.cuh"
+#include "pk/debug_wait.cuh"
 #include "pk/lcsc.cuh"
 #include "pk/pipeline.cuh"
 #include "pk/tma.cuh"
@@ -34,7 +55,11 @@ struct Globals {
   float scale, scale_log2;  // softmax scale, and scale * log2(e) for exp2
   int causal;
   int num_comm_sms;  // SMs given to a communicator (0: none yet)
+  int heads_per_section;                // variants >= 1: (batch, head) pairs per L2 section (>= 1)
+  unsigned long long debug_timeout_ns;  // DEBUG variants: the mbarrier wait limit (unused otherwise)
 };
+
+enum FwdVariant : int { kFwdDefault = 0, kFwdL2Order = 1, kFwdPingpong = 2, kFwdFa3 = 3 };
 
 // What one task covers: the query tile, its (batch, head) and the key blocks it visits.
 struct Work {
@@ -52,12 +77,22 @@ struct NoRing {
 };
 
 // PIPELINED_: the consumers overlap one block's softmax with the previous block's P V (blocks_pipelined).
-template <typename T, int D_, int STAGES_, class Ext = NoRing, bool PIPELINED_ = false>
+// VARIANT_: FwdVariant (see the top of the file; variants >= 2 take their own schedule and ignore
+// PIPELINED_). DEBUG_: bounded mbarrier waits (variants 2 and 3).
+template <typename T, int D_, int STAGES_, class Ext = NoRing, bool PIPELINED_ = false, int VARIANT_ = 0,
+          bool DEBUG_ = false>
 struct Kernel {
   using Globals = attention::Globals;
   using CommShared = typename Ext::CommShared;
   static constexpr int D = D_, STAGES = STAGES_;
   static constexpr bool PIPELINED = PIPELINED_;
+  static constexpr int VARIANT = VARIANT_;
+  static constexpr bool DEBUG = DEBUG_;
+  static constexpr bool kSections = VARIANT >= kFwdL2Order;     // the L2-section task order
+  static constexpr bool kSplitRelease = VARIANT >= kFwdPingpong;  // K and V stages released separately
+  static constexpr bool kPingpong = VARIANT >= kFwdPingpong;      // warp-scheduler barriers between the consumers
+  static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3, "forward variant 0..3");
+  static_assert(!DEBUG || kPingpong, "the DEBUG build is for the variants that change the barrier protocol");
   static constexpr int WGS = 2, BM = 64 * WGS, BKV = 128;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
@@ -71,6 +106,14 @@ struct Kernel {
   static_assert(D == 64 || D == 128, "head dim 64 or 128");
   static_assert(sizeof(T) == 2, "16-bit inputs");
 
+  // DEBUG: a consumer's timed-out wait, for the loader's / storer's report (consumers do not print: a call
+  // in their code makes ptxas spill the live accumulators and serialize the wgmmas).
+  struct DebugRecord {
+    const char* what;
+    int index;
+    uint32_t parity;
+  };
+
   // Every tile is D/64 boxes of `rows` x 64, one after another (box j holds columns 64j .. 64j+63).
   struct Stage {
     alignas(1024) T k[BKV * D];
@@ -81,9 +124,12 @@ struct Kernel {
     Stage stage[STAGES];
     alignas(1024) T o[WGS][64 * D];  // one output slot per consumer (swizzled boxes of 64 rows)
     Ring<STAGES> ring;               // full: K landed; empty: both consumers are done with K and V
+                                     // (kSplitRelease: with K only)
     uint64_t v_full[STAGES];         // V landed
+    uint64_t v_empty[kSplitRelease ? STAGES : 1];  // kSplitRelease: both consumers are done with V
     Handoff q_slot;                  // full: Q landed; empty: both consumers' last S is done
     Handoff o_slot[WGS];
+    DebugRecord stuck[DEBUG ? WGS : 1];  // DEBUG: the wait a consumer timed out on (what == nullptr: none)
   };
   struct LoaderState {
     RingPos<STAGES> pos;
@@ -93,6 +139,7 @@ struct Kernel {
     int warpgroup;
     RingPos<STAGES> pos;
     uint32_t q_phase, o_phase;
+    bool turns_started;  // kPingpong: the first warpgroup's first turn has been granted
   };
   struct StorerState {
     uint32_t o_phase;
@@ -106,9 +153,21 @@ struct Kernel {
   __device__ static Work work_of(const Globals& g, int task) {
     Work w;
     const int per_tile = g.heads * g.batch;
-    w.q0 = (q_tiles(g) - 1 - task / per_tile) * BM;
-    w.head = (task % per_tile) % g.heads;
-    w.batch = (task % per_tile) / g.heads;
+    if constexpr (kSections) {
+      // Section sec holds (batch, head) pairs [sec * H, sec * H + hs) (the last may hold fewer), each of its
+      // query tiles heaviest first, the pairs fastest: the CTAs working at one time share a few K/V streams.
+      const int tiles = q_tiles(g), per = g.heads_per_section;
+      const int sec = task / (per * tiles), r = task - sec * per * tiles;
+      const int hs = per < per_tile - sec * per ? per : per_tile - sec * per;
+      const int bh = sec * per + r % hs;
+      w.q0 = (tiles - 1 - r / hs) * BM;
+      w.head = bh % g.heads;
+      w.batch = bh / g.heads;
+    } else {
+      w.q0 = (q_tiles(g) - 1 - task / per_tile) * BM;
+      w.head = (task % per_tile) % g.heads;
+      w.batch = (task % per_tile) / g.heads;
+    }
     w.kv_head = w.head / (g.heads / g.kv_heads);
     w.q_offset = g.offsets[0];
     w.kv_offset = g.offsets[1];
@@ -126,12 +185,67 @@ struct Kernel {
   __device__ static void init(const Globals& g, Shared& s) {
     s.ring.init(1, 4 * WGS);  // full: the loader's expect_tx arrival; empty: one per consumer warp
     for (int i = 0; i < STAGES; ++i) tma::mbar_init(&s.v_full[i], 1);
+    if constexpr (kSplitRelease)
+      for (int i = 0; i < STAGES; ++i) tma::mbar_init(&s.v_empty[i], 4 * WGS);
+    if constexpr (DEBUG)
+      for (int w = 0; w < WGS; ++w) s.stuck[w] = DebugRecord{nullptr, -1, 0};
     s.q_slot.init(1, 4 * WGS);
     for (int w = 0; w < WGS; ++w) s.o_slot[w].init(128, 1);
     tma::prefetch_tensor_map(&g.q);
     tma::prefetch_tensor_map(&g.k);
     tma::prefetch_tensor_map(&g.v);
     tma::prefetch_tensor_map(&g.o);
+  }
+
+  // Every mbarrier wait of the variants' loader and storer: tma::mbar_wait, or (DEBUG) bounded: on a timeout
+  // it prints the barrier and what the consumers are stuck on, then traps. `what` names the barrier,
+  // `index` its stage (-1: none).
+  __device__ __forceinline__ static void wait_bar(const Globals& g, Shared& s, uint64_t* bar, uint32_t parity,
+                                                  const char* what, int index) {
+    if constexpr (!DEBUG) {
+      tma::mbar_wait(bar, parity);
+    } else {
+      if (debug::wait_bounded(bar, parity, g.debug_timeout_ns)) return;
+      debug::spin_ns(g.debug_timeout_ns / 2);  // let stuck consumers record their waits first
+      report_timeout(g, s, bar, parity, what, index);
+      debug::spin_ns(1000000000ull);  // 1 s for the other stuck role to time out and report too
+      __trap();
+    }
+  }
+
+  // The consumers' waits: as wait_bar, but a timeout only records the wait (Shared::stuck) for the loader's
+  // or storer's report (which follows: a stuck consumer stops releasing stages and output slots), then
+  // traps after five more timeouts.
+  __device__ __forceinline__ static void wait_cons(const Globals& g, Shared& s, uint64_t* bar, uint32_t parity,
+                                                   const char* what, int index) {
+    if constexpr (!DEBUG) {
+      tma::mbar_wait(bar, parity);
+    } else {
+      if (debug::wait_bounded(bar, parity, g.debug_timeout_ns)) return;
+      if (threadIdx.x % 128 == 0) {
+        DebugRecord& r = s.stuck[threadIdx.x / 128 - 1];
+        *reinterpret_cast<volatile int*>(&r.index) = index;
+        *reinterpret_cast<volatile uint32_t*>(&r.parity) = parity;
+        *reinterpret_cast<const char* volatile*>(&r.what) = what;
+      }
+      debug::spin_ns(5 * g.debug_timeout_ns);
+      __trap();
+    }
+  }
+
+  __device__ __forceinline__ static void report_timeout(const Globals& g, Shared& s, const uint64_t* bar,
+                                                     uint32_t parity, const char* what, int index) {
+    const char* role = threadIdx.x / 32 == 0 ? "loader" : "storer";
+    const char* c0 = *reinterpret_cast<const char* volatile*>(&s.stuck[0].what);
+    const char* c1 = *reinterpret_cast<const char* volatile*>(&s.stuck[WGS - 1].what);
+    printf("pk_jax attention fwd<variant %d, D=%d, STAGES=%d> TIMEOUT after %llu ms: block %d (%s) waits on "
+           "%s[%d] parity %u, word 0x%016llx | consumer wg0 waits on %s[%d] parity %u, wg1 on %s[%d] parity %u "
+           "(none: not stuck on an mbarrier, e.g. a named-barrier turn) | tasks %d, grid %d, batch %d tq %d tk %d "
+           "heads %d kv_heads %d causal %d section %d\n",
+           VARIANT, D, STAGES, g.debug_timeout_ns / 1000000ull, int(blockIdx.x), role, what, index, parity,
+           debug::raw_word(bar), c0 ? c0 : "none", s.stuck[0].index, s.stuck[0].parity, c1 ? c1 : "none",
+           s.stuck[WGS - 1].index, s.stuck[WGS - 1].parity, num_tasks(g), int(gridDim.x), g.batch, g.tq, g.tk,
+           g.heads, g.kv_heads, g.causal, g.heads_per_section);
   }
 
   __device__ static void load_boxes(T* dst, const CUtensorMap* map, int rows, int head, int row0, int batch,
@@ -141,6 +255,10 @@ struct Kernel {
   }
 
   __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int task) {
+    if constexpr (kSplitRelease) {
+      loader_split(g, s, st, task);
+      return;
+    }
     const Work w = work_of(g, task);
     tma::mbar_wait(&s.q_slot.empty, st.q_phase ^ 1);
     tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
@@ -153,6 +271,27 @@ struct Kernel {
       load_boxes(dst.k, &g.k, BKV, w.kv_head, kb * BKV, w.batch, &s.ring.full[st.pos.stage]);
       tma::mbar_expect_tx(&s.v_full[st.pos.stage], kKvBytes);
       load_boxes(dst.v, &g.v, BKV, w.kv_head, kb * BKV, w.batch, &s.v_full[st.pos.stage]);
+      st.pos.advance();
+    }
+  }
+
+  // kSplitRelease: K waits for the K half of its stage to be released, V for the V half, so K of a later
+  // block can land while the consumers still read the V of an earlier one.
+  __device__ static void loader_split(const Globals& g, Shared& s, LoaderState& st, int task) {
+    const Work w = work_of(g, task);
+    wait_bar(g, s, &s.q_slot.empty, st.q_phase ^ 1, "q_slot.empty", -1);
+    tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
+    load_boxes(s.q, &g.q, BM, w.head, w.q0, w.batch, &s.q_slot.full);
+    st.q_phase ^= 1;
+    for (int kb = 0; kb < w.kv_blocks; ++kb) {
+      const int i = st.pos.stage;
+      Stage& dst = s.stage[i];
+      wait_bar(g, s, &s.ring.empty[i], st.pos.phase ^ 1, "k_empty", i);
+      tma::mbar_expect_tx(&s.ring.full[i], kKvBytes);
+      load_boxes(dst.k, &g.k, BKV, w.kv_head, kb * BKV, w.batch, &s.ring.full[i]);
+      wait_bar(g, s, &s.v_empty[i], st.pos.phase ^ 1, "v_empty", i);
+      tma::mbar_expect_tx(&s.v_full[i], kKvBytes);
+      load_boxes(dst.v, &g.v, BKV, w.kv_head, kb * BKV, w.batch, &s.v_full[i]);
       st.pos.advance();
     }
   }
@@ -260,10 +399,19 @@ struct Kernel {
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
-    tma::mbar_wait(&s.q_slot.full, st.q_phase);
+    wait_cons(g, s, &s.q_slot.full, st.q_phase, "q_slot.full", -1);
     st.q_phase ^= 1;
     const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
-    if constexpr (PIPELINED)
+    if constexpr (kPingpong) {
+      if (!st.turns_started) {  // once per kernel: grant consumer 0 its first turn
+        st.turns_started = true;
+        if (st.warpgroup == 1) turn_pass(1);
+      }
+      if constexpr (VARIANT == kFwdFa3)
+        blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
+      else
+        blocks_pingpong(g, s, st, w, q_wg, row0, lane, o, m, l);
+    } else if constexpr (PIPELINED)
       blocks_pipelined(g, s, st, w, q_wg, row0, lane, o, m, l);
     else
       blocks_in_turn(g, s, st, w, q_wg, row0, lane, o, m, l);
@@ -347,6 +495,128 @@ struct Kernel {
     st.pos = cur;
   }
 
+  // Warp-scheduler turns (FlashAttention-3's NamedBarrier WarpSchedulerWG1/WG2): consumer w waits on named
+  // barrier 1 + w (256 threads: its own 128 plus the other consumer's 128 arrivals) before issuing its
+  // GEMMs and passes the turn with an arrival on the other's barrier right after. Consumer 1 grants
+  // consumer 0's first turn once per kernel; both take one turn per key block, so their turn counts match
+  // (the last arrival on barrier 1 is left pending at exit, as in FA3).
+  __device__ __forceinline__ static void turn_wait(int warpgroup) {
+    asm volatile("bar.sync %0, 256;" ::"r"(1 + warpgroup) : "memory");
+  }
+  __device__ __forceinline__ static void turn_pass(int other_warpgroup) {
+    asm volatile("bar.arrive %0, 256;" ::"r"(1 + other_warpgroup) : "memory");
+  }
+
+  // Variant pingpong: per block, one turn issues [P V of kb - 1, Q Kᵀ of kb] (block 0's turn: Q Kᵀ only);
+  // then wait, release K of kb and V of kb - 1, softmax of kb (the other consumer's turn runs meanwhile),
+  // O rescale, P of kb. The same operations in the same order per element as blocks_in_turn. Block 0 is
+  // peeled: a wgmma issued under a condition makes ptxas inject its own warpgroup waits (C7519).
+  __device__ static void blocks_pingpong(const Globals& g, Shared& s, ConsumerState& st, const Work& w,
+                                         const T* q_wg, int row0, int lane, float (&o)[D / 2], float (&m)[2],
+                                         float (&l)[2]) {
+    if (w.kv_blocks == 0) return;
+    float sc[BKV / 2], corr[2];
+    uint32_t pa[BKV / 16][4];
+    RingPos<STAGES> prev = st.pos;  // the block whose P is in `pa`
+    wait_cons(g, s, &s.ring.full[prev.stage], prev.phase, "k_full", prev.stage);
+    turn_wait(st.warpgroup);
+    wgmma::fence();
+    issue_qk(q_wg, s.stage[prev.stage], sc);
+    turn_pass(1 - st.warpgroup);
+    wgmma::wait<0>();
+    wgmma::fence_operands(sc);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[prev.stage]);
+    if (block_needs_mask(g, w, 0)) mask(g, w, 0, row0, lane, sc);
+    softmax_scores(g, sc, m, l, corr);
+    rescale_o(o, corr);
+    to_a_fragments(sc, pa);
+    for (int kb = 1; kb < w.kv_blocks; ++kb) {
+      RingPos<STAGES> cur = prev;
+      cur.advance();
+      wait_cons(g, s, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
+      wait_cons(g, s, &s.v_full[prev.stage], prev.phase, "v_full", prev.stage);
+      turn_wait(st.warpgroup);
+      wgmma::fence();
+      issue_pv(s.stage[prev.stage], pa, o);
+      wgmma::fence();
+      issue_qk(q_wg, s.stage[cur.stage], sc);
+      turn_pass(1 - st.warpgroup);
+      wgmma::wait<0>();
+      wgmma::fence_operands(sc);
+      wgmma::fence_operands(o);
+      if (lane == 0) {
+        tma::mbar_arrive(&s.ring.empty[cur.stage]);
+        tma::mbar_arrive(&s.v_empty[prev.stage]);
+      }
+      if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
+      softmax_scores(g, sc, m, l, corr);
+      rescale_o(o, corr);
+      to_a_fragments(sc, pa);
+      prev = cur;
+    }
+    wait_cons(g, s, &s.v_full[prev.stage], prev.phase, "v_full", prev.stage);
+    wgmma::fence();
+    issue_pv(s.stage[prev.stage], pa, o);
+    wgmma::wait<0>();
+    wgmma::fence_operands(o);
+    if (lane == 0) tma::mbar_arrive(&s.v_empty[prev.stage]);
+    prev.advance();
+    st.pos = prev;
+  }
+
+  // Variant fa3: per block, one turn issues [Q Kᵀ of kb, P V of kb - 1]; wait for Q Kᵀ only, release K,
+  // softmax of kb under P V of kb - 1 (and under the other consumer's turn), then wait for P V, release
+  // V, rescale O (blocks_pipelined's order, with turns and split releases).
+  __device__ static void blocks_fa3(const Globals& g, Shared& s, ConsumerState& st, const Work& w, const T* q_wg,
+                                    int row0, int lane, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+    if (w.kv_blocks == 0) return;
+    float sc[BKV / 2], corr[2];
+    uint32_t pa[BKV / 16][4];
+    RingPos<STAGES> cur = st.pos;  // the block whose P is in `pa`
+    wait_cons(g, s, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
+    turn_wait(st.warpgroup);
+    wgmma::fence();
+    issue_qk(q_wg, s.stage[cur.stage], sc);
+    turn_pass(1 - st.warpgroup);
+    wgmma::wait<0>();
+    wgmma::fence_operands(sc);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
+    if (block_needs_mask(g, w, 0)) mask(g, w, 0, row0, lane, sc);
+    softmax_scores(g, sc, m, l, corr);  // O is still zero: nothing to rescale
+    to_a_fragments(sc, pa);
+    for (int kb = 1; kb < w.kv_blocks; ++kb) {
+      RingPos<STAGES> next = cur;
+      next.advance();
+      wait_cons(g, s, &s.ring.full[next.stage], next.phase, "k_full", next.stage);
+      wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+      turn_wait(st.warpgroup);
+      wgmma::fence();
+      issue_qk(q_wg, s.stage[next.stage], sc);
+      wgmma::fence();  // O and P are loop-carried: keep ptxas from injecting its own wait (C7519)
+      issue_pv(s.stage[cur.stage], pa, o);
+      turn_pass(1 - st.warpgroup);
+      wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
+      wgmma::fence_operands(sc);
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);
+      if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
+      softmax_scores(g, sc, m, l, corr);
+      wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
+      wgmma::fence_operands(o);
+      if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
+      rescale_o(o, corr);
+      to_a_fragments(sc, pa);
+      cur = next;
+    }
+    wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+    wgmma::fence();
+    issue_pv(s.stage[cur.stage], pa, o);
+    wgmma::wait<0>();
+    wgmma::fence_operands(o);
+    if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
+    cur.advance();
+    st.pos = cur;
+  }
+
   // O /= l, the LSE rows (natural log) to global memory, and O to this warpgroup's output slot.
   __device__ static void finish_rows(const Globals& g, Shared& s, ConsumerState& st, const Work& w, int row0,
                                      int lane, float (&o)[D / 2], const float (&m)[2], float (&l)[2]) {
@@ -364,7 +634,7 @@ struct Kernel {
       }
     }
     Handoff& slot = s.o_slot[st.warpgroup];
-    tma::mbar_wait(&slot.empty, st.o_phase ^ 1);
+    wait_cons(g, s, &slot.empty, st.o_phase ^ 1, "o_slot.empty", st.warpgroup);
     store_acc<T, D>(s.o[st.warpgroup], o);
     tma::fence_proxy_async_shared();  // the storer's TMA (async proxy) reads what we just wrote
     tma::mbar_arrive(&slot.full);
@@ -374,7 +644,7 @@ struct Kernel {
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     const Work w = work_of(g, task);
     for (int wg = 0; wg < WGS; ++wg) {
-      tma::mbar_wait(&s.o_slot[wg].full, st.o_phase);
+      wait_bar(g, s, &s.o_slot[wg].full, st.o_phase, "o_slot.full", wg);
 #pragma unroll
       for (int j = 0; j < D / kBoxCols; ++j)
         tma::store_tile_4d(&g.o, j * kBoxCols, w.head, w.q0 + wg * 64, w.batch, s.o[wg] + j * 64 * kBoxCols);

@@ -90,6 +90,54 @@ def test_schedule_var_is_checked(monkeypatch):
         _schedule()
 
 
+def test_fwd_variant_var_is_checked(monkeypatch):
+    """$PK_JAX_ATTENTION_FWD_VARIANT picks the forward kernel variant at lowering (unset: "default", the
+    handler's variant 0); a wrong value names the variable and the choices."""
+    from pk_jax.attention import FWD_VARIANT_VAR, FWD_VARIANTS, fwd_variant
+
+    monkeypatch.delenv(FWD_VARIANT_VAR, raising=False)
+    assert fwd_variant() == "default" and FWD_VARIANTS[0] == "default"
+    for name in FWD_VARIANTS:
+        monkeypatch.setenv(FWD_VARIANT_VAR, name)
+        assert fwd_variant() == name
+    monkeypatch.setenv(FWD_VARIANT_VAR, "")
+    assert fwd_variant() == "default"
+    monkeypatch.setenv(FWD_VARIANT_VAR, "fastest")
+    with pytest.raises(ValueError, match=FWD_VARIANT_VAR):
+        fwd_variant()
+
+
+def _section_order(batch, heads, kv_heads, tq, tk, d, bm=128):
+    """kernels/attention_kernel.cuh work_of (kSections) and attention.cu heads_per_section, in Python:
+    task -> (q tile, batch, head)."""
+    pairs = batch * heads
+    per = min(max(1, (16 << 20) // (2 * tk * d * 2)) * (heads // kv_heads), pairs)
+    tiles = -(-tq // bm)
+    out = []
+    for task in range(tiles * pairs):
+        sec = task // (per * tiles)
+        r = task - sec * per * tiles
+        hs = min(per, pairs - sec * per)
+        bh = sec * per + r % hs
+        out.append((tiles - 1 - r // hs, bh // heads, bh % heads))
+    return per, out
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 16, 16384, 16384, 128), (16, 16, 2, 4096, 4096, 128),
+                                   (3, 5, 5, 1000, 77, 64), (1, 7, 1, 300, 100000, 128), (2, 3, 3, 1, 1, 64)])
+def test_fwd_variant_task_order_covers_every_tile_once(shape):
+    """The l2order/pingpong/fa3 task order visits every (query tile, batch, head) exactly once, heaviest
+    query tiles first within a section, and sections hold whole GQA groups."""
+    batch, heads, kv_heads, tq, tk, d = shape
+    per, order = _section_order(*shape)
+    tiles = -(-tq // 128)
+    assert sorted(order) == sorted((t, b, h) for t in range(tiles) for b in range(batch) for h in range(heads))
+    assert per >= 1 and (per % (heads // kv_heads) == 0 or per == batch * heads)
+    for start in range(0, len(order), per * tiles):
+        sec = order[start:start + per * tiles]
+        assert [t for t, _, _ in sec] == sorted((t for t, _, _ in sec), reverse=True)
+
+
 def test_traced_offsets_in_jit():
     case = CASES[2]
     q, k, v = inputs(case, jnp.bfloat16)

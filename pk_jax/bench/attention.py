@@ -9,8 +9,13 @@ that for the backward (as FlashAttention counts: fwd+bwd = 3.5x). `cases`, `seqs
 --seqs, --head-dims on the command line) pick a subset. Default: B*S = 64k tokens, S = 1024..65536, N = 16
 (D 128) / 32 (D 64), every case. --variants: the full sweep, B*S = 64k..512k tokens and N = 16..128, and on
 GPUs the kernel's second consumer schedule (pk_jax.attention.SCHEDULES: "pipelined"; 0.59-0.81x cuDNN against
-the default's 0.73-0.95x on 2026-11-23) timed in the same turns: extra.pipelined_ms / pipelined_ratio /
-pipelined_rel_err. Without a GPU: tiny sizes, both sides run XLA (plumbing only).
+the default's 0.73-0.95x on 2026-11-23) and the forward variants (pk_jax.attention.FWD_VARIANTS: l2order,
+pingpong, fa3) timed in the same turns as the default and cuDNN (forward cases): extra.<name>_ms /
+<name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, and <name>_same_bits (the variant's output
+equals the default's bit for bit, as it should). --fwd-variants: the default shapes with the forward
+variants only (no pipelined): the short comparison, e.g. `--fwd-variants --cases fwd fwd_causal fwd_gqa
+--seqs 4096 16384 --head-dims 128` (6 rows, ~1-2 min on one H200). Without a GPU: tiny sizes, both sides
+run XLA (plumbing only).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pk_jax
-from pk_jax.attention import SCHEDULE_VAR
+from pk_jax.attention import FWD_VARIANT_VAR, FWD_VARIANTS, SCHEDULE_VAR
 from pk_jax.bench import timing
 from pk_jax.bench.progress import Progress
 
@@ -73,22 +78,34 @@ def _runner(fn):
 
 
 def _compiled_with_schedule(fn, triples, schedule: str):
-    """_runner(fn) compiled now, while $PK_JAX_ATTENTION_SCHEDULE names `schedule` (read at lowering)."""
-    var = SCHEDULE_VAR
-    old = os.environ.get(var)
-    os.environ[var] = schedule
+    """_runner(fn) compiled now, while $PK_JAX_ATTENTION_SCHEDULE names `schedule` (read at lowering) and
+    $PK_JAX_ATTENTION_FWD_VARIANT is "default"; a forward variant's name (FWD_VARIANTS) instead sets that
+    variable to it (the variants have their own schedules)."""
+    env = {SCHEDULE_VAR: schedule, FWD_VARIANT_VAR: "default"}
+    if schedule in FWD_VARIANTS:
+        env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: schedule}
+    old = {var: os.environ.get(var) for var in env}
+    os.environ.update(env)
     try:
         return _runner(fn).lower(triples).compile()
     finally:
-        if old is None:
-            os.environ.pop(var, None)
-        else:
-            os.environ[var] = old
+        for var, value in old.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+
+
+def extra_kernels(full: bool, fwd_variants: bool) -> list[str]:
+    """The kernel versions timed beside the default on GPUs (forward cases only)."""
+    new = [v for v in FWD_VARIANTS if v != "default"]
+    return (["pipelined"] + new) if full else (new if fwd_variants else [])
 
 
 def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = None,
-        seqs: list[int] | None = None, head_dims: list[int] | None = None) -> list[dict]:
+        seqs: list[int] | None = None, head_dims: list[int] | None = None, fwd_variants: bool = False) -> list[dict]:
     on_gpu = jax.devices()[0].platform == "gpu"
+    extras = extra_kernels(full, fwd_variants) if on_gpu else []
     unknown = sorted(set(cases or ()) - set(CASES))
     if unknown:
         raise ValueError(f"pk_jax.bench attention: unknown cases {unknown}; pick from {list(CASES)}")
@@ -117,13 +134,18 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
 
         try:
             ours = _compiled_with_schedule(pk_fn, triples, "in_turn")
-            piped = _compiled_with_schedule(pk_fn, triples, "pipelined") if on_gpu and full and not grads else None
+            names = [] if grads else extras
+            others = [_compiled_with_schedule(pk_fn, triples, name) for name in names]
             want = base(triples[:1])[0]
-            err = rel(ours(triples)[0], want)
-            pipe_err = rel(piped(triples)[0], want) if piped else None
-            times = timing.time_interleaved([ours, base] + ([piped] if piped else []), triples, reps=reps)
+            got = ours(triples)[0]
+            err = rel(got, want)
+            other_out = [fn(triples)[0] for fn in others]
+            other_err = [rel(o, want) for o in other_out]
+            same_bits = [bool(jnp.array_equal(o, got)) for o in other_out]
+            del got, other_out
+            times = timing.time_interleaved([ours, base] + others, triples, reps=reps)
             ours_ms, base_ms = times[:2]
-            pipe_ms = times[2] if piped else None
+            other_ms = times[2:]
         except Exception as e:  # noqa: BLE001 (a failing shape is a row, not the end of the sweep)
             print(f"  attention {[b, s, n, d]} {case}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             rows.append({"op": "attention", "case": case, "shape": [b, s, n, d], "dtype": "bfloat16", "group": 1,
@@ -138,23 +160,40 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
             "ratio": round(ratio, 4),
             "extra": {"kv_heads": kh, "tflops": round(flops / ours_ms / 1e9, 1),
                       "baseline_tflops": round(flops / base_ms / 1e9, 1), "rel_err_vs_baseline": float(f"{err:.2e}"),
-                      "calls_per_measure": count, "reps": reps, "check": "ok" if err < 2e-2 else "MISMATCH",
-                      **({} if pipe_ms is None else {
-                          "pipelined_ms": round(pipe_ms, 5), "pipelined_ratio": round(base_ms / pipe_ms, 4),
-                          "pipelined_rel_err": float(f"{pipe_err:.2e}"),
-                          "pipelined_check": "ok" if pipe_err < 2e-2 else "MISMATCH"})},
+                      "calls_per_measure": count, "reps": reps, "check": "ok" if err < 2e-2 else "MISMATCH"},
         })
+        for name, ms, e_, same in zip(names, other_ms, other_err, same_bits):
+            rows[-1]["extra"].update({
+                f"{name}_ms": round(ms, 5), f"{name}_ratio": round(base_ms / ms, 4),
+                f"{name}_tflops": round(flops / ms / 1e9, 1), f"{name}_rel_err": float(f"{e_:.2e}"),
+                f"{name}_same_bits": same, f"{name}_check": "ok" if e_ < 2e-2 else "MISMATCH"})
         print(f"  attention {str([b, s, n, d]):<22} {case:<15} ours {ours_ms:8.3f} ms {flops / ours_ms / 1e9:6.0f} TF/s  "
               f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}"
-              + ("" if pipe_ms is None else f"  pipelined x{base_ms / pipe_ms:5.3f} rel_err {pipe_err:.1e}"),
+              + "".join(f"  {name} {flops / ms / 1e9:4.0f} TF/s x{base_ms / ms:5.3f}{'' if same else ' BITS DIFFER'}"
+                        f"{'' if e_ < 2e-2 else ' MISMATCH'}"
+                        for name, ms, e_, same in zip(names, other_ms, other_err, same_bits)),
               flush=True)
         bar.step(f"{case} {b}x{s}x{n}x{d}")
         del triples
     return rows
 
 
+def _extra_names(rows: list[dict]) -> list[str]:
+    names = ["pipelined"] + [v for v in FWD_VARIANTS if v != "default"]
+    return [n for n in names if any(f"{n}_ratio" in r["extra"] for r in rows)]
+
+
+def bad_row(r: dict) -> bool:
+    """A row whose default or any timed variant disagrees with the baseline, or a variant whose bits differ."""
+    e = r["extra"]
+    return any(v != "ok" for k, v in e.items() if k.endswith("check")) or not all(
+        v for k, v in e.items() if k.endswith("_same_bits"))
+
+
 def print_table(rows: list[dict]) -> None:
-    head = f"{'case':<16}{'[B, S, N, D]':<24}{'ours TF/s':>10}{'base TF/s':>10}{'ratio':>8}  check"
+    names = _extra_names(rows)
+    head = (f"{'case':<16}{'[B, S, N, D]':<24}{'ours TF/s':>10}{'base TF/s':>10}{'ratio':>8}"
+            + "".join(f"{n[:10] + ' x':>13}" for n in names) + "  check")
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -163,7 +202,13 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['case']:<16}{str(r['shape']):<24}{'-':>10}{'-':>10}{'-':>8}  {e['check']}")
             continue
         print(f"{r['case']:<16}{str(r['shape']):<24}{e['tflops']:>10.0f}{e['baseline_tflops']:>10.0f}"
-              f"{r['ratio']:>8.2f}  {e['check']} ({r['baseline']})")
+              f"{r['ratio']:>8.2f}" + "".join(f"{e.get(n + '_ratio', float('nan')):>13.3f}" for n in names)
+              + f"  {'MISMATCH' if bad_row(r) else 'ok'} ({r['baseline']})")
     ok = [r["ratio"] for r in rows if r["ratio"]]
     if ok:
         print(f"geomean ratio (baseline ms / ours ms): {float(np.exp(np.mean(np.log(ok)))):.3f}")
+    for n in names:
+        got = [r["extra"][f"{n}_ratio"] for r in rows if f"{n}_ratio" in r["extra"]]
+        mine = [r["ratio"] for r in rows if f"{n}_ratio" in r["extra"]]
+        print(f"geomean ratio {n}: {float(np.exp(np.mean(np.log(got)))):.3f} (default on the same rows: "
+              f"{float(np.exp(np.mean(np.log(mine)))):.3f})")

@@ -1,11 +1,17 @@
 """pk_jax.attention(implementation="pk") on one GPU vs a float32 numpy reference: fresh random
 inputs, NaN-poisoned outputs, bf16/f16, head_dim 64/128, causal and not, GQA/MQA, odd and unequal
 lengths, causal offsets (incl. rows that see no key), the LSE, bit-identical repeats, gradients; both
-consumer schedules of the kernel (in turn, pipelined).
+consumer schedules of the default kernel (in turn, pipelined) and every forward variant
+($PK_JAX_ATTENTION_FWD_VARIANT: l2order, pingpong, fa3, read when the program is lowered, so each test
+jits its own function with the variable set), which must also give the default's bits exactly.
+A first look at one variant alone (a hang then costs little; the DEBUG build makes barrier waits time out):
+  PK_JAX_ATTENTION_FWD_DEBUG=1 timeout 60 python -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x \
+      -k "first_look and pingpong"
 Each case also checks that the lowered program holds the pk_attention custom call (no silent fallback)."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import jax
@@ -39,8 +45,38 @@ CASES = [
 ]
 
 
+# The default kernel's two schedules, then the forward variants (pk_jax.attention.FWD_VARIANTS).
+KERNELS = ["in_turn", "pipelined", "l2order", "pingpong", "fa3"]
+NEW_VARIANTS = ["l2order", "pingpong", "fa3"]
+
+
+def _select(monkeypatch, kernel):
+    """Set the variables the next lowering reads: a schedule of the default kernel, or a variant."""
+    if kernel in ("in_turn", "pipelined"):
+        monkeypatch.setenv("PK_JAX_ATTENTION_SCHEDULE", kernel)
+        monkeypatch.delenv("PK_JAX_ATTENTION_FWD_VARIANT", raising=False)
+    else:
+        monkeypatch.delenv("PK_JAX_ATTENTION_SCHEDULE", raising=False)
+        monkeypatch.setenv("PK_JAX_ATTENTION_FWD_VARIANT", kernel)
+
+
 def rand(shape, dtype):
     return jax.random.normal(jax.random.key(next(_seed)), shape, jnp.float32).astype(dtype)
+
+
+@functools.cache
+def _case_data(case, dtype):
+    """Inputs and the float32 reference of one case, shared by the kernels' tests (the reference is slow)."""
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    q, k, v = rand((b, tq, n, d), dtype), rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
+    want_out, want_lse = attention_f32(q, k, v, scale=d ** -0.5, causal=causal, q_offset=qo, kv_offset=ko)
+    return q, k, v, want_out, want_lse
+
+
+def _kernel_fn(case):
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    return jax.jit(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, return_lse=True, q_offset=qo,
+                                                     kv_offset=ko, implementation="pk"))
 
 
 def _ids(case):
@@ -48,19 +84,29 @@ def _ids(case):
     return f"B{b}-Tq{tq}-N{n}-Tk{tk}-K{kh}-D{d}-{'causal' if causal else 'full'}-off{qo}_{ko}"
 
 
-@pytest.mark.parametrize("schedule", ["in_turn", "pipelined"])
+@pytest.mark.parametrize("kernel", NEW_VARIANTS)
+def test_first_look(kernel, monkeypatch):
+    """The smallest case with one variant: the first thing to run of a new variant (under `timeout 60`)."""
+    _select(monkeypatch, kernel)
+    case = CASES[0]
+    q, k, v, want_out, want_lse = _case_data(case, jnp.bfloat16)
+    out, lse = _kernel_fn(case)(q, k, v)
+    np.testing.assert_allclose(np.asarray(out, np.float32), want_out, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-3, rtol=1e-3)
+    print(f"PASS attention first look {kernel}")
+
+
+@pytest.mark.parametrize("schedule", KERNELS)
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
 def test_matches_f32_reference(case, dtype, schedule, monkeypatch):
-    monkeypatch.setenv("PK_JAX_ATTENTION_SCHEDULE", schedule)  # read when the program is lowered, below
+    _select(monkeypatch, schedule)  # read when the program is lowered, below
     b, tq, n, tk, kh, d, causal, qo, ko = case
-    q, k, v = rand((b, tq, n, d), dtype), rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
-    f = jax.jit(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, return_lse=True, q_offset=qo,
-                                                  kv_offset=ko, implementation="pk"))
+    q, k, v, want_out, want_lse = _case_data(case, dtype)
+    f = _kernel_fn(case)
     assert "pk_attention" in f.lower(q, k, v).as_text(), "the kernel path was not taken"
     poison_allocator(4 * (q.size + b * n * tq) * 2)
     out, lse = f(q, k, v)
-    want_out, want_lse = attention_f32(q, k, v, scale=d ** -0.5, causal=causal, q_offset=qo, kv_offset=ko)
     out32, lse = np.asarray(out, np.float32), np.asarray(lse)
     assert not np.isnan(out32).any(), "NaN in out: rows never written"
     assert not np.isnan(lse).any(), "NaN in lse: rows never written"
@@ -72,6 +118,22 @@ def test_matches_f32_reference(case, dtype, schedule, monkeypatch):
     out2, lse2 = f(q, k, v)
     assert np.array_equal(np.asarray(out2, np.float32), out32) and np.array_equal(np.asarray(lse2), lse)
     print(f"PASS attention {_ids(case)} {jnp.dtype(dtype).name} {schedule}: max abs err {err:.2e}")
+
+
+@pytest.mark.parametrize("variant", NEW_VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+def test_variants_give_the_default_bits(variant, dtype, monkeypatch):
+    """Every variant computes each output element with the default's operations in the default's order
+    (only the task order, the barriers and the GEMM issue order differ): identical out and lse."""
+    for case in CASES:
+        q, k, v, _, _ = _case_data(case, dtype)
+        _select(monkeypatch, "in_turn")
+        want_out, want_lse = _kernel_fn(case)(q, k, v)
+        _select(monkeypatch, variant)
+        out, lse = _kernel_fn(case)(q, k, v)
+        assert np.array_equal(np.asarray(out, np.float32), np.asarray(want_out, np.float32)), f"out {_ids(case)}"
+        assert np.array_equal(np.asarray(lse), np.asarray(want_lse), equal_nan=True), f"lse {_ids(case)}"
+    print(f"PASS attention {variant} {jnp.dtype(dtype).name}: the default's bits on every case")
 
 
 def test_gradients_through_kernel_forward():
