@@ -24,6 +24,7 @@
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
 #   floor       scripts/latency_floor.py under three XLA_FLAGS (command buffers default / off / custom calls)  ~3 min
+#   attnvariants the forward kernel's variants (PK_JAX_ATTENTION_FWD_VARIANT): first looks, same bits, timing ~5 min
 #   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
@@ -99,6 +100,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              python3 scripts/latency_floor.py --tag cmd_custom --hlo-dir "$OUT/hlo" --out "$OUT/$day-floor-cmd.json" ;;
     profile) stage floor-profile 120 python3 scripts/latency_floor.py --tag profile --bytes 4096 1048576 --profile \
                --out "$OUT/$day-floor-profile.json" ;;
+    attnvariants) for v in l2order pingpong fa3; do  # forward variants: each alone first (bounded waits), then bits, then timing
+                    stage attnvar-first-$v 60 env PK_JAX_ATTENTION_FWD_DEBUG=1 python3 -m pytest tests/gpu/test_attention_gpu.py \
+                      -m gpu -q -x -rs -k "first_look and $v"
+                  done
+                  stage attnvar-bits 200 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs -k "same_bits or default_bits"
+                  stage attnvar 200 python3 -m pk_jax.bench attention --fwd-variants --cases fwd fwd_causal fwd_gqa \
+                    --seqs 4096 16384 --head-dims 128 --out "$OUT/$day-attention-fwd-variants.json" ;;
     context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
     moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
