@@ -91,17 +91,17 @@ def test_schedule_var_is_checked(monkeypatch):
 
 
 def test_fwd_variant_var_is_checked(monkeypatch):
-    """$PK_JAX_ATTENTION_FWD_VARIANT picks the forward kernel variant at lowering (unset: "default", the
-    handler's variant 0); a wrong value names the variable and the choices."""
-    from pk_jax.attention import FWD_VARIANT_VAR, FWD_VARIANTS, fwd_variant
+    """$PK_JAX_ATTENTION_FWD_VARIANT picks the forward kernel variant at lowering (unset or empty:
+    DEFAULT_FWD_VARIANT, fa3); a wrong value names the variable and the choices."""
+    from pk_jax.attention import DEFAULT_FWD_VARIANT, FWD_VARIANT_VAR, FWD_VARIANTS, fwd_variant
 
     monkeypatch.delenv(FWD_VARIANT_VAR, raising=False)
-    assert fwd_variant() == "default" and FWD_VARIANTS[0] == "default"
+    assert fwd_variant() == DEFAULT_FWD_VARIANT == "fa3" and FWD_VARIANTS[0] == "base"
     for name in FWD_VARIANTS:
         monkeypatch.setenv(FWD_VARIANT_VAR, name)
         assert fwd_variant() == name
     monkeypatch.setenv(FWD_VARIANT_VAR, "")
-    assert fwd_variant() == "default"
+    assert fwd_variant() == DEFAULT_FWD_VARIANT
     monkeypatch.setenv(FWD_VARIANT_VAR, "fastest")
     with pytest.raises(ValueError, match=FWD_VARIANT_VAR):
         fwd_variant()

@@ -8,9 +8,10 @@ kernel unless PK_JAX_ATTENTION_BWD=xla); TFLOP/s count 4 B S² N D for the forwa
 that for the backward (as FlashAttention counts: fwd+bwd = 3.5x). `cases`, `seqs`, `head_dims` (--cases,
 --seqs, --head-dims on the command line) pick a subset. Default: B*S = 64k tokens, S = 1024..65536, N = 16
 (D 128) / 32 (D 64), every case. --variants: the full sweep, B*S = 64k..512k tokens and N = 16..128, and on
-GPUs the kernel's second consumer schedule (pk_jax.attention.SCHEDULES: "pipelined"; 0.59-0.81x cuDNN against
-the default's 0.73-0.95x on 2026-11-23) and the forward variants (pk_jax.attention.FWD_VARIANTS: l2order,
-pingpong, fa3) timed in the same turns as the default and cuDNN (forward cases): extra.<name>_ms /
+GPUs the base kernel's second consumer schedule (pk_jax.attention.SCHEDULES: "pipelined"; 0.59-0.81x cuDNN
+against base's 0.73-0.95x on 2026-11-23) and the forward variants other than the default
+(pk_jax.attention.FWD_VARIANTS / DEFAULT_FWD_VARIANT: fa3) timed in the same turns as the default and cuDNN
+(forward cases): extra.<name>_ms /
 <name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, and <name>_same_bits (the variant's output
 equals the default's bit for bit, as it should). --fwd-variants: the default shapes with the forward
 variants only (no pipelined): the short comparison, e.g. `--fwd-variants --cases fwd fwd_causal fwd_gqa
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import pk_jax
-from pk_jax.attention import FWD_VARIANT_VAR, FWD_VARIANTS, SCHEDULE_VAR
+from pk_jax.attention import DEFAULT_FWD_VARIANT, FWD_VARIANT_VAR, FWD_VARIANTS, SCHEDULE_VAR
 from pk_jax.bench import timing
 from pk_jax.bench.progress import Progress
 
@@ -77,13 +78,13 @@ def _runner(fn):
     return jax.jit(lambda triples: [fn(*t) for t in triples])
 
 
-def _compiled_with_schedule(fn, triples, schedule: str):
-    """_runner(fn) compiled now, while $PK_JAX_ATTENTION_SCHEDULE names `schedule` (read at lowering) and
-    $PK_JAX_ATTENTION_FWD_VARIANT is "default"; a forward variant's name (FWD_VARIANTS) instead sets that
-    variable to it (the variants have their own schedules)."""
-    env = {SCHEDULE_VAR: schedule, FWD_VARIANT_VAR: "default"}
-    if schedule in FWD_VARIANTS:
-        env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: schedule}
+def _compiled_with_schedule(fn, triples, kernel: str):
+    """_runner(fn) compiled now, with the kernel version `kernel` chosen by the variables read at lowering:
+    "default" = DEFAULT_FWD_VARIANT; "pipelined" = the base variant's second consumer schedule; a forward
+    variant's name (FWD_VARIANTS) that variant."""
+    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: DEFAULT_FWD_VARIANT if kernel == "default" else kernel}
+    if kernel == "pipelined":
+        env = {SCHEDULE_VAR: "pipelined", FWD_VARIANT_VAR: "base"}
     old = {var: os.environ.get(var) for var in env}
     os.environ.update(env)
     try:
@@ -98,7 +99,7 @@ def _compiled_with_schedule(fn, triples, schedule: str):
 
 def extra_kernels(full: bool, fwd_variants: bool) -> list[str]:
     """The kernel versions timed beside the default on GPUs (forward cases only)."""
-    new = [v for v in FWD_VARIANTS if v != "default"]
+    new = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     return (["pipelined"] + new) if full else (new if fwd_variants else [])
 
 
@@ -133,7 +134,7 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
                        for g, w in zip(got, want))
 
         try:
-            ours = _compiled_with_schedule(pk_fn, triples, "in_turn")
+            ours = _compiled_with_schedule(pk_fn, triples, "default")
             names = [] if grads else extras
             others = [_compiled_with_schedule(pk_fn, triples, name) for name in names]
             want = base(triples[:1])[0]
@@ -179,7 +180,7 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
 
 
 def _extra_names(rows: list[dict]) -> list[str]:
-    names = ["pipelined"] + [v for v in FWD_VARIANTS if v != "default"]
+    names = ["pipelined"] + [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     return [n for n in names if any(f"{n}_ratio" in r["extra"] for r in rows)]
 
 
