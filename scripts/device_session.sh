@@ -25,6 +25,8 @@
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
 #   floor       scripts/latency_floor.py under three XLA_FLAGS (command buffers default / off / custom calls)  ~3 min
 #   attnvariants the forward kernel's variants (PK_JAX_ATTENTION_FWD_VARIANT): first looks, same bits, timing ~5 min
+#   latsweep    (2 GPUs+) small-path grid geometry sweep (PK_JAX_SMALL_LINES_PER_CTA / _MAX_CTAS), chains 16/64/256 ~2 min
+#   contexttests (2 GPUs+) ring / Ulysses GPU tests (forward and gradients vs a float32 reference)  ~2 min
 #   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
@@ -107,6 +109,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   stage attnvar-bits 200 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs -k "same_bits or default_bits"
                   stage attnvar 200 python3 -m pk_jax.bench attention --fwd-variants --cases fwd fwd_causal fwd_gqa \
                     --seqs 4096 16384 --head-dims 128 --out "$OUT/$day-attention-fwd-variants.json" ;;
+    latsweep) for geo in 2048:128 1024:132 512:132 256:132 128:132; do  # small path grid geometry: lines per CTA : CTA cap
+                stage latsweep-${geo/:/-} 60 env PK_JAX_SMALL_LINES_PER_CTA=${geo%:*} PK_JAX_SMALL_MAX_CTAS=${geo#*:} \
+                  python3 scripts/latency_floor.py --tag "lpc${geo%:*}-cap${geo#*:}" --ops pk_small_one_shot \
+                  --bytes 4096 16384 65536 262144 524288 1048576 --out "$OUT/$day-latency-sweep-${geo/:/-}.json"
+              done ;;
+    contexttests) stage context-tests 180 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs ;;
     context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
     moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
