@@ -8,8 +8,8 @@ pk_jax.matmul; GEMM+RS / GEMM+AR = pk_jax.matmul, then small reduce_scatter / al
 the sums in rank order in float32: identical bits on every member and every run). Gradients come from the
 two ops' own VJPs (a gather's transpose is a reduce-scatter, and so on), on our kernels too.
 
-Chosen by the collectives' `auto` rule (pk_jax._small_path: with PK_JAX_SMALL_PATH=1 until the multi-GPU
-runs set the crossover), or forced with schedule="small".
+Chosen by the collectives' `auto` rule (pk_jax._small_path; PK_JAX_SMALL_PATH=0 turns it off), or forced
+with schedule="small".
 """
 
 from __future__ import annotations

@@ -100,7 +100,7 @@ def all_gather(x: jax.Array, axis_name: AxisName, *, axis: int = 0, tiled: bool 
       algorithm: "small" (LL lines into the peers' control blocks: one trip, no handshakes; x at
         most _small_path.SMALL_MAX_BYTES and the blocks contiguous, i.e. all dims before `axis` of
         size 1), "bulk" (the copy kernel), or "auto" (small while (G-1) x x's bytes <=
-        _small_path.AUTO_SEND_BYTES, with PK_JAX_SMALL_PATH=1 until measured). Results are identical.
+        _small_path.AUTO_SEND_BYTES, unless PK_JAX_SMALL_PATH=0). Results are identical.
 
     Returns:
       The gathered array, identical on every member.
@@ -135,7 +135,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
       algorithm: "small" (LL lines: one trip, no handshakes; a block of at most
         _small_path.SMALL_MAX_BYTES, contiguous: all dims before scatter_dimension of size 1),
         "bulk" (the pull-reduce kernel), or "auto" (small while (G-1) x the block's bytes <=
-        _small_path.AUTO_SEND_BYTES, with PK_JAX_SMALL_PATH=1 until measured). Both sum in float32 in
+        _small_path.AUTO_SEND_BYTES, unless PK_JAX_SMALL_PATH=0). Both sum in float32 in
         rank order: identical bits.
 
     Returns:
@@ -170,8 +170,7 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
         into the peers' control blocks, no handshakes; x at most _small_path.SMALL_MAX_BYTES)
         "small_one_shot", "small_two_shot" (x's 4-byte words divisible by G) or "small"
         (picks one of those by size and G: _small_path.all_reduce_choice); or "auto": the small
-        path where _small_path.all_reduce_choice takes it (only with PK_JAX_SMALL_PATH=1 until the
-        small kernels are measured on GPUs), else two-shot from TWO_SHOT_MIN_BYTES
+        path where _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from TWO_SHOT_MIN_BYTES
         up when the array splits into G whole 16-byte chunks, else one-shot.
 
     Returns:

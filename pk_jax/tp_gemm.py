@@ -342,7 +342,7 @@ def all_gather_matmul(x: jax.Array, w: jax.Array, axis_name: AxisName, *, return
       schedule: None (default: autotuned once per shape and GPU), "comm_sms" (`num_comm_sms` whole SMs
         push x to the peers, then compute; the paper's schedule), "intra_sm" (one producer thread of
         every compute SM pushes pieces of x while the SM computes), "small" (the small-path all_gather, then
-        our GEMM: no handshakes, for short x; `auto` picks it by size with PK_JAX_SMALL_PATH=1) or "xla"
+        our GEMM: no handshakes, for short x; `auto` picks it by size unless PK_JAX_SMALL_PATH=0) or "xla"
         (the composition).
       num_comm_sms: "comm_sms" schedule: SMs that push x (None: autotuned; 0: the composition).
       transpose_w: w is stored (n, k); computes all_gather(x) @ wᵀ reading w in place.
@@ -376,7 +376,7 @@ def matmul_reduce_scatter(x: jax.Array, w: jax.Array, axis_name: AxisName, *, sc
         computed; no extra SMs; needs deterministic=False), "pull" (the owner sums each tile over
         the members in rank order in float32 on `num_comm_sms` SMs: deterministic), "small" (our GEMM, then
         the small-path collective: no handshakes, deterministic; for short m, and picked by size with
-        PK_JAX_SMALL_PATH=1) or "xla" (the unfused composition).
+        unless PK_JAX_SMALL_PATH=0) or "xla" (the unfused composition).
       num_comm_sms: pull schedule: SMs that reduce the tiles this member owns (None: autotuned;
         0: the unfused composition).
       transpose_w: w is stored (n, k); computes x @ wᵀ reading w in place.

@@ -138,15 +138,15 @@ def _variant(fn, shape, dtype=jnp.bfloat16):
     return found[0]
 
 
-def test_auto_keeps_the_bulk_path_until_the_small_one_is_enabled(monkeypatch):
-    monkeypatch.delenv("PK_JAX_SMALL_PATH", raising=False)
+def test_auto_keeps_the_bulk_path_when_the_small_one_is_off(monkeypatch):
+    monkeypatch.setenv("PK_JAX_SMALL_PATH", "0")
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == 0
     assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True), (8 * 4, 64)) == 0
     assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 4, 1024)) == _small_path.VARIANT_SMALL
 
 
 def test_api_picks_small_path_by_size(monkeypatch):
-    monkeypatch.setenv("PK_JAX_SMALL_PATH", "1")
+    monkeypatch.delenv("PK_JAX_SMALL_PATH", raising=False)  # on by default
     # 8 members, bf16: per-device shapes are the global ones / 8 along dim 0.
     small, two, bulk = _small_path.VARIANT_SMALL, _small_path.VARIANT_SMALL_TWO_SHOT, 0
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == small            # 8 KiB
