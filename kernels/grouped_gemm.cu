@@ -24,12 +24,12 @@ constexpr int stages_for() {
   return n > 8 ? 8 : int(n);
 }
 
-template <typename T, int TILE, int MODE, bool DYN = false>
-using KernelOf = Kernel<T, 2, kBn[TILE], stages_for<T, 2, kBn[TILE]>(), MODE, DYN>;
+template <typename T, int TILE, int MODE, bool DYN = false, bool PIPE = false>
+using KernelOf = Kernel<T, 2, kBn[TILE], stages_for<T, 2, kBn[TILE]>(), MODE, DYN, PIPE>;
 
-template <typename T, int TILE, int MODE, bool DYN>
+template <typename T, int TILE, int MODE, bool DYN, bool PIPE = false>
 void run(const Problem& p, int sms, cudaStream_t stream) {
-  using K = KernelOf<T, TILE, MODE, DYN>;
+  using K = KernelOf<T, TILE, MODE, DYN, PIPE>;
   static_assert(K::STAGES >= 3, "pipeline depth");
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   Globals g{};
@@ -65,6 +65,9 @@ void run(const Problem& p, int sms, cudaStream_t stream) {
 
 template <typename T, int MODE, bool DYN>
 void dispatch_tile(const Problem& p, int tile, int sms, cudaStream_t stream) {
+  if constexpr (MODE == kWeightGrad) {  // variant pipe: 128x128 tiles (launch() picks the tile)
+    if (p.variant & kVariantPipe) return run<T, k128x128, MODE, DYN, true>(p, sms, stream);
+  }
   if (tile == k128x256) run<T, k128x256, MODE, DYN>(p, sms, stream);
   else run<T, k128x128, MODE, DYN>(p, sms, stream);
 }
@@ -88,6 +91,7 @@ template <typename T, int TILE, bool DYN>
 cudaError_t configure_tile() {
   cudaError_t e = lcsc::configure<KernelOf<T, TILE, kForward, DYN>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, TILE, kInputGrad, DYN>>();
+  if (e == cudaSuccess && TILE == k128x128) e = lcsc::configure<KernelOf<T, k128x128, kWeightGrad, DYN, true>>();
   return e == cudaSuccess ? lcsc::configure<KernelOf<T, TILE, kWeightGrad, DYN>>() : e;
 }
 
@@ -108,7 +112,7 @@ const char* unsupported(const Problem& p) {
   if (p.n % 8) return "n must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.mode == kWeightGrad ? p.m % 8 : p.k % 8) return "k must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.tokens < 0 || p.m < 0 || p.n < 0 || p.k < 0) return "negative sizes";
-  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128)";
+  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe)";
   return "";
 }
 
@@ -138,6 +142,7 @@ int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   if (const char* why = unsupported(p); *why) throw std::invalid_argument(std::string("pk_jax grouped_matmul: ") + why);
   if (tile == kAuto) tile = choose_tile(p);
+  if (p.mode == kWeightGrad && (p.variant & kVariantPipe)) tile = k128x128;  // the pipelined weight grad's tile
   if (tile < 0 || tile >= kNumTiles) throw std::invalid_argument("pk_jax grouped_matmul: unknown tile");
   const size_t out_elems = p.mode == kWeightGrad ? size_t(p.num_groups) * p.m * p.n : size_t(p.tokens) * p.n;
   if (out_elems == 0) return tile;

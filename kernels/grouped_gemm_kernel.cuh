@@ -19,7 +19,10 @@
 // skips its MMAs; a narrow n tail; a short-K weight-grad group) take more of them: the counter is reset by
 // the launch's last CTA (one launch of a kernel at a time per device). `narrow`: a tile whose valid
 // columns fit in BN/2 (the n tail, e.g. n = 1408 = 5.5 x 256) runs m64n(BN/2) wgmmas on half the
-// accumulator. `n128` (host only, grouped_gemm.cu): the 128x128 tile where n % 256 is 1..128.
+// accumulator. `n128` (host only, grouped_gemm.cu): the 128x128 tile where n % 256 is 1..128. `pipe`
+// (weight grad, 128x128 tiles): a consumer keeps a task's accumulator (a second 64-register copy) and writes
+// it out after issuing the next task's first k-block, so the epilogue of a short-K tile runs under the
+// next tile's MMAs (the last one in consumer_finish).
 #pragma once
 #include <type_traits>
 
@@ -45,7 +48,7 @@ struct Globals {
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
-enum Variant : int { kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantMask = 7 };
+enum Variant : int { kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8, kVariantMask = 15 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
 // load; the last CTA of a launch resets both (storer_finish), so graph replays start from zero too.
@@ -62,10 +65,11 @@ struct Ext : gemm::NoComm {
   __device__ static uint32_t* task_counter(const Globals&) { return g_task_counters[SLOT < 0 ? 0 : SLOT]; }
 };
 
-template <typename T, int BN, int MODE, bool DYN>
+template <typename T, int BN, int MODE, bool DYN, bool PIPE>
 constexpr int counter_slot() {
-  static_assert(MODE * 4 + 3 < kCounterSlots, "counter slots");
-  return DYN ? MODE * 4 + (BN == 256 ? 0 : 2) + (std::is_same_v<T, __half> ? 1 : 0) : -1;
+  static_assert(kWeightGrad * 4 + 4 + 1 < kCounterSlots, "counter slots");
+  return !DYN ? -1 : PIPE ? 12 + (std::is_same_v<T, __half> ? 1 : 0)
+                          : MODE * 4 + (BN == 256 ? 0 : 2) + (std::is_same_v<T, __half> ? 1 : 0);
 }
 
 // One task as every role sees it.
@@ -80,15 +84,25 @@ struct Task {
   int k_last;    // valid k-rows of the last k-block (weight grad; 64 elsewhere)
 };
 
-template <typename T, int WGS_, int BN_, int STAGES_, int MODE, bool DYN = false>
-struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, MODE, DYN>()>, MODE == kWeightGrad,
+template <typename T, int WGS_, int BN_, int STAGES_, int MODE, bool DYN = false, bool PIPE = false>
+struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, MODE, DYN, PIPE>()>, MODE == kWeightGrad,
                              MODE == kInputGrad> {
-  using ExtT = Ext<counter_slot<T, BN_, MODE, DYN>()>;
+  using ExtT = Ext<counter_slot<T, BN_, MODE, DYN, PIPE>()>;
   using Base = gemm::Kernel<T, T, WGS_, BN_, STAGES_, ExtT, MODE == kWeightGrad, MODE == kInputGrad>;
   using Shared = typename Base::Shared;
   using Stage = typename Base::Stage;
   using LoaderState = typename Base::LoaderState;
-  using ConsumerState = typename Base::ConsumerState;
+  static_assert(!PIPE || (MODE == kWeightGrad && BN_ == 128), "pipe: weight grad, 128x128 tiles (two accumulators)");
+  // Variant pipe: the previous task's accumulator and task, written out under the next task's first MMAs.
+  // (prev is left uninitialized: registers the wgmma accumulator may share no non-wgmma definition with,
+  // or ptxas serializes the wgmmas.)
+  struct PipeState : Base::ConsumerState {
+    float prev[BN_ / 2];
+    Task prev_task;
+    bool has_prev;
+    __device__ PipeState() : Base::ConsumerState{}, prev_task{}, has_prev(false) {}
+  };
+  using ConsumerState = std::conditional_t<PIPE, PipeState, typename Base::ConsumerState>;
   using StorerState = typename Base::StorerState;
   using SlotLayout = typename Base::SlotLayout;
   static constexpr int WGS = WGS_, BN = BN_, BM = Base::BM, BK = Base::BK;
@@ -212,9 +226,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     }
   }
 
-  // Base::mma_blocks at wgmma width N (the same ring protocol).
-  template <int N, class Prepare>
-  __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare) {
+  // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
+  // MMAs are issued (variant pipe: the previous task's epilogue, under them).
+  template <int N, class Prepare, class AfterFirst>
+  __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare,
+                                      AfterFirst&& after_first) {
     const int lane = threadIdx.x % 32;
     int prev = -1;
     for (int kb = 0; kb < n; ++kb) {
@@ -224,6 +240,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       wgmma::fence();
       mma_stage_n<N>(in, st.warpgroup, acc, kb != 0);
       wgmma::commit();
+      if (kb == 0) after_first();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
       if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
       prev = st.pos.stage;
@@ -255,7 +272,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     };
     if constexpr (BN >= 128) {
       if (narrow) {
-        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare);
+        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {});
 #pragma unroll
         for (int i = BN / 4; i < BN / 2; ++i) acc[i] = 0.f;
         return;
@@ -290,15 +307,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     }
   }
 
-  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
-    const Task task = task_of(g, s.ext.table, t);
-    if (!task.valid) return;
+  // The warpgroup's slice of a task's output: into its slot for the storer's TMA, or copied row by row.
+  __device__ __forceinline__ static void output(const Globals& g, Shared& s, ConsumerState& st, const Task& task,
+                                                const float (&acc)[BN / 2]) {
     const int w = st.warpgroup;
     const int rows = slice_rows(task, w);
-    float acc[BN / 2];
-    // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
-    if (!kWeightGradMode && rows == 0) skip_task(s, st, task);
-    else mma_task(s, st, task, acc, narrow_task(g, task));
     Handoff& slot = s.c_slot[w];
     tma::mbar_wait(&slot.empty, st.c_phase ^ 1);
     if (rows > 0) {
@@ -308,6 +321,44 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     }
     tma::mbar_arrive(&slot.full);
     st.c_phase ^= 1;
+  }
+
+  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
+    const Task task = task_of(g, s.ext.table, t);
+    if (!task.valid) return;
+    float acc[BN / 2];
+    if constexpr (PIPE) {  // weight grad: the previous task's output goes out under this task's first MMAs
+      auto flush = [&] {
+        if (st.has_prev) output(g, s, st, st.prev_task, st.prev);
+        st.has_prev = false;
+      };
+      if (task.k_blocks == 0) {  // an empty group: zeros (straight into prev: acc is only ever a wgmma's)
+        flush();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) st.prev[i] = 0.f;
+      } else {
+        mma_blocks_n<BN>(s, st, task.k_blocks, acc, [&](Stage& in, int kb) {
+          if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
+        }, flush);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) st.prev[i] = acc[i];
+      }
+      st.prev_task = task;
+      st.has_prev = true;
+    } else {
+      // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
+      if (!kWeightGradMode && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
+      else mma_task(s, st, task, acc, narrow_task(g, task));
+      output(g, s, st, task, acc);
+    }
+  }
+
+  // Variant pipe: the last task's output (lcsc.cuh calls this after every consumer's last task).
+  __device__ static void consumer_finish(const Globals& g, Shared& s, ConsumerState& st) {
+    if constexpr (PIPE) {
+      if (st.has_prev) output(g, s, st, st.prev_task, st.prev);
+      st.has_prev = false;
+    }
   }
 
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int t) {

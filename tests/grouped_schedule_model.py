@@ -1,6 +1,6 @@
 """Host model of the grouped GEMM's task schedule (kernels/grouped_gemm_kernel.cuh, kernels/pk/group_table.cuh,
 kernels/pk/tile_scheduler.cuh, kernels/grouped_gemm.cu), written line for line after the device code, so
-CPU tests check the tile-table math of every variant (PK_JAX_GROUPED_VARIANT: dyn, narrow, n128), and a
+CPU tests check the tile-table math of every variant (PK_JAX_GROUPED_VARIANT: dyn, narrow, n128, pipe), and a
 cost model of the static and the claimed (dyn) schedules gives the expected gain of each variant.
 
 The emulation computes every task as the kernel does (BM x BN tile from the group's first row; the last
@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
-DYN, NARROW, N128 = 1, 2, 4  # the kernel's Variant bits
+DYN, NARROW, N128, PIPE = 1, 2, 4, 8  # the kernel's Variant bits
 BM, BK = 128, 64
 BN_OF_TILE = (256, 128)  # kBn
 EFFICIENCY = (1.0, 0.87)
@@ -102,6 +102,8 @@ class Launch:
 
     def __post_init__(self):
         self.tile = choose_tile(self.n, self.variant)
+        if self.mode == WEIGHT_GRAD and self.variant & PIPE:  # launch(): the pipelined weight grad's tile
+            self.tile = 1
         self.bn = BN_OF_TILE[self.tile]
         e = len(self.sizes)
         wgrad = self.mode == WEIGHT_GRAD
@@ -151,6 +153,8 @@ class Launch:
         width = (self.bn // 2 if self.narrow(task) else self.bn) / 256 / EFFICIENCY[self.tile]
         # one warpgroup alone issues its wgmmas at best at the rate of two (the tensor cores are shared)
         mma = task.k_blocks / 64 * width * (busy / 2 if busy else 0)
+        if self.mode == WEIGHT_GRAD and self.variant & PIPE and task.k_blocks:
+            return max(mma, epilogue * self.bn / 256)  # the epilogue runs under the next tile's MMAs
         return mma + epilogue * self.bn / 256
 
     def makespan(self, dynamic: bool | None = None) -> float:

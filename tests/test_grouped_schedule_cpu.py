@@ -1,6 +1,6 @@
 """The grouped GEMM's tile schedule on the CPU (tests/grouped_schedule_model.py, a line-for-line host model
 of kernels/grouped_gemm_kernel.cuh and pk/group_table.cuh): every output element stored exactly once and
-equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128) and the odd group
+equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128, pipe) and the odd group
 sizes of the GPU tests; the task bound holds; the variant parser; the cost model's expected gains."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import importlib
 
 gm = importlib.import_module("pk_jax.moe.grouped_matmul")
 
-VARIANT_BITS = [0, gsm.DYN, gsm.NARROW, gsm.N128, gsm.DYN | gsm.NARROW, gsm.DYN | gsm.N128,
-                gsm.DYN | gsm.NARROW | gsm.N128]
+VARIANT_BITS = [0, gsm.DYN, gsm.NARROW, gsm.N128, gsm.PIPE, gsm.DYN | gsm.NARROW, gsm.DYN | gsm.N128,
+                gsm.DYN | gsm.NARROW | gsm.N128, gsm.DYN | gsm.NARROW | gsm.PIPE]
 
 
 def sizes_of(kind: str, m: int, e: int, rng) -> list[int]:
@@ -106,6 +106,7 @@ def test_grouped_variant_parser():
     assert gm.variant_bits("dyn") == gsm.DYN
     assert gm.variant_bits("dyn+narrow") == gsm.DYN | gsm.NARROW
     assert gm.variant_bits("n128, dyn") == gsm.DYN | gsm.N128
+    assert gm.variant_bits("dyn+narrow+pipe") == gsm.DYN | gsm.NARROW | gsm.PIPE
     with pytest.raises(ValueError, match="unknown variant"):
         gm.variant_bits("fast")
     for v in gm.VARIANTS:

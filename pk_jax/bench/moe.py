@@ -35,7 +35,7 @@ from pk_jax.bench import results, timing
 from pk_jax.moe import routing
 
 AX = "ep"
-BENCH_VARIANTS = ("dyn", "narrow", "dyn+narrow", "dyn+n128")
+BENCH_VARIANTS = ("dyn", "dyn+narrow", "dyn+n128", "dyn+narrow+pipe")
 _gm = importlib.import_module("pk_jax.moe.grouped_matmul")  # the module (the package attribute is the function)
 
 

@@ -17,8 +17,9 @@ replicated over an axis the rows are sharded over gets its gradient summed by pk
 
 Kernel schedule variants (benchmarking; identical results): PK_JAX_GROUPED_VARIANT, read when a call is
 traced, names any of `dyn` (tasks claimed at run time from a device-wide counter: CTAs with cheap tiles take
-more), `narrow` (half-width MMAs for an n tail of at most half a tile) and `n128` (128x128 tiles where n %
-256 is 1..128), joined by "+" or ","; unset, empty or "default": the static schedule (kernels/
+more), `narrow` (half-width MMAs for an n tail of at most half a tile), `n128` (128x128 tiles where n %
+256 is 1..128) and `pipe` (weight grad: 128x128 tiles, each tile's epilogue under the next tile's MMAs),
+joined by "+" or ","; unset, empty or "default": the static schedule (kernels/
 grouped_gemm_kernel.cuh). The variant is part of the traced call, so a jitted function keeps the variant
 it was traced with.
 """
@@ -44,9 +45,10 @@ KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_GROUPS = 256  # the kernel's group table (kernels/pk/group_table.cuh)
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2  # the kernel's modes
 VARIANT_ENV = "PK_JAX_GROUPED_VARIANT"
-VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4}  # the kernel's Variant bits (kernels/grouped_gemm_kernel.cuh)
-# Variants the GPU tests and `bench moe --variants` run beside the default.
-VARIANTS = ("dyn", "narrow", "n128", "dyn+narrow", "dyn+n128")
+VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8}  # the kernel's Variant bits (grouped_gemm_kernel.cuh)
+# Variants the GPU tests run beside the default: every kernel instantiation and every bit (n128 is host-only:
+# with dyn, its 128-wide tiles at n = 1408 / 1096).
+VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow+pipe", "dyn+n128")
 
 
 def variant_bits(spec: str | None) -> int:
