@@ -22,7 +22,8 @@
 // accumulator. `n128` (host only, grouped_gemm.cu): the 128x128 tile where n % 256 is 1..128. `pipe`
 // (weight grad, 128x128 tiles): a consumer keeps a task's accumulator (a second 64-register copy) and writes
 // it out after issuing the next task's first k-block, so the epilogue of a short-K tile runs under the
-// next tile's MMAs (the last one in consumer_finish).
+// next tile's MMAs (the last one in consumer_finish); with pipe the weight grad ignores narrow (its n tail
+// is at most 128 wide already).
 #pragma once
 #include <type_traits>
 

@@ -35,7 +35,9 @@ from pk_jax.bench import results, timing
 from pk_jax.moe import routing
 
 AX = "ep"
-BENCH_VARIANTS = ("dyn", "dyn+narrow", "dyn+n128", "dyn+narrow+pipe")
+# --variants: the schedule variants timed beside the default (PK_JAX_BENCH_GROUPED_VARIANTS, space-separated,
+# replaces the list: e.g. "dyn+narrow dyn+narrow+pipe").
+BENCH_VARIANTS = tuple(os.environ.get("PK_JAX_BENCH_GROUPED_VARIANTS", "dyn dyn+narrow dyn+n128 dyn+narrow+pipe").split())
 _gm = importlib.import_module("pk_jax.moe.grouped_matmul")  # the module (the package attribute is the function)
 
 
