@@ -4,6 +4,7 @@
 //   mode 0 (forward):     x (m, k), w (E, k, n)               -> out (m, n)
 //   mode 1 (input grad):  dy (m, k), w (E, n, k) (read as wᵀ)  -> out (m, n)
 //   mode 2 (weight grad): x (m, k), dy (m, n)                 -> out (E, k, n)
+// variant: schedule variant bits (pk_jax/moe/grouped_matmul.py, PK_JAX_GROUPED_VARIANT); 0 the default.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -18,7 +19,7 @@ namespace {
 
 ffi::Error grouped_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a, ffi::AnyBuffer b,
                           ffi::Buffer<ffi::S32> group_sizes, ffi::Result<ffi::AnyBuffer> out, int32_t mode,
-                          int32_t tile) {
+                          int32_t tile, int32_t variant) {
   const auto da = a.dimensions(), db = b.dimensions(), dg = group_sizes.dimensions(), dout = out->dimensions();
   if (dg.size() != 1) return ffi::Error::InvalidArgument("pk_jax grouped_matmul: group_sizes must be 1-D (E,)");
   const int64_t e = dg[0];
@@ -29,6 +30,7 @@ ffi::Error grouped_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer a
   p.group_sizes = group_sizes.typed_data();
   p.out = out->untyped_data();
   p.num_groups = int(e);
+  p.variant = variant;
   if (da.size() != 2) return ffi::Error::InvalidArgument("pk_jax grouped_matmul: the first operand must be 2-D");
   p.tokens = int(da[0]);
   if (mode == 2) {
@@ -65,5 +67,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkGroupedMatmul, grouped_matmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("mode")
-                                  .Attr<int32_t>("tile"),
+                                  .Attr<int32_t>("tile")
+                                  .Attr<int32_t>("variant"),
                               {ffi::Traits::kCmdBufferCompatible});

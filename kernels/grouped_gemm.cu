@@ -24,12 +24,12 @@ constexpr int stages_for() {
   return n > 8 ? 8 : int(n);
 }
 
-template <typename T, int TILE, int MODE>
-using KernelOf = Kernel<T, 2, kBn[TILE], stages_for<T, 2, kBn[TILE]>(), MODE>;
+template <typename T, int TILE, int MODE, bool DYN = false, bool PIPE = false>
+using KernelOf = Kernel<T, 2, kBn[TILE], stages_for<T, 2, kBn[TILE]>(), MODE, DYN, PIPE>;
 
-template <typename T, int TILE, int MODE>
+template <typename T, int TILE, int MODE, bool DYN, bool PIPE = false>
 void run(const Problem& p, int sms, cudaStream_t stream) {
-  using K = KernelOf<T, TILE, MODE>;
+  using K = KernelOf<T, TILE, MODE, DYN, PIPE>;
   static_assert(K::STAGES >= 3, "pipeline depth");
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   Globals g{};
@@ -58,36 +58,49 @@ void run(const Problem& p, int sms, cudaStream_t stream) {
   if (tasks > INT_MAX) throw std::invalid_argument("pk_jax grouped_matmul: too many tiles for one launch");
   g.max_tasks = int(tasks);
   g.num_comm_sms = 0;
+  g.narrow_tail = (p.variant & kVariantNarrow) ? 1 : 0;
   const cudaError_t err = lcsc::launch<K>(g, sms, stream);
   if (err != cudaSuccess) throw std::runtime_error(std::string("pk_jax grouped_matmul launch: ") + cudaGetErrorString(err));
 }
 
-template <typename T, int MODE>
+template <typename T, int MODE, bool DYN>
 void dispatch_tile(const Problem& p, int tile, int sms, cudaStream_t stream) {
-  if (tile == k128x256) run<T, k128x256, MODE>(p, sms, stream);
-  else run<T, k128x128, MODE>(p, sms, stream);
+  if constexpr (MODE == kWeightGrad) {  // variant pipe: 128x128 tiles (launch() picks the tile)
+    if (p.variant & kVariantPipe) return run<T, k128x128, MODE, DYN, true>(p, sms, stream);
+  }
+  if (tile == k128x256) run<T, k128x256, MODE, DYN>(p, sms, stream);
+  else run<T, k128x128, MODE, DYN>(p, sms, stream);
+}
+
+template <typename T, int MODE>
+void dispatch_schedule(const Problem& p, int tile, int sms, cudaStream_t stream) {
+  if (p.variant & kVariantDynamic) dispatch_tile<T, MODE, true>(p, tile, sms, stream);
+  else dispatch_tile<T, MODE, false>(p, tile, sms, stream);
 }
 
 template <typename T>
 void dispatch(const Problem& p, int tile, int sms, cudaStream_t stream) {
   switch (p.mode) {
-    case kForward: return dispatch_tile<T, kForward>(p, tile, sms, stream);
-    case kInputGrad: return dispatch_tile<T, kInputGrad>(p, tile, sms, stream);
-    default: return dispatch_tile<T, kWeightGrad>(p, tile, sms, stream);
+    case kForward: return dispatch_schedule<T, kForward>(p, tile, sms, stream);
+    case kInputGrad: return dispatch_schedule<T, kInputGrad>(p, tile, sms, stream);
+    default: return dispatch_schedule<T, kWeightGrad>(p, tile, sms, stream);
   }
 }
 
-template <typename T, int TILE>
+template <typename T, int TILE, bool DYN>
 cudaError_t configure_tile() {
-  cudaError_t e = lcsc::configure<KernelOf<T, TILE, kForward>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, TILE, kInputGrad>>();
-  return e == cudaSuccess ? lcsc::configure<KernelOf<T, TILE, kWeightGrad>>() : e;
+  cudaError_t e = lcsc::configure<KernelOf<T, TILE, kForward, DYN>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, TILE, kInputGrad, DYN>>();
+  if (e == cudaSuccess && TILE == k128x128) e = lcsc::configure<KernelOf<T, k128x128, kWeightGrad, DYN, true>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, TILE, kWeightGrad, DYN>>() : e;
 }
 
 template <typename T>
 cudaError_t configure_type() {
-  const cudaError_t e = configure_tile<T, k128x256>();
-  return e == cudaSuccess ? configure_tile<T, k128x128>() : e;
+  cudaError_t e = configure_tile<T, k128x256, false>();
+  if (e == cudaSuccess) e = configure_tile<T, k128x128, false>();
+  if (e == cudaSuccess) e = configure_tile<T, k128x256, true>();
+  return e == cudaSuccess ? configure_tile<T, k128x128, true>() : e;
 }
 
 }  // namespace
@@ -99,10 +112,14 @@ const char* unsupported(const Problem& p) {
   if (p.n % 8) return "n must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.mode == kWeightGrad ? p.m % 8 : p.k % 8) return "k must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.tokens < 0 || p.m < 0 || p.n < 0 || p.k < 0) return "negative sizes";
+  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe)";
   return "";
 }
 
 int choose_tile(const Problem& p) {
+  // Variant `n128`: 128-wide tiles where the last 256-wide one would be at most half full (n = 1408:
+  // 11 x 128 instead of 5.5 x 256).
+  if ((p.variant & kVariant128) && p.n % 256 != 0 && p.n % 256 <= 128) return k128x128;
   // The padding of n to whole tiles over each tile's relative efficiency; rows tile alike (128).
   int best = k128x256;
   double best_cost = 0;
@@ -125,6 +142,7 @@ int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   if (const char* why = unsupported(p); *why) throw std::invalid_argument(std::string("pk_jax grouped_matmul: ") + why);
   if (tile == kAuto) tile = choose_tile(p);
+  if (p.mode == kWeightGrad && (p.variant & kVariantPipe)) tile = k128x128;  // the pipelined weight grad's tile
   if (tile < 0 || tile >= kNumTiles) throw std::invalid_argument("pk_jax grouped_matmul: unknown tile");
   const size_t out_elems = p.mode == kWeightGrad ? size_t(p.num_groups) * p.m * p.n : size_t(p.tokens) * p.n;
   if (out_elems == 0) return tile;

@@ -21,6 +21,9 @@ struct Problem {
   int tokens, m, n, k;         // m: weight grad only; k: forward / input grad only
   int num_groups;
   ElemType type;               // bf16 or f16 (inputs and output)
+  int variant;                 // Variant bits (grouped_gemm_kernel.cuh): 0 the default schedule; 1 dyn (tasks
+                               // claimed at run time), 2 narrow (half-width MMAs for the n tail), 4 n128,
+                               // 8 pipe (weight grad: 128x128 tiles, epilogue under the next tile's MMAs)
 };
 
 // Why the kernel cannot run `p` ("" when it can): the Python side checks the same before binding.

@@ -13,7 +13,20 @@
 // Weight grad: a task is (group, m tile, n tile), groups largest first (balance under skew); the last
 // k-block of a group holds rows of the next one: the consumers zero those k-rows of A and B in shared
 // memory before their MMAs.
+// Variants (PK_JAX_GROUPED_VARIANT, read by pk_jax/moe/grouped_matmul.py at trace time; none: the schedule
+// above): `dyn` claims tasks from a device-wide counter (pk/task_queue.cuh) instead of the static
+// round-robin, so CTAs whose tasks are cheap (a group's short last row tile, where a consumer warpgroup
+// skips its MMAs; a narrow n tail; a short-K weight-grad group) take more of them: the counter is reset by
+// the launch's last CTA (one launch of a kernel at a time per device). `narrow`: a tile whose valid
+// columns fit in BN/2 (the n tail, e.g. n = 1408 = 5.5 x 256) runs m64n(BN/2) wgmmas on half the
+// accumulator. `n128` (host only, grouped_gemm.cu): the 128x128 tile where n % 256 is 1..128. `pipe`
+// (weight grad, 128x128 tiles): a consumer keeps a task's accumulator (a second 64-register copy) and writes
+// it out after issuing the next task's first k-block, so the epilogue of a short-K tile runs under the
+// next tile's MMAs (the last one in consumer_finish); with pipe the weight grad ignores narrow (its n tail
+// is at most 128 wide already).
 #pragma once
+#include <type_traits>
+
 #include "gemm_kernel.cuh"
 #include "pk/group_table.cuh"
 
@@ -32,14 +45,33 @@ struct Globals {
   int group_m;           // tile-rows per raster band (TileGrid)
   int max_tasks;         // static bound on the task count (the launch's)
   int num_comm_sms;      // 0
+  int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
 };
 
+// Variant bits (Problem::variant, the custom call's `variant` attribute).
+enum Variant : int { kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8, kVariantMask = 15 };
+
+// Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
+// load; the last CTA of a launch resets both (storer_finish), so graph replays start from zero too.
+constexpr int kCounterSlots = 16;
+__device__ uint32_t g_task_counters[kCounterSlots][2];
+
+template <int SLOT>  // SLOT >= 0: tasks claimed at run time from g_task_counters[SLOT]
 struct Ext : gemm::NoComm {
   using Globals = grouped::Globals;
   struct SharedExt {
     GroupTable table;
   };
+  static constexpr bool kTaskCounter = SLOT >= 0;
+  __device__ static uint32_t* task_counter(const Globals&) { return g_task_counters[SLOT < 0 ? 0 : SLOT]; }
 };
+
+template <typename T, int BN, int MODE, bool DYN, bool PIPE>
+constexpr int counter_slot() {
+  static_assert(kWeightGrad * 4 + 4 + 1 < kCounterSlots, "counter slots");
+  return !DYN ? -1 : PIPE ? 12 + (std::is_same_v<T, __half> ? 1 : 0)
+                          : MODE * 4 + (BN == 256 ? 0 : 2) + (std::is_same_v<T, __half> ? 1 : 0);
+}
 
 // One task as every role sees it.
 struct Task {
@@ -53,18 +85,31 @@ struct Task {
   int k_last;    // valid k-rows of the last k-block (weight grad; 64 elsewhere)
 };
 
-template <typename T, int WGS_, int BN_, int STAGES_, int MODE>
-struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad, MODE == kInputGrad> {
-  using Base = gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad, MODE == kInputGrad>;
+template <typename T, int WGS_, int BN_, int STAGES_, int MODE, bool DYN = false, bool PIPE = false>
+struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, MODE, DYN, PIPE>()>, MODE == kWeightGrad,
+                             MODE == kInputGrad> {
+  using ExtT = Ext<counter_slot<T, BN_, MODE, DYN, PIPE>()>;
+  using Base = gemm::Kernel<T, T, WGS_, BN_, STAGES_, ExtT, MODE == kWeightGrad, MODE == kInputGrad>;
   using Shared = typename Base::Shared;
   using Stage = typename Base::Stage;
   using LoaderState = typename Base::LoaderState;
-  using ConsumerState = typename Base::ConsumerState;
+  static_assert(!PIPE || (MODE == kWeightGrad && BN_ == 128), "pipe: weight grad, 128x128 tiles (two accumulators)");
+  // Variant pipe: the previous task's accumulator and task, written out under the next task's first MMAs.
+  // (prev is left uninitialized: registers the wgmma accumulator may share no non-wgmma definition with,
+  // or ptxas serializes the wgmmas.)
+  struct PipeState : Base::ConsumerState {
+    float prev[BN_ / 2];
+    Task prev_task;
+    bool has_prev;
+    __device__ PipeState() : Base::ConsumerState{}, prev_task{}, has_prev(false) {}
+  };
+  using ConsumerState = std::conditional_t<PIPE, PipeState, typename Base::ConsumerState>;
   using StorerState = typename Base::StorerState;
   using SlotLayout = typename Base::SlotLayout;
   static constexpr int WGS = WGS_, BN = BN_, BM = Base::BM, BK = Base::BK;
   static constexpr int kBoxCols = Base::kBoxCols, kOutBoxCols = Base::kOutBoxCols;
   static constexpr bool kWeightGradMode = MODE == kWeightGrad;
+  static constexpr bool A_KM = kWeightGradMode, B_NK = MODE == kInputGrad;
   static_assert(128 * (WGS + 1) >= kMaxGroups + 2, "the group table is built with one thread per group");
   static_assert(sizeof(T) == 2, "16-bit operands and output");
 
@@ -168,18 +213,73 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad,
     asm volatile("bar.sync 1, %0;" ::"n"(128 * WGS) : "memory");  // every consumer thread's zeros are in
   }
 
-  // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks).
-  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2]) {
+  // Base::mma_stage at wgmma width N (<= BN): acc holds the first N columns of the tile.
+  template <int N>
+  __device__ static void mma_stage_n(const Stage& in, int warpgroup, float (&acc)[N / 2], bool accumulate) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      const T* a_wg = in.a + warpgroup * 64 * BK;
+      const uint64_t da = A_KM ? wgmma::desc_sw128(a_wg + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024)
+                               : wgmma::desc_sw128(a_wg + kk * 16, 16, 1024);
+      const uint64_t db = B_NK ? wgmma::desc_sw128(in.b + kk * 16, 16, 1024)
+                               : wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
+      wgmma::mma<T, N, A_KM ? 1 : 0, B_NK ? 0 : 1>(acc, da, db, (accumulate || kk != 0) ? 1u : 0u);
+    }
+  }
+
+  // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
+  // MMAs are issued (variant pipe: the previous task's epilogue, under them).
+  template <int N, class Prepare, class AfterFirst>
+  __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare,
+                                      AfterFirst&& after_first) {
+    const int lane = threadIdx.x % 32;
+    int prev = -1;
+    for (int kb = 0; kb < n; ++kb) {
+      st.pos.wait_full(s.ring);
+      Stage& in = s.stage[st.pos.stage];
+      prepare(in, kb);
+      wgmma::fence();
+      mma_stage_n<N>(in, st.warpgroup, acc, kb != 0);
+      wgmma::commit();
+      if (kb == 0) after_first();
+      wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
+      if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+      prev = st.pos.stage;
+      st.pos.advance();
+    }
+    wgmma::wait<0>();
+    wgmma::fence_operands(acc);
+    if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+  }
+
+  // Variant `narrow`: whether the task's valid columns fit in the first BN/2.
+  __device__ static bool narrow_task(const Globals& g, const Task& task) {
+    if constexpr (BN < 128) return false;
+    else return g.narrow_tail && g.n - task.col0 <= BN / 2;
+  }
+
+  // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
+  // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
+  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow) {
     if (task.k_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       return;
     }
-    Base::mma_blocks(s, st, task.k_blocks, acc, [&](Stage& in, int kb) {
+    auto prepare = [&](Stage& in, int kb) {
       if constexpr (kWeightGradMode) {
         if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
       }
-    });
+    };
+    if constexpr (BN >= 128) {
+      if (narrow) {
+        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {});
+#pragma unroll
+        for (int i = BN / 4; i < BN / 2; ++i) acc[i] = 0.f;
+        return;
+      }
+    }
+    Base::mma_blocks(s, st, task.k_blocks, acc, prepare);
   }
 
   // A warpgroup whose slice stores nothing only walks the ring (hands each stage back unread).
@@ -208,15 +308,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad,
     }
   }
 
-  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
-    const Task task = task_of(g, s.ext.table, t);
-    if (!task.valid) return;
+  // The warpgroup's slice of a task's output: into its slot for the storer's TMA, or copied row by row.
+  __device__ __forceinline__ static void output(const Globals& g, Shared& s, ConsumerState& st, const Task& task,
+                                                const float (&acc)[BN / 2]) {
     const int w = st.warpgroup;
     const int rows = slice_rows(task, w);
-    float acc[BN / 2];
-    // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
-    if (!kWeightGradMode && rows == 0) skip_task(s, st, task);
-    else mma_task(s, st, task, acc);
     Handoff& slot = s.c_slot[w];
     tma::mbar_wait(&slot.empty, st.c_phase ^ 1);
     if (rows > 0) {
@@ -226,6 +322,44 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad,
     }
     tma::mbar_arrive(&slot.full);
     st.c_phase ^= 1;
+  }
+
+  __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
+    const Task task = task_of(g, s.ext.table, t);
+    if (!task.valid) return;
+    float acc[BN / 2];
+    if constexpr (PIPE) {  // weight grad: the previous task's output goes out under this task's first MMAs
+      auto flush = [&] {
+        if (st.has_prev) output(g, s, st, st.prev_task, st.prev);
+        st.has_prev = false;
+      };
+      if (task.k_blocks == 0) {  // an empty group: zeros (straight into prev: acc is only ever a wgmma's)
+        flush();
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) st.prev[i] = 0.f;
+      } else {
+        mma_blocks_n<BN>(s, st, task.k_blocks, acc, [&](Stage& in, int kb) {
+          if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
+        }, flush);
+#pragma unroll
+        for (int i = 0; i < BN / 2; ++i) st.prev[i] = acc[i];
+      }
+      st.prev_task = task;
+      st.has_prev = true;
+    } else {
+      // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
+      if (!kWeightGradMode && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
+      else mma_task(s, st, task, acc, narrow_task(g, task));
+      output(g, s, st, task, acc);
+    }
+  }
+
+  // Variant pipe: the last task's output (lcsc.cuh calls this after every consumer's last task).
+  __device__ static void consumer_finish(const Globals& g, Shared& s, ConsumerState& st) {
+    if constexpr (PIPE) {
+      if (st.has_prev) output(g, s, st, st.prev_task, st.prev);
+      st.has_prev = false;
+    }
   }
 
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int t) {
@@ -248,7 +382,19 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext, MODE == kWeightGrad,
     st.c_phase ^= 1;
   }
 
-  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+  __device__ static void storer_finish(const Globals& g, Shared&, StorerState&) {
+    tma::wait_group<0>();
+    if constexpr (DYN) {
+      // This CTA's loader has made its last claim (the storer took the -1 it published after it). The
+      // last CTA to get here resets the counters: every claim of the launch is done by then.
+      uint32_t* counter = ExtT::task_counter(g);
+      __threadfence();
+      if (atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
+        atomicExch(&counter[0], 0u);
+        atomicExch(&counter[1], 0u);
+      }
+    }
+  }
 };
 
 }  // namespace pk::grouped

@@ -25,6 +25,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "task_queue.cuh"
 #include "tile_scheduler.cuh"
@@ -62,6 +63,13 @@ template <class K>
 constexpr bool register_split_fits() {
   return 128 * K::kProducerRegs + 128 * K::kConsumerWarpgroups * K::kConsumerRegs <= threads<K>() * launch_regs<K>();
 }
+
+// Optional K::consumer_finish(g, Shared&, ConsumerState&): every consumer thread, after its last task (e.g.
+// the output of a task whose epilogue a consumer defers under the next task's MMAs).
+template <class K, class = void>
+struct HasConsumerFinish : std::false_type {};
+template <class K>
+struct HasConsumerFinish<K, std::void_t<decltype(&K::consumer_finish)>> : std::true_type {};
 
 constexpr int kQueueDepth = 4;
 // Only kernels that claim tasks at run time instantiate (and so allocate) the queue.
@@ -113,6 +121,7 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
     typename K::ConsumerState st{};
     st.warpgroup = warpgroup - 1;
     each_task(false, true, [&](int t) { K::consumer(g, s, st, t); });
+    if constexpr (HasConsumerFinish<K>::value) K::consumer_finish(g, s, st);
   }
   __syncwarp();  // lanes 1-31 of the loader / storer warps wait for lane 0 before any CTA-wide barrier
 }

@@ -68,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile; "
-                        "attention: the full sweep, 64k..512k tokens, 16..128 heads)")
+                        "attention: the full sweep, 64k..512k tokens, 16..128 heads; moe grouped_matmul: the "
+                        "kernel's schedule variants, PK_JAX_GROUPED_VARIANT, without lax.ragged_dot)")
     p.add_argument("--group", type=int, default=None, help="model: mesh of the first G devices (default: all)")
     p.add_argument("--tokens", type=int, nargs="+", default=None, help="model: T per step (default 8192 16384)")
     p.add_argument("--widths", nargs="+", default=None, choices=["llama3-8b", "llama3-70b"],
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
-        rows = suite.run(small=small, reps=reps, only=args.op)
+        kw = {"variants": args.variants} if args.suite == "moe" else {}
+        rows = suite.run(small=small, reps=reps, only=args.op, **kw)
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:
         print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)

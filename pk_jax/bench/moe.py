@@ -11,11 +11,17 @@ Baselines, timed in turns in the same run:
   over 8 GB) and, forward only, (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu; also at the
   per-GPU shape of a DeepSeek-V3-sized layer (m 32768 = 4096 tokens x top-8, k 7168, n 2048, 64 experts);
 - moe_mlp: GShard-style dispatch + capacity-padded einsum (capacity factor 1.25; it drops, so no check).
+--variants (grouped_matmul): our kernel's schedule variants (PK_JAX_GROUPED_VARIANT: BENCH_VARIANTS) timed
+in the same turns as the default and the baselines (extra.variants_ms, each checked against the default's
+result: the variants change the schedule, not the sums); lax.ragged_dot is left out there (time).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
+import os
 from collections.abc import Callable
 
 import jax
@@ -29,6 +35,34 @@ from pk_jax.bench import results, timing
 from pk_jax.moe import routing
 
 AX = "ep"
+# --variants: the schedule variants timed beside the default (PK_JAX_BENCH_GROUPED_VARIANTS, space-separated,
+# replaces the list: e.g. "dyn+narrow dyn+narrow+pipe").
+BENCH_VARIANTS = tuple(os.environ.get("PK_JAX_BENCH_GROUPED_VARIANTS", "dyn dyn+narrow dyn+n128 dyn+narrow+pipe").split())
+_gm = importlib.import_module("pk_jax.moe.grouped_matmul")  # the module (the package attribute is the function)
+
+
+@contextlib.contextmanager
+def _variant_env(spec: str):
+    old = os.environ.get(_gm.VARIANT_ENV)
+    os.environ[_gm.VARIANT_ENV] = spec
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(_gm.VARIANT_ENV, None)
+        else:
+            os.environ[_gm.VARIANT_ENV] = old
+
+
+class _Traced:
+    """A jitted function lowered (so traced) with PK_JAX_GROUPED_VARIANT set to `spec` (read at trace time)."""
+
+    def __init__(self, jitted, spec: str):
+        self.jitted, self.spec = jitted, spec
+
+    def lower(self, *args):
+        with _variant_env(self.spec):
+            return self.jitted.lower(*args)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +152,9 @@ def _try(jitted, args):
         return None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
-def _contenders(c: Case, g: int, mesh: Mesh, dtype):
-    """(args, ours, [(name, baseline)], bytes at the busiest receiver) of one case."""
+def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
+    """(args, ours, [(name, baseline)], bytes at the busiest receiver) of one case; variants: our grouped
+    GEMM's schedule variants as more contenders, named "ours[<variant>]"."""
     rng = np.random.default_rng(1)
     shard = NamedSharding(mesh, P(AX))
     put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), shard)
@@ -162,8 +197,11 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype):
             dense_args = [xm[:used], wm[0], gs]  # the same FLOPs as one GEMM
         one = lambda f: jax.jit(jax.grad(lambda a, b, s: jnp.sum(f(a, b, s).astype(jnp.float32) ** 2), (0, 1))
                                 if c.backward else f)
-        ours = one(lambda a, b, s: pk_jax.grouped_matmul(a, b, s))
+        ours = _Traced(one(lambda a, b, s: pk_jax.grouped_matmul(a, b, s)), "")
         args = [xm, wm, gs]
+        if variants:
+            for spec in BENCH_VARIANTS:
+                bases.append((f"ours[{spec}]", _Traced(one(lambda a, b, s: pk_jax.grouped_matmul(a, b, s)), spec)))
         if gpu and not c.backward:
             try:
                 from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
@@ -173,7 +211,7 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype):
             except Exception:  # noqa: BLE001 - optional baseline
                 pass
         bases.append(("jnp.dot same FLOPs", one(lambda a, b, s: jnp.dot(a, b)), dense_args))
-        if not gpu or local * rows * c.f * 4 <= 8 << 30:  # XLA:GPU may emulate it densely: (E, m, n) fp32
+        if not variants and (not gpu or local * rows * c.f * 4 <= 8 << 30):  # XLA:GPU may emulate it densely
             bases.append(("lax.ragged_dot", one(lambda a, b, s: jax.lax.ragged_dot(a, b, s))))
         moved = int(counts.sum()) * row_bytes  # no exchange: the bytes of the busiest member's rows
     else:
@@ -188,7 +226,7 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype):
     return args, ours, bases, moved
 
 
-def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
+def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, variants: bool = False) -> list[dict]:
     devices = jax.devices()
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
@@ -196,7 +234,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> 
     for c in cases(g, small):
         if only and c.op != only:
             continue
-        args, ours_jit, bases, moved = _contenders(c, g, mesh, dtype)
+        args, ours_jit, bases, moved = _contenders(c, g, mesh, dtype, variants)
         ours, err = _try(ours_jit, args)
         if ours is None:
             raise RuntimeError(f"pk_jax.bench moe: {c.op} {c.name} failed: {err}")
@@ -209,25 +247,39 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> 
                 fns.append((lambda xs, f=fn, o=own[0]: f(o)) if own else fn)
                 names.append(name)
         check = "no baseline"
+        mine = [i for i, name in enumerate(names) if name.startswith("ours[")]
+        if mine:  # the variants sum the same products in the same order: bit-identical to the default
+            first = jax.tree.leaves(fns[0](args))
+            for i in mine:
+                again = jax.tree.leaves(fns[1 + i](args))
+                same_bits = all(bool(jnp.array_equal(a, b)) for a, b in zip(first, again))
+                errors.setdefault("variant_checks", {})[names[i]] = "identical" if same_bits else (
+                    f"rel={max(results.rel_err(a, b) for a, b in zip(first, again)):.1e}")
         same = [i for i, name in enumerate(names) if name in ("lax.ragged_dot", "pallas ragged_dot_mgpu")]
         if c.op == "grouped_matmul" and same:
             ref = fns[1 + same[-1]]
             e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(ref(args))))
             check = f"ok rel={e:.1e} vs {names[same[-1]]}" if e < 3e-2 else f"MISMATCH rel={e:.1e} vs {names[same[-1]]}"
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
-        base = dict(zip(names, times[1:]))
+        base = {k: v for k, v in zip(names, times[1:]) if not k.startswith("ours[")}
+        mine_ms = {k[5:-1]: v for k, v in zip(names, times[1:]) if k.startswith("ours[")}
+        names_b = [k for k in names if not k.startswith("ours[")]
+        times_b = [times[0]] + [v for k, v in zip(names, times[1:]) if not k.startswith("ours[")]
         rows.append({
             "op": c.op, "case": c.name, "shape": [c.t, c.h, c.e, c.k], "dtype": jnp.dtype(dtype).name, "group": g,
-            "ours_ms": round(times[0], 5), "baseline": names[0] if names else None,
-            "baseline_ms": round(times[1], 5) if names else None,
-            "ratio": round(times[1] / times[0], 4) if names else None,
+            "ours_ms": round(times[0], 5), "baseline": names_b[0] if names_b else None,
+            "baseline_ms": round(times_b[1], 5) if names_b else None,
+            "ratio": round(times_b[1] / times[0], 4) if names_b else None,
             "extra": {"gbps": round(moved / times[0] / 1e6, 2), "busiest_bytes": moved, "ffn": c.f, "reps": reps,
                       "baselines_ms": {k: round(v, 5) for k, v in base.items()}, "baseline_errors": errors,
                       "check": check},
         })
+        if mine_ms:
+            rows[-1]["extra"]["variants_ms"] = {k: round(v, 5) for k, v in mine_ms.items()}
         print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours {times[0]:9.3f} ms  "
               f"{rows[-1]['extra']['gbps']:8.1f} GB/s  "
               + "  ".join(f"{k} {v:9.3f} ms" for k, v in base.items())
+              + "".join(f"  ours[{k}] {v:9.3f} ms" for k, v in mine_ms.items())
               + "".join(f"  [{k}: {v}]" for k, v in errors.items()) + f"  {check}", flush=True)
     return rows
 

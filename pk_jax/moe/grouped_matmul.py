@@ -14,11 +14,20 @@ platforms) run the reference paths below with identical semantics (on a GPU, say
   m_used * k * n plus at most (E - 1) tiles' worth (pairs past the rows in use skip their GEMM), and the memory one tile and one expert matrix at a time.
 The VJP is two grouped GEMMs on the same paths: dx = grouped(dy, w^T), dw[e] = x_e^T dy_e; an operand
 replicated over an axis the rows are sharded over gets its gradient summed by pk_jax.all_reduce.
+
+Kernel schedule variants (benchmarking; identical results): PK_JAX_GROUPED_VARIANT, read when a call is
+traced, names any of `dyn` (tasks claimed at run time from a device-wide counter: CTAs with cheap tiles take
+more), `narrow` (half-width MMAs for an n tail of at most half a tile), `n128` (128x128 tiles where n %
+256 is 1..128) and `pipe` (weight grad: 128x128 tiles, each tile's epilogue under the next tile's MMAs),
+joined by "+" or ","; unset, empty or "default": the static schedule (kernels/
+grouped_gemm_kernel.cuh). The variant is part of the traced call, so a jitted function keeps the variant
+it was traced with.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 
 import jax
@@ -35,6 +44,28 @@ TILE_ROWS = 128
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MAX_GROUPS = 256  # the kernel's group table (kernels/pk/group_table.cuh)
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2  # the kernel's modes
+VARIANT_ENV = "PK_JAX_GROUPED_VARIANT"
+VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8}  # the kernel's Variant bits (grouped_gemm_kernel.cuh)
+# Variants the GPU tests run beside the default: every bit, every kernel instantiation and every variant that
+# `bench moe --variants` times (n128 is host-only: with dyn, its 128-wide tiles at n = 1408 / 1096).
+VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow", "dyn+narrow+pipe", "dyn+n128")
+
+
+def variant_bits(spec: str | None) -> int:
+    """The kernel's variant bits of a PK_JAX_GROUPED_VARIANT value ("dyn+narrow", "n128,dyn", "" ...)."""
+    bits = 0
+    for name in (spec or "").replace(",", "+").split("+"):
+        name = name.strip().lower()
+        if name in ("", "default", "none"):
+            continue
+        if name not in VARIANT_BITS:
+            raise ValueError(f"{VARIANT_ENV}={spec!r}: unknown variant {name!r} (known: {', '.join(VARIANT_BITS)})")
+        bits |= VARIANT_BITS[name]
+    return bits
+
+
+def _variant() -> int:
+    return variant_bits(os.environ.get(VARIANT_ENV))
 
 # (a, b, group_sizes) -> forward: x (m, k), w (E, k, n) -> (m, n); input grad: dy (m, k), w (E, n, k) -> (m, n)
 # (w read transposed in place); weight grad: x (m, k), dy (m, n) -> (E, k, n). Always the inputs' dtype.
@@ -144,7 +175,7 @@ def _note_fallback(why: str) -> None:
                   "kernel", stacklevel=4)
 
 
-def _abstract_eval(a, b, group_sizes, *, mode):
+def _abstract_eval(a, b, group_sizes, *, mode, variant=0):
     if mode == WEIGHT_GRAD:
         shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
     else:
@@ -156,7 +187,7 @@ def _abstract_eval(a, b, group_sizes, *, mode):
     return out
 
 
-def _reference(a, b, group_sizes, *, mode, tile_rows=TILE_ROWS):
+def _reference(a, b, group_sizes, *, mode, variant=0, tile_rows=TILE_ROWS):
     """The primitive's semantics on the reference paths (its fallback lowering and batching rule)."""
     if mode == FORWARD:
         return _lax_forward(a, b, group_sizes, tile_rows)
@@ -165,20 +196,21 @@ def _reference(a, b, group_sizes, *, mode, tile_rows=TILE_ROWS):
     return _lax_weight_grad(a, b, group_sizes, a.dtype, tile_rows)
 
 
-def _batch(args, dims, *, mode):
+def _batch(args, dims, *, mode, variant=0):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     args = [batching.bdim_at_front(x, d, size) for x, d in zip(args, dims)]
     return jax.vmap(functools.partial(_reference, mode=mode))(*args), 0
 
 
-def _cuda_lowering(ctx, a, b, group_sizes, *, mode):
-    return jax.ffi.ffi_lowering("pk_grouped_matmul")(ctx, a, b, group_sizes, mode=np.int32(mode), tile=np.int32(-1))
+def _cuda_lowering(ctx, a, b, group_sizes, *, mode, variant=0):
+    return jax.ffi.ffi_lowering("pk_grouped_matmul")(ctx, a, b, group_sizes, mode=np.int32(mode), tile=np.int32(-1),
+                                                      variant=np.int32(variant))
 
 
 pk_grouped_matmul_p.def_abstract_eval(_abstract_eval)
 pk_grouped_matmul_p.def_impl(functools.partial(dispatch.apply_primitive, pk_grouped_matmul_p))
 batching.primitive_batchers[pk_grouped_matmul_p] = _batch
-mlir.register_lowering(pk_grouped_matmul_p, lambda ctx, *args, mode: mlir.lower_fun(
+mlir.register_lowering(pk_grouped_matmul_p, lambda ctx, *args, mode, variant=0: mlir.lower_fun(
     functools.partial(_reference, mode=mode), multiple_results=False)(ctx, *args))
 if _ext.available():
     mlir.register_lowering(pk_grouped_matmul_p, _cuda_lowering, platform="cuda")
@@ -211,38 +243,39 @@ def _lax_weight_grad(x, dy, group_sizes, w_dtype, tile_rows):
     return jax.lax.platform_dependent(cpu=on_cpu, default=tiled)
 
 
-def _forward(x, w, group_sizes, tile_rows, use_kernel):
+def _forward(x, w, group_sizes, tile_rows, use_kernel, variant=0):
     gs = group_sizes.astype(jnp.int32)
     return _with_kernel(lambda: _lax_forward(x, w, gs, tile_rows),
-                        lambda: pk_grouped_matmul_p.bind(x, w, gs, mode=FORWARD), use_kernel)
+                        lambda: pk_grouped_matmul_p.bind(x, w, gs, mode=FORWARD, variant=variant), use_kernel)
 
 
-def _input_grad(dy, w, group_sizes, x_dtype, tile_rows, use_kernel):
+def _input_grad(dy, w, group_sizes, x_dtype, tile_rows, use_kernel, variant=0):
     gs = group_sizes.astype(jnp.int32)
     dy = dy.astype(x_dtype)
     return _with_kernel(lambda: _lax_forward(dy, jnp.swapaxes(w, 1, 2), gs, tile_rows).astype(x_dtype),
-                        lambda: pk_grouped_matmul_p.bind(dy, w, gs, mode=INPUT_GRAD), use_kernel)
+                        lambda: pk_grouped_matmul_p.bind(dy, w, gs, mode=INPUT_GRAD, variant=variant), use_kernel)
 
 
-def _weight_grad(x, dy, group_sizes, w_dtype, tile_rows, use_kernel):
+def _weight_grad(x, dy, group_sizes, w_dtype, tile_rows, use_kernel, variant=0):
     gs = group_sizes.astype(jnp.int32)
     return _with_kernel(lambda: _lax_weight_grad(x, dy, gs, w_dtype, tile_rows),
-                        lambda: pk_grouped_matmul_p.bind(x, dy.astype(x.dtype), gs, mode=WEIGHT_GRAD), use_kernel)
+                        lambda: pk_grouped_matmul_p.bind(x, dy.astype(x.dtype), gs, mode=WEIGHT_GRAD,
+                                                         variant=variant), use_kernel)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _grouped(x, w, group_sizes, tile_rows, use_kernel):
-    return _forward(x, w, group_sizes, tile_rows, use_kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _grouped(x, w, group_sizes, tile_rows, use_kernel, variant):
+    return _forward(x, w, group_sizes, tile_rows, use_kernel, variant)
 
 
-def _grouped_fwd(x, w, group_sizes, tile_rows, use_kernel):
-    return _forward(x, w, group_sizes, tile_rows, use_kernel), (x, w, group_sizes)
+def _grouped_fwd(x, w, group_sizes, tile_rows, use_kernel, variant):
+    return _forward(x, w, group_sizes, tile_rows, use_kernel, variant), (x, w, group_sizes)
 
 
-def _grouped_bwd(tile_rows, use_kernel, res, dy):
+def _grouped_bwd(tile_rows, use_kernel, variant, res, dy):
     x, w, group_sizes = res
-    dx = _input_grad(dy, w, group_sizes, x.dtype, tile_rows, use_kernel)
-    dw = _weight_grad(x, dy, group_sizes, w.dtype, tile_rows, use_kernel)
+    dx = _input_grad(dy, w, group_sizes, x.dtype, tile_rows, use_kernel, variant)
+    dw = _weight_grad(x, dy, group_sizes, w.dtype, tile_rows, use_kernel, variant)
     return _unvary_like(dx, x), _unvary_like(dw, w), None
 
 
@@ -266,6 +299,7 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_r
       group_sizes: (E,) int rows per group; sum <= m (rows past the sum give zero rows; a sum above m is
         cut at m).
       tile_rows: the row tile of the non-CPU reference scan (see the module docstring; the kernel tiles its own).
+      (PK_JAX_GROUPED_VARIANT, read here at trace time, picks a kernel schedule variant: module docstring.)
 
     Returns:
       (m, n) in x's dtype, accumulated in float32. Differentiable in x and w (grouped-GEMM VJP).
@@ -275,4 +309,5 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tile_r
     why = _kernel_unsupported(x, w)
     if why is not None and _ext.available() and jax.default_backend() == "gpu":
         _note_fallback(why)
-    return _grouped(x, w, group_sizes, tile_rows, why is None and _ext.available())
+    variant = _variant()  # validated on every platform; only the kernel uses it
+    return _grouped(x, w, group_sizes, tile_rows, why is None and _ext.available(), variant)

@@ -2,11 +2,15 @@
 float32 NumPy reference: fresh random inputs, NaN-poisoned outputs; uniform, skewed (a few hot experts),
 empty experts, sum(group_sizes) < m and > m, groups shorter than a tile, odd sizes, 1..256 experts,
 bf16 and f16, k and n off the tile grid; rows past the sum NaN in x and dy (never read into a result);
-bit-identical repeats; the kernel is what runs (the custom call is in the HLO)."""
+bit-identical repeats; the kernel is what runs (the custom call is in the HLO). Every test runs under
+each schedule variant (PK_JAX_GROUPED_VARIANT: default, then pk_jax.moe.grouped_matmul.VARIANTS), or only
+under the one set in the environment when pytest starts (e.g. PK_JAX_GROUPED_VARIANT=dyn)."""
 
 from __future__ import annotations
 
+import importlib
 import itertools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +23,17 @@ from .poison import poison_allocator
 
 MIN_GPUS = 1
 _seed = itertools.count(9001)
+gm = importlib.import_module("pk_jax.moe.grouped_matmul")
+_only = os.environ.get(gm.VARIANT_ENV)
+VARIANTS = [_only] if _only is not None else ["default", *gm.VARIANTS]
+
+
+@pytest.fixture(params=VARIANTS, autouse=True)
+def variant(request, monkeypatch):
+    """The schedule variant of the test (read when `run` traces: one jitted function per variant)."""
+    gm.variant_bits(request.param)  # a bad name fails here, not in a trace
+    monkeypatch.setenv(gm.VARIANT_ENV, request.param)
+    return request.param
 
 
 def group_sizes(kind: str, m: int, e: int, rng) -> np.ndarray:
@@ -76,7 +91,19 @@ def _forward_and_vjp(x, w, gs, dy):
     return (out, *vjp(dy))
 
 
-run = jax.jit(_forward_and_vjp)
+_jitted = {}
+
+
+def runner():
+    """The jitted forward + VJP for the current PK_JAX_GROUPED_VARIANT (traced under it)."""
+    spec = os.environ.get(gm.VARIANT_ENV, "")
+    if spec not in _jitted:
+        _jitted[spec] = jax.jit(lambda *a: _forward_and_vjp(*a))
+    return _jitted[spec]
+
+
+def run(*args):
+    return runner()(*args)
 
 
 def close(name, got, want, tol):
@@ -111,21 +138,31 @@ def check(m, k, n, e, kind, dtype=jnp.bfloat16, nan_tail=True):
 
 
 CASES = [  # (m, k, n, E, kind)
+    # first: the bench's losing shape in small (E 64, n 1408 = 5.5 x 256: every variant's paths, dw included)
+    (4096, 512, 1408, 64, "uniform"),
     (4096, 512, 384, 8, "uniform"), (4096, 512, 384, 8, "skewed"), (4096, 512, 384, 16, "empty"),
     (4096, 512, 384, 8, "short"), (3000, 256, 256, 64, "tiny"), (4099, 264, 200, 13, "odd"),
     (1000, 128, 136, 4, "over"), (2048, 1024, 512, 1, "uniform"), (2048, 64, 128, 1, "short"),
     (2048, 256, 128, 256, "uniform"), (8192, 256, 256, 256, "skewed"), (1024, 128, 64, 256, "tiny"),
     (4096, 1408, 1024, 64, "skewed"), (2048, 200, 72, 7, "odd"), (16, 64, 64, 3, "short"),
+    (3000, 264, 1096, 13, "odd"),  # n tail 72 (variant narrow: m64n128 wgmmas; n128: 9 x 128)
 ]
 
 
-@pytest.mark.parametrize("m,k,n,e,kind", CASES, ids=lambda v: str(v))
+def case_id(case) -> str:
+    m, k, n, e, kind = case
+    return f"{m}x{k}x{n}-E{e}-{kind}"
+
+
+@pytest.mark.parametrize("m,k,n,e,kind", CASES, ids=[case_id(c) for c in CASES])
 def test_bf16(m, k, n, e, kind):
     check(m, k, n, e, kind)
 
 
-@pytest.mark.parametrize("m,k,n,e,kind", [(4096, 512, 384, 8, "skewed"), (3000, 256, 256, 64, "tiny"),
-                                          (2048, 200, 72, 7, "odd")], ids=lambda v: str(v))
+F16_CASES = [(4096, 512, 384, 8, "skewed"), (3000, 256, 256, 64, "tiny"), (2048, 200, 72, 7, "odd")]
+
+
+@pytest.mark.parametrize("m,k,n,e,kind", F16_CASES, ids=[case_id(c) for c in F16_CASES])
 def test_f16(m, k, n, e, kind):
     check(m, k, n, e, kind, dtype=jnp.float16)
 
@@ -147,7 +184,7 @@ def test_kernel_runs_and_repeats_bit_identical():
     gs = jnp.asarray(group_sizes("skewed", m - 100, e, rng))
     x, w, dy = rand((m, k), jnp.bfloat16), rand((e, k, n), jnp.bfloat16, 1 / 32), rand((m, n), jnp.bfloat16)
 
-    hlo = run.lower(x, w, gs, dy).as_text()
+    hlo = runner().lower(x, w, gs, dy).as_text()
     assert hlo.count("pk_grouped_matmul") >= 3, "forward, dx and dw should each be a pk_grouped_matmul call"
     first = [np.asarray(a.view(jnp.uint16)) for a in run(x, w, gs, dy)]
     for _ in range(3):
