@@ -27,6 +27,7 @@
 #   attnvariants the forward kernel's variants (PK_JAX_ATTENTION_FWD_VARIANT): first looks, same bits, timing ~5 min
 #   latsweep    (2 GPUs+) small-path grid geometry sweep (PK_JAX_SMALL_LINES_PER_CTA / _MAX_CTAS), chains 16/64/256 ~2 min
 #   contexttests (2 GPUs+) ring / Ulysses GPU tests (forward and gradients vs a float32 reference)  ~2 min
+#   groupedvariants grouped GEMM schedule variants (PK_JAX_GROUPED_VARIANT): every variant's first test, then timing ~4 min
 #   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
@@ -115,6 +116,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   --bytes 4096 16384 65536 262144 524288 1048576 --out "$OUT/$day-latency-sweep-${geo/:/-}.json"
               done ;;
     contexttests) stage context-tests 180 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs ;;
+    groupedvariants) stage grouped-first 120 python3 -m pytest -x -v -o faulthandler_timeout=50 tests/gpu/test_grouped_matmul_gpu.py \
+                       -k "test_bf16 and 4096x512x1408-E64-uniform"
+                     if grep -q " passed" "$OUT/grouped-first.log" && ! grep -q "failed" "$OUT/grouped-first.log"; then
+                       stage grouped-var 220 env PK_JAX_BENCH_GROUPED_VARIANTS="dyn dyn+narrow dyn+narrow+pipe" \
+                         python3 -m pk_jax.bench moe --op grouped_matmul --reps 10 --variants --out "$OUT/$day-moe-grouped-variants.json"
+                     fi ;;
     context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
     moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
