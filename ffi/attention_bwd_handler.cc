@@ -34,7 +34,7 @@ bool same_dims(ffi::Span<const int64_t> a, std::initializer_list<int64_t> b) {
 ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
                          ffi::Result<ffi::AnyBuffer> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t causal) {
+                         ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t causal, int32_t reserve_sms) {
   const auto dq = q.dimensions(), dkk = k.dimensions();
   if (dq.size() != 4 || dkk.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
@@ -82,7 +82,9 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
     return ffi::Error::Internal(std::string("pk_jax attention backward: configuring kernels: ") +
                                 cudaGetErrorString(e));
   const int sms = pk::attention_bwd::num_sms(ordinal);
-  return pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); });
+  // reserve_sms: SMs left free for traffic on another stream (ring attention's K/V and dK/dV blocks).
+  const int compute_sms = reserve_sms > 0 && reserve_sms < sms ? sms - reserve_sms : sms;
+  return pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, compute_sms, stream); });
 }
 
 }  // namespace
@@ -102,5 +104,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Attr<float>("scale")
-                                  .Attr<int32_t>("causal"),
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("reserve_sms"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -25,7 +25,8 @@ std::string dims_str(ffi::Span<const int64_t> d) {
 
 ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                      ffi::AnyBuffer offsets, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                     float scale, int32_t causal, int32_t with_lse, int32_t pipelined, int32_t variant) {
+                     float scale, int32_t causal, int32_t with_lse, int32_t pipelined, int32_t variant,
+                     int32_t reserve_sms) {
   const auto dq = q.dimensions(), dk = k.dimensions(), dv = v.dimensions(), dout = o->dimensions();
   if (dq.size() != 4 || dk.size() != 4 || dv.size() != 4 || dout.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention: q, k, v and o must be 4-D (batch, seq, heads, head_dim)");
@@ -66,7 +67,9 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
   if (cudaError_t e = pk::attention::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention: configuring kernels: ") + cudaGetErrorString(e));
   const int sms = pk::attention::num_sms(ordinal);
-  return pk::launch_as_ffi_error([&] { pk::attention::launch(p, sms, stream); });
+  // reserve_sms: SMs left free for traffic on another stream (ring attention's next K/V block).
+  const int compute_sms = reserve_sms > 0 && reserve_sms < sms ? sms - reserve_sms : sms;
+  return pk::launch_as_ffi_error([&] { pk::attention::launch(p, compute_sms, stream); });
 }
 
 }  // namespace
@@ -85,5 +88,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttention, attention,
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("with_lse")
                                   .Attr<int32_t>("pipelined")
-                                  .Attr<int32_t>("variant"),
+                                  .Attr<int32_t>("variant")
+                                  .Attr<int32_t>("reserve_sms"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -77,7 +77,7 @@ def reference(q: jax.Array, k: jax.Array, v: jax.Array, offsets: jax.Array, *, s
     return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
 
-def _abstract_eval(q, k, v, offsets, *, scale, causal, with_lse):
+def _abstract_eval(q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
     b, tq, n, _ = q.shape
     out = q.update(shape=q.shape, dtype=q.dtype)
     lse = q.update(shape=(b, n, tq) if with_lse else (1, 1, 1), dtype=jnp.float32)
@@ -92,11 +92,13 @@ pk_attention_p.def_abstract_eval(_abstract_eval)
 pk_attention_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_p))
 
 
-def _bind(q, k, v, offsets, scale, causal, with_lse):
-    return pk_attention_p.bind(q, k, v, offsets, scale=scale, causal=causal, with_lse=with_lse)
+def _bind(q, k, v, offsets, scale, causal, with_lse, reserve_sms: int = 0):
+    """reserve_sms: SMs the kernel leaves free (ring attention: for the next step's K/V transfer)."""
+    return pk_attention_p.bind(q, k, v, offsets, scale=scale, causal=causal, with_lse=with_lse,
+                               reserve_sms=int(reserve_sms))
 
 
-def _lax_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse):
+def _lax_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
     def f(q, k, v, offsets):
         out, lse = reference(q, k, v, offsets, scale=scale, causal=causal)
         return out, (lse if with_lse else jnp.zeros((1, 1, 1), jnp.float32))
@@ -123,12 +125,12 @@ def fwd_variant() -> str:
     return name
 
 
-def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse):
+def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
     variant = FWD_VARIANTS.index(fwd_variant())
     return jax.ffi.ffi_lowering("pk_attention")(ctx, q, k, v, offsets, scale=np.float32(scale),
                                                  causal=np.int32(causal), with_lse=np.int32(with_lse),
                                                  pipelined=np.int32(variant == 0 and _schedule() == "pipelined"),
-                                                 variant=np.int32(variant))
+                                                 variant=np.int32(variant), reserve_sms=np.int32(reserve_sms))
 
 
 mlir.register_lowering(pk_attention_p, _lax_lowering)
@@ -136,7 +138,7 @@ if _ext.available():
     mlir.register_lowering(pk_attention_p, _cuda_lowering, platform="cuda")
 
 
-def _batch(args, dims, *, scale, causal, with_lse):
+def _batch(args, dims, *, scale, causal, with_lse, reserve_sms=0):
     """vmap: the mapped axis folds into the batch axis (offsets must be shared), one kernel call."""
     q, k, v, offsets = args
     if dims[3] is not None:
@@ -145,7 +147,7 @@ def _batch(args, dims, *, scale, causal, with_lse):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     q, k, v = (batching.bdim_at_front(x, d, size) for x, d in zip((q, k, v), dims[:3]))
     fold = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])
-    out, lse = _bind(fold(q), fold(k), fold(v), offsets, scale, causal, with_lse)
+    out, lse = _bind(fold(q), fold(k), fold(v), offsets, scale, causal, with_lse, reserve_sms)
     out = out.reshape(size, -1, *out.shape[1:])
     lse = lse.reshape(size, -1, *lse.shape[1:]) if with_lse else jnp.zeros((size, 1, 1, 1), jnp.float32)
     return (out, lse), (0, 0)
@@ -161,13 +163,13 @@ def _vary_like(avals, *inputs):
     return [a.update(manual_axis_type=inputs[0].mat.update(varying=varying)) for a in avals]
 
 
-def _bwd_abstract_eval(q, k, v, dout, lse, delta, offsets, *, scale, causal):
-    del dout, lse, delta, scale, causal
+def _bwd_abstract_eval(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0):
+    del dout, lse, delta, scale, causal, reserve_sms
     return _vary_like([q.update(shape=q.shape, dtype=q.dtype), k.update(shape=k.shape, dtype=k.dtype),
                        v.update(shape=v.shape, dtype=v.dtype)], q, k, v, offsets)
 
 
-def reference_bwd(q, k, v, dout, lse, delta, offsets, *, scale, causal):
+def reference_bwd(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0):
     """XLA einsums: (dq, dk, dv) in the input dtypes from lse and delta (B, N, Tq) float32, where
     delta = rowsum(dout * out) - d_lse. What pk_attention_bwd computes; its lowering off CUDA."""
     dq, dk, dv = block_attention_bwd(q, k, v, dout, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), scale=scale,
@@ -195,13 +197,14 @@ def kernel_bwd_inputs(lse: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.
     return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta.astype(jnp.float32), pad)
 
 
-def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal):
+def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0):
     b, tq, n, d = q.shape
     lse2, delta = kernel_bwd_inputs(lse, delta)
     out_types = (jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
                  jax.ShapeDtypeStruct(v.shape, v.dtype))
     dq_acc, dk, dv = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
-        q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal))
+        q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal),
+        reserve_sms=np.int32(reserve_sms))
     return dq_from_chunks(dq_acc, tq, scale).astype(q.dtype), dk, dv
 
 
@@ -213,7 +216,7 @@ if _ext.available():
                            platform="cuda")
 
 
-def _batch_bwd(args, dims, *, scale, causal):
+def _batch_bwd(args, dims, *, scale, causal, reserve_sms=0):
     """vmap: the mapped axis folds into the batch axis (offsets must be shared), one kernel call."""
     if dims[6] is not None:
         outs = jax.vmap(lambda *a: reference_bwd(*a, scale=scale, causal=causal), in_axes=dims)(*args)
@@ -221,7 +224,8 @@ def _batch_bwd(args, dims, *, scale, causal):
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     front = [batching.bdim_at_front(x, d, size) for x, d in zip(args[:6], dims[:6])]
     fold = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])
-    outs = pk_attention_bwd_p.bind(*(fold(x) for x in front), args[6], scale=scale, causal=causal)
+    outs = pk_attention_bwd_p.bind(*(fold(x) for x in front), args[6], scale=scale, causal=causal,
+                                   reserve_sms=reserve_sms)
     return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0, 0, 0)
 
 

@@ -26,6 +26,7 @@
 #   floor       scripts/latency_floor.py under three XLA_FLAGS (command buffers default / off / custom calls)  ~3 min
 #   attnvariants the forward kernel's variants (PK_JAX_ATTENTION_FWD_VARIANT): first looks, same bits, timing ~5 min
 #   latsweep    (2 GPUs+) small-path grid geometry sweep (PK_JAX_SMALL_LINES_PER_CTA / _MAX_CTAS), chains 16/64/256 ~2 min
+#   ringreserve (2 GPUs+) ring attention rows at S 12288 with PK_JAX_RING_RESERVE_SMS in RESERVES (default "8 0") ~2 min
 #   contexttests (2 GPUs+) ring / Ulysses GPU tests (forward and gradients vs a float32 reference)  ~2 min
 #   groupedvariants grouped GEMM schedule variants (PK_JAX_GROUPED_VARIANT): every variant's first test, then timing ~4 min
 #   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
@@ -110,11 +111,16 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   stage attnvar-bits 200 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs -k "same_bits or default_bits"
                   stage attnvar 200 python3 -m pk_jax.bench attention --fwd-variants --cases fwd fwd_causal fwd_gqa \
                     --seqs 4096 16384 --head-dims 128 --out "$OUT/$day-attention-fwd-variants.json" ;;
-    latsweep) for geo in 2048:128 1024:132 512:132 256:132 128:132; do  # small path grid geometry: lines per CTA : CTA cap
+    latsweep) for geo in ${GEOS:-2048:128 1024:132 512:132 256:132 128:132}; do  # small path grid geometry: lines per CTA : CTA cap
                 stage latsweep-${geo/:/-} 60 env PK_JAX_SMALL_LINES_PER_CTA=${geo%:*} PK_JAX_SMALL_MAX_CTAS=${geo#*:} \
                   python3 scripts/latency_floor.py --tag "lpc${geo%:*}-cap${geo#*:}" --ops pk_small_one_shot \
                   --bytes 4096 16384 65536 262144 524288 1048576 --out "$OUT/$day-latency-sweep-${geo/:/-}.json"
               done ;;
+    ringreserve) for r in ${RESERVES:-8 0}; do  # ring attention with r SMs left to the K/V transfer
+                   stage ring-reserve$r 150 env PK_JAX_RING_RESERVE_SMS=$r python3 -m pk_jax.bench context --op ring_attention \
+                     --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 \
+                     --out "$OUT/$day-context-ring-reserve$r.json"
+                 done ;;
     contexttests) stage context-tests 180 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs ;;
     groupedvariants) stage grouped-first 120 python3 -m pytest -x -v -o faulthandler_timeout=50 tests/gpu/test_grouped_matmul_gpu.py \
                        -k "test_bf16 and 4096x512x1408-E64-uniform"

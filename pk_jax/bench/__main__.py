@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="attention: only these cases (fwd, fwd_causal, fwd_gqa, fwd_causal_gqa and their fwd_bwd* "
-                        "forms: forward + backward)")
-    p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention: only these sequence lengths")
+                        "forms: forward + backward); context: case names (fwd_contiguous, fwd_causal_zigzag, ...)")
+    p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
     p.add_argument("--fwd-variants", action="store_true",
                    help="attention: time the forward kernel variants (l2order, pingpong, fa3) beside the default "
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
-        kw = {"variants": args.variants} if args.suite == "moe" else {}
+        kw = {"variants": args.variants} if args.suite == "moe" else {"names": args.cases, "seqs": args.seqs}
         rows = suite.run(small=small, reps=reps, only=args.op, **kw)
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:

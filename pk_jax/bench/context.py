@@ -145,13 +145,16 @@ def _attention_alone(c: Case, g: int, dtype):
     return None if fn is None else (fn, args)
 
 
-def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
+def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, names: list[str] | None = None,
+        seqs: list[int] | None = None) -> list[dict]:
+    """Every case (or only op `only`, case names `names`, total lengths `seqs`): ours, the baseline and our
+    attention alone on one member's share, in the same turns."""
     devices = jax.devices()
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     rows = []
     for c in cases(g, small):
-        if only and c.op != only:
+        if (only and c.op != only) or (names and c.name not in names) or (seqs and c.s not in seqs):
             continue
         if c.op == "ulysses_attention" and c.n % g:
             print(f"  skip {c.op} {c.name} N={c.n}: G={g} does not divide the heads")

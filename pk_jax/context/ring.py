@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Callable
 
 import jax
@@ -123,6 +124,24 @@ def _when(active, fn: Callable, state):
     return fn(state) if active is True else lax.cond(active, fn, lambda s: s, state)
 
 
+RESERVE_SMS_VAR = "PK_JAX_RING_RESERVE_SMS"
+
+
+def reserve_sms() -> int:
+    """SMs the ring's attention kernels leave free, so that the next step's K/V transfer (XLA's async
+    collective-permute: an NCCL kernel on another stream) runs under the attention instead of waiting for
+    every SM to come free after it: $PK_JAX_RING_RESERVE_SMS, read when the ring is traced (default 8 of
+    132; 0 gives the kernel every SM)."""
+    value = os.environ.get(RESERVE_SMS_VAR, "8")
+    try:
+        n = int(value)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise ValueError(f"pk_jax.ring_attention: ${RESERVE_SMS_VAR}={value!r}; use a count of SMs >= 0")
+    return n
+
+
 def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset):
     """One block pair's attention and its LSE: (out (B, Tq, N, H) float32, lse (B, Tq, N) float32). Our
     attention kernel where it takes the call (bf16/f16, head_dim 64/128; the offsets are traced, read by
@@ -134,7 +153,7 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset):
     if _kernel_refusal(q, k, scale) is not None:
         return block_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    out, lse = _bind(q, k, v, offsets, scale, causal, True)
+    out, lse = _bind(q, k, v, offsets, scale, causal, True, reserve_sms())
     return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
 
 
@@ -150,7 +169,7 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
                                    kv_offset=kv_offset)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
-                                         scale=scale, causal=causal)
+                                         scale=scale, causal=causal, reserve_sms=reserve_sms())
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
