@@ -2,7 +2,8 @@
 // Operands q (B, Tq, N, D), k and v (B, Tk, Nkv, D), dout (B, Tq, N, D), lse2 and delta (B, N, Tq_pad)
 // float32 (Tq_pad = Tq rounded up to 64; see attention_bwd.cuh for their contents), offsets int32[2]
 // (q_offset, kv_offset); results dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk
-// order, which pk_jax/attention.py turns into dQ), dk and dv (B, Tk, Nkv, D) in the input dtype.
+// order, which pk_jax/attention.py turns into dQ), dk and dv (B, Tk, Nkv, D) in the input dtype; `variant`
+// the backward variant (0 base, 1 dqfirst, 2 l2order_dqfirst: kernels/attention_bwd_kernel.cuh).
 // Stateless per call (tensor maps rebuilt, dq_acc zeroed on the stream each time), so it can be
 // captured into command buffers.
 #include <cuda_runtime.h>
@@ -34,7 +35,8 @@ bool same_dims(ffi::Span<const int64_t> a, std::initializer_list<int64_t> b) {
 ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
                          ffi::Result<ffi::AnyBuffer> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t causal, int32_t reserve_sms) {
+                         ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t causal, int32_t reserve_sms,
+                         int32_t variant) {
   const auto dq = q.dimensions(), dkk = k.dimensions();
   if (dq.size() != 4 || dkk.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
@@ -62,6 +64,9 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention backward: offsets must be int32[2] (q_offset, kv_offset)");
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention backward: causal must be 0 or 1");
+  if (variant < 0 || variant > 2)
+    return ffi::Error::InvalidArgument(
+        "pk_jax attention backward: variant must be 0..2 (base, dqfirst, l2order_dqfirst)");
   pk::attention_bwd::Problem p{};
   const auto t = q.element_type();
   if (!pk::to_elem_type(t, p.type) || p.type == pk::ElemType::kF32 || k.element_type() != t ||
@@ -78,6 +83,7 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   p.tq_pad = int(tq_pad);
   p.scale = scale;
   p.causal = causal == 1;
+  p.variant = variant;
   if (cudaError_t e = pk::attention_bwd::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention backward: configuring kernels: ") +
                                 cudaGetErrorString(e));
@@ -105,5 +111,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
-                                  .Attr<int32_t>("reserve_sms"),
+                                  .Attr<int32_t>("reserve_sms")
+                                  .Attr<int32_t>("variant"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -3,7 +3,7 @@
 // results o (B, Tq, N, D) in the input dtype and lse (B, N, Tq) float32 (written only when
 // `with_lse` is 1; otherwise XLA still allocates it, as a (1,1,1) placeholder); `pipelined` picks the
 // consumer schedule of variant 0 and `variant` the forward variant (0 default, 1 l2order, 2 pingpong,
-// 3 fa3: kernels/attention_kernel.cuh; pk_jax/attention.py sets both when it lowers). Stateless per call
+// 3 fa3, 4 fa3n160, 5 fa3n176: kernels/attention_kernel.cuh; pk_jax/attention.py sets both when it lowers). Stateless per call
 // (tensor maps rebuilt each time), so it can be captured into command buffers.
 #include <cuda_runtime.h>
 
@@ -40,8 +40,9 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention: causal must be 0 or 1");
   if (with_lse != 0 && with_lse != 1) return ffi::Error::InvalidArgument("pk_jax attention: with_lse must be 0 or 1");
   if (pipelined != 0 && pipelined != 1) return ffi::Error::InvalidArgument("pk_jax attention: pipelined must be 0 or 1");
-  if (variant < 0 || variant > 3)
-    return ffi::Error::InvalidArgument("pk_jax attention: variant must be 0..3 (default, l2order, pingpong, fa3)");
+  if (variant < 0 || variant > 5)
+    return ffi::Error::InvalidArgument(
+        "pk_jax attention: variant must be 0..5 (default, l2order, pingpong, fa3, fa3n160, fa3n176)");
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention: offsets must be int32[2] (q_offset, kv_offset)");
   if (lse->element_type() != ffi::DataType::F32)

@@ -1,6 +1,6 @@
 // Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128 x in turn / pipelined, and
-// the forward variants l2order / pingpong / fa3 (attention_kernel.cuh), with bf16 DEBUG builds of the two
-// that change the barrier protocol.
+// the forward variants l2order / pingpong / fa3 / fa3n160 / fa3n176 (attention_kernel.cuh), with bf16 DEBUG
+// builds of the four that change the barrier protocol.
 #include "attention.cuh"
 
 #include <cstdlib>
@@ -29,12 +29,31 @@ constexpr int stages_for() {
   return n > 4 ? 4 : int(n);
 }
 
+// The wide-key variants: fa3n160 (160-key blocks) at D = 128 holds two stages only with the exact reserve
+// (Q 32 KiB + 2 x 80 KiB + two O slots 32 KiB = 224 KiB, barriers and the 1 KiB alignment slack beside;
+// lcsc::smem_bytes, asserted in run()), where the 4 KiB reserve of stages_for would leave one; fa3n176
+// (176-key blocks, no O slots, a 1 KiB stub): Q 32 KiB + 2 x 88 KiB = 208 KiB.
+template <int D, int BKV, bool O_SLOTS>
+constexpr int stages_wide() {
+  constexpr size_t stage = size_t(2) * BKV * D * 2;
+  constexpr size_t fixed = size_t(128) * D * 2 + (O_SLOTS ? size_t(128) * D * 2 : 1024) + 2048;
+  constexpr size_t n = (kSmemLimit - fixed) / stage;
+  return n > 4 ? 4 : int(n);
+}
+
+template <int D, int VARIANT>
+constexpr int stages_of() {
+  if constexpr (VARIANT == kFwdFa3N160) return stages_wide<D, 160, true>();
+  else if constexpr (VARIANT == kFwdFa3N176) return stages_wide<D, 176, false>();
+  else return stages_for<D>();
+}
+
 template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false>
-using KernelOf = Kernel<T, D, stages_for<D>(), NoRing, PIPELINED, VARIANT, DEBUG>;
+using KernelOf = Kernel<T, D, stages_of<D, VARIANT>(), NoRing, PIPELINED, VARIANT, DEBUG>;
 
 // The DEBUG builds' wait limit in ns when $PK_JAX_ATTENTION_FWD_DEBUG is set to anything but "" or "0"
 // ($PK_JAX_ATTENTION_FWD_TIMEOUT_MS, default 2000), else 0 (the normal build). Read at every launch; only
-// variants pingpong and fa3 with bf16 have DEBUG builds.
+// variants pingpong, fa3, fa3n160 and fa3n176 with bf16 have DEBUG builds.
 unsigned long long debug_timeout_ns() {
   const char* on = std::getenv("PK_JAX_ATTENTION_FWD_DEBUG");
   if (on == nullptr || on[0] == '\0' || std::strcmp(on, "0") == 0) return 0;
@@ -69,6 +88,7 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   g.k = make_tensor_map_bthd(p.k, p.type, p.batch, p.tk, p.kv_heads, D, K::BKV);
   g.v = make_tensor_map_bthd(p.v, p.type, p.batch, p.tk, p.kv_heads, D, K::BKV);
   g.o = make_tensor_map_bthd(p.o, p.type, p.batch, p.tq, p.heads, D, 64);
+  g.o_ptr = p.o;
   g.lse = p.lse;
   g.offsets = p.offsets;
   g.batch = p.batch, g.tq = p.tq, g.tk = p.tk, g.heads = p.heads, g.kv_heads = p.kv_heads;
@@ -89,9 +109,13 @@ cudaError_t configure_dim() {
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdL2Order>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdPingpong>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N176>>();
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdPingpong, true>>();
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3, true>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160, true>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N176, true>>();
   }
   return e;
 }
@@ -122,8 +146,16 @@ void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
       if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3, kHasDebug>(p, compute_sms, stream, timeout_ns);
       else run<T, D, false, kFwdFa3>(p, compute_sms, stream);
       return;
+    case kFwdFa3N160:
+      if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3N160, kHasDebug>(p, compute_sms, stream, timeout_ns);
+      else run<T, D, false, kFwdFa3N160>(p, compute_sms, stream);
+      return;
+    case kFwdFa3N176:
+      if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3N176, kHasDebug>(p, compute_sms, stream, timeout_ns);
+      else run<T, D, false, kFwdFa3N176>(p, compute_sms, stream);
+      return;
     default:
-      throw std::invalid_argument("pk_jax attention: forward variant " + std::to_string(p.variant) + " is not 0..3");
+      throw std::invalid_argument("pk_jax attention: forward variant " + std::to_string(p.variant) + " is not 0..5");
   }
 }
 

@@ -18,7 +18,8 @@ struct Problem {
   float scale;    // > 0
   bool causal;
   bool pipelined;  // the consumers overlap softmax with the previous block's P V (measured slower; opt-in)
-  int variant;     // forward variant (attention_kernel.cuh FwdVariant): 0 default, 1 l2order, 2 pingpong, 3 fa3
+  int variant;     // forward variant (attention_kernel.cuh FwdVariant): 0 default, 1 l2order, 2 pingpong, 3 fa3,
+                   // 4 fa3n160, 5 fa3n176
 };
 
 // Loads and configures every attention kernel on the current device (see lcsc::configure).

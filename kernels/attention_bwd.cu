@@ -1,4 +1,5 @@
-// Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128.
+// Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128 x variant (base, dqfirst,
+// l2order_dqfirst: attention_bwd_kernel.cuh), each with its DEBUG build.
 #include "attention_bwd.cuh"
 
 #include <cstdlib>
@@ -25,8 +26,8 @@ constexpr int stages_for() {
 }
 
 // DEBUG: the variant whose mbarrier waits time out, report and trap (attention_bwd_kernel.cuh).
-template <typename T, int D, bool DEBUG = false>
-using KernelOf = Kernel<T, D, stages_for<D>(), DEBUG>;
+template <typename T, int D, bool DEBUG = false, int VARIANT = 0>
+using KernelOf = Kernel<T, D, stages_for<D>(), DEBUG, VARIANT>;
 
 // The debug variant's wait limit in ns when $PK_JAX_ATTENTION_BWD_DEBUG is set to anything but "" or "0"
 // ($PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), else 0: the default kernel. Read at every launch.
@@ -41,9 +42,9 @@ unsigned long long debug_timeout_ns() {
   return ms * 1000000ull;
 }
 
-template <typename T, int D, bool DEBUG>
+template <typename T, int D, bool DEBUG, int VARIANT>
 void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long long timeout_ns) {
-  using K = KernelOf<T, D, DEBUG>;
+  using K = KernelOf<T, D, DEBUG, VARIANT>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two Q/dO stages");
   Globals g{};
@@ -66,19 +67,37 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward launch: ") + cudaGetErrorString(e));
 }
 
+template <typename T, int D, int VARIANT>
+void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
+  const unsigned long long timeout_ns = debug_timeout_ns();
+  if (timeout_ns) run<T, D, true, VARIANT>(p, compute_sms, stream, timeout_ns);
+  else run<T, D, false, VARIANT>(p, compute_sms, stream, 0);
+}
+
 template <typename T, int D>
 void run(const Problem& p, int compute_sms, cudaStream_t stream) {
-  const unsigned long long timeout_ns = debug_timeout_ns();
-  if (timeout_ns) run<T, D, true>(p, compute_sms, stream, timeout_ns);
-  else run<T, D, false>(p, compute_sms, stream, 0);
+  switch (p.variant) {
+    case 0: run_variant<T, D, 0>(p, compute_sms, stream); return;
+    case 1: run_variant<T, D, 1>(p, compute_sms, stream); return;
+    case 2: run_variant<T, D, 2>(p, compute_sms, stream); return;
+    default:
+      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..2");
+  }
+}
+
+template <typename T, int VARIANT>
+cudaError_t configure_variant() {
+  cudaError_t e = lcsc::configure<KernelOf<T, 64, false, VARIANT>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 128, false, VARIANT>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 64, true, VARIANT>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128, true, VARIANT>>() : e;
 }
 
 template <typename T>
 cudaError_t configure_type() {
-  cudaError_t e = lcsc::configure<KernelOf<T, 64>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 128>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 64, true>>();
-  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128, true>>() : e;
+  cudaError_t e = configure_variant<T, 0>();
+  if (e == cudaSuccess) e = configure_variant<T, 1>();
+  return e == cudaSuccess ? configure_variant<T, 2>() : e;
 }
 
 }  // namespace

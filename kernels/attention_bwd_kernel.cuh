@@ -62,6 +62,22 @@ struct Globals {
   unsigned long long debug_timeout_ns;  // the DEBUG variant's mbarrier wait limit (unused otherwise)
 };
 
+// Backward variants (VARIANT_, picked per lowering by $PK_JAX_ATTENTION_BWD_VARIANT; 0 is the kernel above,
+// untouched). Each adds to the one before it:
+//   1 dqfirst:  dQ = dS K issued before dK += dSᵀ Q, and only dV and dQ waited for before the dQ chunk goes
+//               to its slot (wgmma groups retire in order), so the chunk's stores and the wait for the slot
+//               run under dK's MMAs instead of after them (variant 0 waits for all three).
+//   2 l2order_dqfirst: dqfirst + FlashAttention-3's task order: key blocks fastest, then kv head, then
+//               batch (variant 0: the (batch, kv head) pairs fastest). The CTAs working at one time then hold
+//               the key blocks of one or a few heads, so that head's Q, dO, lse2 and delta are read from HBM
+//               about once and shared in L2, and the dQ reduce-adds of all its key blocks land in one head's
+//               dq_acc (tq_pad x D x 4 bytes: 8 MiB at 16k) that stays in L2, where variant 0 has ~132 CTAs
+//               on ~66 heads at once, each dQ reduce a read-modify-write of HBM (~1 GiB of dq_acc in flight
+//               at B4 S16k N16). Per block pair and CTA that is 32 KiB of Q / dO loads and a 32 KiB reduce:
+//               ~2.5 TB/s of HBM traffic at our ~350 TFLOP/s, which this order keeps in L2. (The order
+//               without dqfirst made ptxas spill 20 bytes in the D = 128 consumer; with it, none.)
+// Every variant computes each dK / dV element with the same operations in the same order (bit-identical
+// dK and dV; dQ's reduce order varies between runs in all of them).
 struct Work {
   int n0, kv_head, batch;
   int q_offset, kv_offset;
@@ -75,12 +91,16 @@ struct Work {
 // role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
 // becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
 // variant's waits are tma::mbar_wait, unchanged.
-template <typename T, int D_, int STAGES_, bool DEBUG_ = false>
+template <typename T, int D_, int STAGES_, bool DEBUG_ = false, int VARIANT_ = 0>
 struct Kernel {
   using Globals = attention_bwd::Globals;
   struct CommShared {};
   static constexpr int D = D_, STAGES = STAGES_;
   static constexpr bool DEBUG = DEBUG_;
+  static constexpr int VARIANT = VARIANT_;
+  static_assert(VARIANT >= 0 && VARIANT <= 2, "backward variant 0..2");
+  static constexpr bool kDqFirst = VARIANT >= 1;           // dQ before dK, its chunk stored under dK
+  static constexpr bool kKeyBlocksFastest = VARIANT >= 2;  // l2order: FA3's task order
   static constexpr int WGS = 2, BN = 64 * WGS, BM = 64;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr bool kDqShared = D == 128;            // dQ column halves over all keys (else own keys)
@@ -156,10 +176,17 @@ struct Kernel {
   // the heavy tasks start first and the persistent CTAs' last wave holds light ones.
   __device__ static Work work_of(const Globals& g, int task) {
     Work w;
-    const int per_block = g.kv_heads * g.batch;
-    w.n0 = (task / per_block) * BN;
-    w.kv_head = (task % per_block) % g.kv_heads;
-    w.batch = (task % per_block) / g.kv_heads;
+    if constexpr (kKeyBlocksFastest) {
+      const int blocks = kv_blocks(g), pair = task / blocks;  // pair: batch * kv_heads + kv head
+      w.n0 = (task - pair * blocks) * BN;
+      w.kv_head = pair % g.kv_heads;
+      w.batch = pair / g.kv_heads;
+    } else {
+      const int per_block = g.kv_heads * g.batch;
+      w.n0 = (task / per_block) * BN;
+      w.kv_head = (task % per_block) % g.kv_heads;
+      w.batch = (task % per_block) / g.kv_heads;
+    }
     w.group = g.heads / g.kv_heads;
     w.q_offset = g.offsets[0];
     w.kv_offset = g.offsets[1];
@@ -407,8 +434,8 @@ struct Kernel {
     uint32_t dsa[BM / 16][4];
     to_a_fragments(dp, dsa);
     wgmma::fence();
-    issue_rs(pa, in.dout, dv);  // dV += Pᵀ dO
-    issue_rs(dsa, in.q, dk);    // dK += dSᵀ Q
+    issue_rs(pa, in.dout, dv);                     // dV += Pᵀ dO
+    if constexpr (!kDqFirst) issue_rs(dsa, in.q, dk);  // dK += dSᵀ Q
     float dq[32];
     note(s.progress.consumer_step[wg], kStepDsBarrier);
     if constexpr (kDqShared) {
@@ -419,13 +446,38 @@ struct Kernel {
       issue_dq<64>(ds, s.k, wg * 64, 0, dq);
     }
     st.ds_buf ^= 1;
-    wgmma::wait<0>();
-    wgmma::fence_operands(dq);
-    wgmma::fence_operands(dk);
-    wgmma::fence_operands(dv);
-    if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
-    st.pos.advance();
-    // The dQ chunk to this warpgroup's slot, one float4 per thread and register quad.
+    if constexpr (kDqFirst) {
+      issue_rs(dsa, in.q, dk);  // dK += dSᵀ Q: runs while the dQ chunk goes to the slot
+      wgmma::wait<1>();         // dV and dQ are done (groups retire in order); dK may still run
+      wgmma::fence_operands(dq);
+      wgmma::fence_operands(dv);
+      store_dq_chunk(g, s, st, dq);
+      wgmma::wait<0>();  // dK is done: the stage (Q for dK) may be released
+      wgmma::fence_operands(dk);
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+      st.pos.advance();
+    } else {
+      wgmma::wait<0>();
+      wgmma::fence_operands(dq);
+      wgmma::fence_operands(dk);
+      wgmma::fence_operands(dv);
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+      st.pos.advance();
+      store_dq_chunk(g, s, st, dq);
+    }
+    if constexpr (DEBUG) {
+      if (threadIdx.x % 128 == 0) {
+        note(s.progress.consumer_pairs[wg], s.progress.consumer_pairs[wg] + 1);
+        note(s.progress.consumer_step[wg], kStepIdle);
+      }
+    }
+  }
+
+  // The dQ chunk to this warpgroup's slot (once the storer has read the previous one), one float4 per thread
+  // and register quad, then handed to the storer.
+  __device__ __forceinline__ static void store_dq_chunk(const Globals& g, Shared& s, ConsumerState& st,
+                                                        const float (&dq)[32]) {
+    const int wg = st.warpgroup;
     Handoff& slot = s.dq_slot[wg];
     note(s.progress.consumer_step[wg], kStepDqSlot);
     wait(g, s, &slot.empty, st.dq_phase ^ 1, "dq_slot.empty", wg);
@@ -436,12 +488,6 @@ struct Kernel {
     tma::fence_proxy_async_shared();  // the storer's bulk reduce (async proxy) reads it
     tma::mbar_arrive(&slot.full);
     st.dq_phase ^= 1;
-    if constexpr (DEBUG) {
-      if (threadIdx.x % 128 == 0) {
-        note(s.progress.consumer_pairs[wg], s.progress.consumer_pairs[wg] + 1);
-        note(s.progress.consumer_step[wg], kStepIdle);
-      }
-    }
   }
 
   // dK (scaled) and dV rows straight from the accumulators to global memory (keys past Tk skipped).

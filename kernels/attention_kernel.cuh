@@ -27,11 +27,25 @@
 //               warpgroup's softmax runs while the other's GEMMs do.
 //   3 fa3:      pingpong + the intra-warpgroup overlap of the pipelined schedule (slot = [Q Kᵀ of kb,
 //               P V of kb - 1]; block kb's softmax runs under P V of kb - 1): FA3's D = 128 mainloop.
-// All variants compute every output element with the same operations in the same order as variant 0
-// (bit-identical outputs). DEBUG_ (variants 2 and 3): every mbarrier wait is bounded
-// (Globals::debug_timeout_ns), prints the barrier and traps, so a protocol hang becomes a launch error
-// (host: PK_JAX_ATTENTION_FWD_DEBUG=1); the named-barrier turns are not bounded, but a stuck turn stops
-// the consumers' releases, and the loader's / storer's bounded waits then report and trap.
+//   4 fa3n160:  fa3 with key blocks of BKV = 160 instead of 128 (FA3 takes 128 x 176 for D = 128 non-causal,
+//               with its O staging aliasing V's smem; ours keeps two 64-row O slots beside Q, so at D = 128
+//               two stages of 160-key K and V are the most that fit: 32 + 2 x 80 + 32 KiB = 224 KiB), so each
+//               block's fixed costs (turn barriers, waits, releases, the row max / sum shuffles, the O
+//               rescale) are spread over 25% more MMA work. Same protocol as fa3 (only BKV differs); the
+//               key-length tail and the causal diagonal go through the same mask (any BKV, multiple of 16).
+//   5 fa3n176:  fa3 with FA3's own D = 128 key block, BKV = 176: the room comes from the output slots, which
+//               this variant drops: each consumer writes its normalized O rows to global memory straight from
+//               registers (16-bit pairs, rows past Tq skipped; 32 KiB per 128-row task against >= 1 MiB of
+//               K/V reads), so smem is Q 32 KiB + 2 stages x 88 KiB = 208 KiB and the consumers never wait on
+//               the storer (which has nothing to do). Registers: S 88 + P 44 + O 64 = 196 live per consumer
+//               thread (FA3: the same 196 under 240).
+// Variants 0-3 compute every output element with the same operations in the same order as variant 0
+// (bit-identical outputs); variants 4 and 5 sum other blocks (other running maxima): their outputs differ
+// from the others' in the last bits (checked against the float32 reference). DEBUG_ (variants 2-5): every
+// mbarrier wait is bounded (Globals::debug_timeout_ns), prints the barrier and traps, so a protocol hang
+// becomes a launch error (host: PK_JAX_ATTENTION_FWD_DEBUG=1); the named-barrier turns are not bounded, but
+// a stuck turn stops the consumers' releases, and the loader's bounded waits (and, but in fa3n176, the
+// storer's) then report and trap.
 #pragma once
 #include <cuda.h>
 #include <math_constants.h>
@@ -49,6 +63,7 @@ namespace pk::attention {
 
 struct Globals {
   CUtensorMap q, k, v, o;  // 4-D maps (d, head, t, batch); boxes of 64 d x rows (q: BM, k/v: BKV, o: 64)
+  void* o_ptr;             // (B, Tq, N, D): variant fa3n176 stores O from registers (the others through `o`)
   float* lse;              // (B, N, Tq) float32, or nullptr
   const int* offsets;      // device int32[2]: q_offset, kv_offset
   int batch, tq, tk, heads, kv_heads;
@@ -59,7 +74,7 @@ struct Globals {
   unsigned long long debug_timeout_ns;  // DEBUG variants: the mbarrier wait limit (unused otherwise)
 };
 
-enum FwdVariant : int { kFwdDefault = 0, kFwdL2Order = 1, kFwdPingpong = 2, kFwdFa3 = 3 };
+enum FwdVariant : int { kFwdDefault = 0, kFwdL2Order = 1, kFwdPingpong = 2, kFwdFa3 = 3, kFwdFa3N160 = 4, kFwdFa3N176 = 5 };
 
 // What one task covers: the query tile, its (batch, head) and the key blocks it visits.
 struct Work {
@@ -91,13 +106,17 @@ struct Kernel {
   static constexpr bool kSections = VARIANT >= kFwdL2Order;     // the L2-section task order
   static constexpr bool kSplitRelease = VARIANT >= kFwdPingpong;  // K and V stages released separately
   static constexpr bool kPingpong = VARIANT >= kFwdPingpong;      // warp-scheduler barriers between the consumers
-  static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3, "forward variant 0..3");
+  static constexpr bool kFa3Mainloop = VARIANT >= kFwdFa3;         // blocks_fa3 (fa3, fa3n160, fa3n176)
+  static constexpr bool kDirectO = VARIANT == kFwdFa3N176;          // O from registers to global, no O slots
+  static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3N176, "forward variant 0..5");
   static_assert(!DEBUG || kPingpong, "the DEBUG build is for the variants that change the barrier protocol");
-  static constexpr int WGS = 2, BM = 64 * WGS, BKV = 128;
+  static constexpr int WGS = 2, BM = 64 * WGS;
+  static constexpr int BKV = VARIANT == kFwdFa3N160 ? 160 : VARIANT == kFwdFa3N176 ? 176 : 128;  // keys per block
+  static_assert(BKV % 16 == 0 && BKV <= 256, "key block: whole wgmma k-steps, one TMA box of rows");
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
   static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;  // S (64) + O (D/2) + P (32) fp32/16-bit registers and the row state
+  static constexpr int kConsumerRegs = 232;  // S (BKV/2) + O (D/2) + P (BKV/4) fp32/16-bit registers and the row state
   static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
   static constexpr bool kTaskCounter = false;
   static constexpr bool kHasPusher = false;
@@ -122,7 +141,8 @@ struct Kernel {
   struct Shared {
     alignas(1024) T q[BM * D];
     Stage stage[STAGES];
-    alignas(1024) T o[WGS][64 * D];  // one output slot per consumer (swizzled boxes of 64 rows)
+    alignas(1024) T o[kDirectO ? 1 : WGS][kDirectO ? 8 : 64 * D];  // one output slot per consumer (swizzled
+                                                                    // boxes of 64 rows); kDirectO: unused
     Ring<STAGES> ring;               // full: K landed; empty: both consumers are done with K and V
                                      // (kSplitRelease: with K only)
     uint64_t v_full[STAGES];         // V landed
@@ -407,7 +427,7 @@ struct Kernel {
         st.turns_started = true;
         if (st.warpgroup == 1) turn_pass(1);
       }
-      if constexpr (VARIANT == kFwdFa3)
+      if constexpr (kFa3Mainloop)
         blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
       else
         blocks_pingpong(g, s, st, w, q_wg, row0, lane, o, m, l);
@@ -633,6 +653,10 @@ struct Kernel {
         g.lse[(size_t(w.batch) * g.heads + w.head) * g.tq + row] = lse;
       }
     }
+    if constexpr (kDirectO) {
+      store_rows_direct(g, w, row0, o);
+      return;
+    }
     Handoff& slot = s.o_slot[st.warpgroup];
     wait_cons(g, s, &slot.empty, st.o_phase ^ 1, "o_slot.empty", st.warpgroup);
     store_acc<T, D>(s.o[st.warpgroup], o);
@@ -641,7 +665,23 @@ struct Kernel {
     st.o_phase ^= 1;
   }
 
+  // kDirectO: the thread's normalized O values to (B, Tq, N, D) in global memory, two columns per 32-bit store
+  // (register pair i, i + 1: adjacent columns of one row); rows past the query sequence are not written.
+  __device__ static void store_rows_direct(const Globals& g, const Work& w, int row0, const float (&o)[D / 2]) {
+    const int lane = threadIdx.x % 32;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      if (row >= g.tq) continue;
+      T* out = static_cast<T*>(g.o_ptr) + ((size_t(w.batch) * g.tq + row) * g.heads + w.head) * D;
+#pragma unroll
+      for (int i = 0; i < D / 2; i += 2)
+        if (row_half(i) == h) *reinterpret_cast<uint32_t*>(out + col_of(i, lane)) = pack2<T>(o[i], o[i + 1]);
+    }
+  }
+
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
+    if constexpr (kDirectO) return;  // the consumers store O themselves
     const Work w = work_of(g, task);
     for (int wg = 0; wg < WGS; ++wg) {
       wait_bar(g, s, &s.o_slot[wg].full, st.o_phase, "o_slot.full", wg);

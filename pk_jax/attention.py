@@ -52,14 +52,29 @@ SCHEDULES = ("in_turn", "pipelined")
 # `python -m pk_jax.bench attention --variants` / `--fwd-variants` (kernels/attention_kernel.cuh):
 #   l2order:  tasks in L2 sections (a few heads' query tiles at a time), so CTAs share K/V reads in L2;
 #   pingpong: l2order + K/V stages released separately + FA3's warp-scheduler turns between the consumers;
-#   fa3:      pingpong + the intra-warpgroup overlap (FA3's D = 128 mainloop).
-# All give bit-identical outputs to base. PK_JAX_ATTENTION_FWD_DEBUG=1 (read at each launch) runs
-# pingpong / fa3 (bf16) with bounded barrier waits that print and trap instead of hanging.
+#   fa3:      pingpong + the intra-warpgroup overlap (FA3's D = 128 mainloop);
+#   fa3n160:  fa3 with 160-key blocks instead of 128 (as wide as our smem holds two stages beside the O
+#             slots): each block's barriers / softmax reductions / O rescale over 25% more MMA work;
+#   fa3n176:  fa3 with FA3's D = 128 key block, 176 keys (+37.5%), the room taken from the O slots: the
+#             consumers store O to global memory from registers.
+# base..fa3 give bit-identical outputs (FWD_VARIANTS_SAME_BITS); fa3n160 / fa3n176 accumulate over other key
+# blocks, so their last bits differ (they are checked against the float32 reference instead).
+# PK_JAX_ATTENTION_FWD_DEBUG=1 (read at each launch) runs pingpong / fa3 / fa3n160 / fa3n176 (bf16) with
+# bounded barrier waits that print and trap instead of hanging.
 FWD_VARIANT_VAR = "PK_JAX_ATTENTION_FWD_VARIANT"
-FWD_VARIANTS = ("base", "l2order", "pingpong", "fa3")  # index = the handler's `variant` attribute
+FWD_VARIANTS = ("base", "l2order", "pingpong", "fa3", "fa3n160", "fa3n176")  # index = the handler's `variant` attribute
+FWD_VARIANTS_SAME_BITS = ("base", "l2order", "pingpong", "fa3")  # the variants that give base's bits exactly
 # fa3 on one H200 (2026-11-23, bench attention --fwd-variants, D 128, S 4096 / 16384): geomean 0.944x cuDNN
 # against base 0.864x, l2order 0.896x, pingpong 0.932x; 0.898-0.984x per row.
 DEFAULT_FWD_VARIANT = "fa3"
+# The backward kernel's variant (read when a program is lowered, like the forward's; kernels/attention_bwd_kernel.cuh):
+#   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
+#   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
+#                     one head's Q / dO reads and dQ reduce-adds in L2 instead of ~66 heads' in HBM.
+# All give base's dK / dV bits (dQ's reduce order varies between runs in every variant).
+BWD_VARIANT_VAR = "PK_JAX_ATTENTION_BWD_VARIANT"
+BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst")  # index = the bwd handler's `variant` attribute
+DEFAULT_BWD_VARIANT = "base"
 
 pk_attention_p = core.Primitive("pk_attention")
 pk_attention_p.multiple_results = True
@@ -122,6 +137,15 @@ def fwd_variant() -> str:
     name = os.environ.get(FWD_VARIANT_VAR, "") or DEFAULT_FWD_VARIANT
     if name not in FWD_VARIANTS:
         raise ValueError(f"pk_jax.attention: ${FWD_VARIANT_VAR}={name!r}; use one of {FWD_VARIANTS}")
+    return name
+
+
+def bwd_variant() -> str:
+    """The backward variant the next lowering takes ($PK_JAX_ATTENTION_BWD_VARIANT, read when a program is
+    lowered; unset or empty: DEFAULT_BWD_VARIANT)."""
+    name = os.environ.get(BWD_VARIANT_VAR, "") or DEFAULT_BWD_VARIANT
+    if name not in BWD_VARIANTS:
+        raise ValueError(f"pk_jax.attention: ${BWD_VARIANT_VAR}={name!r}; use one of {BWD_VARIANTS}")
     return name
 
 
@@ -204,7 +228,7 @@ def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reser
                  jax.ShapeDtypeStruct(v.shape, v.dtype))
     dq_acc, dk, dv = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
         q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal),
-        reserve_sms=np.int32(reserve_sms))
+        reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())))
     return dq_from_chunks(dq_acc, tq, scale).astype(q.dtype), dk, dv
 
 

@@ -107,6 +107,72 @@ def test_fwd_variant_var_is_checked(monkeypatch):
         fwd_variant()
 
 
+def test_fwd_variants_bits_and_bench_selection():
+    """fa3n160 / fa3n176 (160- / 176-key blocks) are variants whose bits may differ; the others must give base's bits. The
+    bench times every variant for --fwd-variants, only the named ones for --fwd-variants NAME..., and its
+    same-bits flag fails a row only for the variants that must match."""
+    from pk_jax.attention import DEFAULT_FWD_VARIANT, FWD_VARIANTS, FWD_VARIANTS_SAME_BITS
+    from pk_jax.bench.attention import bad_row, bits_expected, extra_kernels
+
+    assert FWD_VARIANTS.index("fa3n160") == 4 and FWD_VARIANTS.index("fa3n176") == 5
+    assert "fa3n160" not in FWD_VARIANTS_SAME_BITS and "fa3n176" not in FWD_VARIANTS_SAME_BITS
+    assert set(FWD_VARIANTS_SAME_BITS) == {"base", "l2order", "pingpong", "fa3"}
+    others = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
+    assert extra_kernels(False, True) == extra_kernels(False, []) == others
+    assert extra_kernels(False, False) == extra_kernels(False, None) == []
+    assert extra_kernels(False, ["fa3n176", "fa3n160"]) == ["fa3n160", "fa3n176"]
+    assert extra_kernels(True, False) == ["pipelined"] + others
+    with pytest.raises(ValueError, match="unknown forward variants"):
+        extra_kernels(False, ["fa4"])
+    assert bits_expected("pipelined") and bits_expected("base") and not bits_expected("fa3n160")
+    assert not bits_expected("fa3n176")
+    row = {"extra": {"check": "ok", "base_check": "ok", "base_same_bits": True, "base_bits_expected": True,
+                     "fa3n160_check": "ok", "fa3n160_same_bits": False, "fa3n160_bits_expected": False}}
+    assert not bad_row(row)
+    row["extra"]["base_same_bits"] = False
+    assert bad_row(row)
+    row["extra"].update(base_same_bits=True, fa3n160_check="MISMATCH")
+    assert bad_row(row)
+    assert bad_row({"extra": {"check": "ok", "l2order_same_bits": False}})  # rows from before the flag
+
+
+def test_bwd_variant_var_and_bench_selection(monkeypatch):
+    """$PK_JAX_ATTENTION_BWD_VARIANT picks the backward kernel variant at lowering (unset or empty: base);
+    the bench's --bwd-variants names them bwd_<name> and expects the default's out / dK / dV bits."""
+    from pk_jax.attention import BWD_VARIANT_VAR, BWD_VARIANTS, DEFAULT_BWD_VARIANT, bwd_variant
+    from pk_jax.bench.attention import _label, bits_expected, bwd_extra_kernels
+
+    monkeypatch.delenv(BWD_VARIANT_VAR, raising=False)
+    assert bwd_variant() == DEFAULT_BWD_VARIANT == "base" == BWD_VARIANTS[0]
+    for name in BWD_VARIANTS:
+        monkeypatch.setenv(BWD_VARIANT_VAR, name)
+        assert bwd_variant() == name
+    monkeypatch.setenv(BWD_VARIANT_VAR, "fastest")
+    with pytest.raises(ValueError, match=BWD_VARIANT_VAR):
+        bwd_variant()
+    assert bwd_extra_kernels(None) == bwd_extra_kernels(False) == []
+    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == ["bwd_dqfirst", "bwd_l2order_dqfirst"]
+    assert bwd_extra_kernels(["l2order_dqfirst"]) == ["bwd_l2order_dqfirst"]
+    with pytest.raises(ValueError, match="unknown backward variants"):
+        bwd_extra_kernels(["fa3"])
+    assert bits_expected("bwd_dqfirst") and bits_expected("bwd_l2order_dqfirst")
+    assert len({_label(n) for n in ["bwd_dqfirst", "bwd_l2order_dqfirst", "l2order", "fa3n160", "fa3n176"]}) == 5
+
+
+@pytest.mark.parametrize("shape", [(4, 16, 16, 16384, 16384), (2, 8, 2, 1000, 77), (1, 3, 1, 64, 5000)])
+def test_bwd_l2order_task_order_covers_every_block_once(shape):
+    """kernels/attention_bwd_kernel.cuh work_of, variant l2order_dqfirst's order in Python: every (key block, batch, kv head)
+    exactly once, key blocks fastest (the CTAs at work share a head)."""
+    batch, heads, kv_heads, tq, tk = shape
+    blocks = -(-tk // 128)
+    order = []
+    for task in range(blocks * kv_heads * batch):
+        pair = task // blocks
+        order.append((task - pair * blocks, pair // kv_heads, pair % kv_heads))
+    assert sorted(order) == sorted((n, b, h) for n in range(blocks) for b in range(batch) for h in range(kv_heads))
+    assert [n for n, _, _ in order[:blocks]] == list(range(blocks)) and len({(b, h) for _, b, h in order[:blocks]}) == 1
+
+
 def _section_order(batch, heads, kv_heads, tq, tk, d, bm=128):
     """kernels/attention_kernel.cuh work_of (kSections) and attention.cu heads_per_section, in Python:
     task -> (q tile, batch, head)."""

@@ -54,11 +54,17 @@ __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t
   if constexpr (N == 256) {
     if constexpr (kBf16) mma_m64n256k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else mma_m64n256k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+  } else if constexpr (N == 176) {
+    if constexpr (kBf16) mma_m64n176k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+    else mma_m64n176k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+  } else if constexpr (N == 160) {
+    if constexpr (kBf16) mma_m64n160k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+    else mma_m64n160k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
   } else if constexpr (N == 128) {
     if constexpr (kBf16) mma_m64n128k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else mma_m64n128k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
   } else {
-    static_assert(N == 64, "wgmma: N is 64, 128 or 256");
+    static_assert(N == 64, "wgmma: N is 64, 128, 160, 176 or 256");
     if constexpr (kBf16) mma_m64n64k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
     else mma_m64n64k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
   }

@@ -62,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
                         "forms: forward + backward); context: case names (fwd_contiguous, fwd_causal_zigzag, ...)")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
-    p.add_argument("--fwd-variants", action="store_true",
-                   help="attention: time the forward kernel variants (l2order, pingpong, fa3) beside the default "
-                        "and cuDNN on the default shapes (--variants: the full sweep, with the pipelined schedule too)")
+    p.add_argument("--fwd-variants", nargs="*", default=None, metavar="VARIANT",
+                   help="attention: time the forward kernel variants (base, l2order, pingpong, fa3n160, fa3n176; "
+                        "or only the named ones) beside the default and cuDNN on the default shapes (--variants: the full sweep, "
+                        "with the pipelined schedule too)")
+    p.add_argument("--bwd-variants", nargs="*", default=None, metavar="VARIANT",
+                   help="attention: on the fwd_bwd* rows also time the backward kernel variants (dqfirst, "
+                        "l2order_dqfirst; or only the named ones) beside the default")
     p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile; "
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         if not on_gpu:
             print("  (no GPU: both sides run XLA at tiny sizes; timings only exercise the plumbing)")
         rows = attention.run(quick=args.quick, reps=reps, full=args.variants, cases=args.cases,
-                             seqs=args.seqs, head_dims=args.head_dims, fwd_variants=args.fwd_variants)
+                             seqs=args.seqs, head_dims=args.head_dims, fwd_variants=args.fwd_variants,
+                             bwd_variants=args.bwd_variants)
         return _report(out, args.suite, rows, attention.print_table, bad=attention.bad_row)
     if args.suite in ("context", "moe"):  # both run at group 1 too
         import importlib

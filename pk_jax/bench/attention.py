@@ -13,9 +13,15 @@ against base's 0.73-0.95x on 2026-11-23) and the forward variants other than the
 (pk_jax.attention.FWD_VARIANTS / DEFAULT_FWD_VARIANT: fa3) timed in the same turns as the default and cuDNN
 (forward cases): extra.<name>_ms /
 <name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, and <name>_same_bits (the variant's output
-equals the default's bit for bit, as it should). --fwd-variants: the default shapes with the forward
+equals the default's bit for bit: required of pk_jax.attention.FWD_VARIANTS_SAME_BITS only; fa3n160's and
+fa3n176's other key blocks change the last bits, so for it the flag is informative and <name>_check, the error against
+cuDNN, is the test). --fwd-variants: the default shapes with the forward
 variants only (no pipelined): the short comparison, e.g. `--fwd-variants --cases fwd fwd_causal fwd_gqa
---seqs 4096 16384 --head-dims 128` (6 rows, ~1-2 min on one H200). Without a GPU: tiny sizes, both sides
+--seqs 4096 16384 --head-dims 128` (6 rows, ~1-2 min on one H200); `--fwd-variants fa3n160 fa3n176 --cases ...`
+times only the named variants beside the default. --bwd-variants [NAME...]: the fwd_bwd* rows also time the
+backward variants (pk_jax.attention.BWD_VARIANTS other than DEFAULT_BWD_VARIANT, or the named ones) as
+extra.bwd_<name>_*, e.g. `--bwd-variants --cases fwd_bwd fwd_bwd_causal fwd_bwd_gqa --seqs 4096 16384
+--head-dims 128`; their same-bits flag compares out, dK and dV (dQ's reduce order varies). Without a GPU: tiny sizes, both sides
 run XLA (plumbing only).
 """
 
@@ -28,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pk_jax
-from pk_jax.attention import DEFAULT_FWD_VARIANT, FWD_VARIANT_VAR, FWD_VARIANTS, SCHEDULE_VAR
+from pk_jax.attention import (BWD_VARIANT_VAR, BWD_VARIANTS, DEFAULT_BWD_VARIANT, DEFAULT_FWD_VARIANT,
+                              FWD_VARIANT_VAR, FWD_VARIANTS, FWD_VARIANTS_SAME_BITS, SCHEDULE_VAR)
 from pk_jax.bench import timing
 from pk_jax.bench.progress import Progress
 
@@ -81,10 +88,14 @@ def _runner(fn):
 def _compiled_with_schedule(fn, triples, kernel: str):
     """_runner(fn) compiled now, with the kernel version `kernel` chosen by the variables read at lowering:
     "default" = DEFAULT_FWD_VARIANT; "pipelined" = the base variant's second consumer schedule; a forward
-    variant's name (FWD_VARIANTS) that variant."""
-    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: DEFAULT_FWD_VARIANT if kernel == "default" else kernel}
+    variant's name (FWD_VARIANTS) that variant; "bwd_<name>" the default forward with backward variant <name>
+    (BWD_VARIANTS). The backward variant is DEFAULT_BWD_VARIANT unless named."""
+    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: DEFAULT_FWD_VARIANT if kernel == "default" else kernel,
+           BWD_VARIANT_VAR: DEFAULT_BWD_VARIANT}
     if kernel == "pipelined":
-        env = {SCHEDULE_VAR: "pipelined", FWD_VARIANT_VAR: "base"}
+        env.update({SCHEDULE_VAR: "pipelined", FWD_VARIANT_VAR: "base"})
+    elif kernel.startswith("bwd_"):
+        env.update({FWD_VARIANT_VAR: DEFAULT_FWD_VARIANT, BWD_VARIANT_VAR: kernel[len("bwd_"):]})
     old = {var: os.environ.get(var) for var in env}
     os.environ.update(env)
     try:
@@ -97,16 +108,57 @@ def _compiled_with_schedule(fn, triples, kernel: str):
                 os.environ[var] = value
 
 
-def extra_kernels(full: bool, fwd_variants: bool) -> list[str]:
-    """The kernel versions timed beside the default on GPUs (forward cases only)."""
+def extra_kernels(full: bool, fwd_variants: bool | list[str]) -> list[str]:
+    """The kernel versions timed beside the default on GPUs (forward cases only). fwd_variants: True (or an
+    empty list) for every forward variant, a list of names for those only."""
     new = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
+    if isinstance(fwd_variants, (list, tuple)) and fwd_variants:
+        unknown = sorted(set(fwd_variants) - set(FWD_VARIANTS))
+        if unknown:
+            raise ValueError(f"pk_jax.bench attention: unknown forward variants {unknown}; pick from {FWD_VARIANTS}")
+        new = [v for v in new if v in fwd_variants]
+    elif isinstance(fwd_variants, (list, tuple)):
+        fwd_variants = True
     return (["pipelined"] + new) if full else (new if fwd_variants else [])
 
 
+def bwd_extra_kernels(bwd_variants: bool | list[str] | None) -> list[str]:
+    """The backward variants timed beside the default on the fwd_bwd* rows (as "bwd_<name>"): None / False for
+    none, True or [] for every non-default one, a list of names for those."""
+    if bwd_variants is None or bwd_variants is False:
+        return []
+    names = [v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
+    if isinstance(bwd_variants, (list, tuple)) and bwd_variants:
+        unknown = sorted(set(bwd_variants) - set(BWD_VARIANTS))
+        if unknown:
+            raise ValueError(f"pk_jax.bench attention: unknown backward variants {unknown}; pick from {BWD_VARIANTS}")
+        names = [v for v in names if v in bwd_variants]
+    return ["bwd_" + v for v in names]
+
+
+def _same_bits(a, b) -> bool:
+    """Forward rows: the outputs' bits. fwd_bwd rows ((out, dq, dk, dv)): out, dk and dv (dQ is summed by
+    reduce-adds in a run-dependent order)."""
+    if isinstance(a, (tuple, list)):
+        return all(bool(jnp.array_equal(x, y)) for i, (x, y) in enumerate(zip(a, b)) if i != 1)
+    return bool(jnp.array_equal(a, b))
+
+
+def bits_expected(name: str) -> bool:
+    """Whether kernel version `name` must give the default's bits (the schedules and FWD_VARIANTS_SAME_BITS,
+    when the default is one of those)."""
+    if name.startswith("bwd_"):
+        return True  # every backward variant gives the default's dK / dV (and the forward is the same)
+    same = ("pipelined",) + FWD_VARIANTS_SAME_BITS
+    return name in same and DEFAULT_FWD_VARIANT in same
+
+
 def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = None,
-        seqs: list[int] | None = None, head_dims: list[int] | None = None, fwd_variants: bool = False) -> list[dict]:
+        seqs: list[int] | None = None, head_dims: list[int] | None = None,
+        fwd_variants: bool | list[str] = False, bwd_variants: bool | list[str] | None = None) -> list[dict]:
     on_gpu = jax.devices()[0].platform == "gpu"
     extras = extra_kernels(full, fwd_variants) if on_gpu else []
+    bwd_extras = bwd_extra_kernels(bwd_variants) if on_gpu else []
     unknown = sorted(set(cases or ()) - set(CASES))
     if unknown:
         raise ValueError(f"pk_jax.bench attention: unknown cases {unknown}; pick from {list(CASES)}")
@@ -135,14 +187,14 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
 
         try:
             ours = _compiled_with_schedule(pk_fn, triples, "default")
-            names = [] if grads else extras
+            names = bwd_extras if grads else extras
             others = [_compiled_with_schedule(pk_fn, triples, name) for name in names]
             want = base(triples[:1])[0]
             got = ours(triples)[0]
             err = rel(got, want)
             other_out = [fn(triples)[0] for fn in others]
             other_err = [rel(o, want) for o in other_out]
-            same_bits = [bool(jnp.array_equal(o, got)) for o in other_out]
+            same_bits = [_same_bits(o, got) for o in other_out]
             del got, other_out
             times = timing.time_interleaved([ours, base] + others, triples, reps=reps)
             ours_ms, base_ms = times[:2]
@@ -167,10 +219,12 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
             rows[-1]["extra"].update({
                 f"{name}_ms": round(ms, 5), f"{name}_ratio": round(base_ms / ms, 4),
                 f"{name}_tflops": round(flops / ms / 1e9, 1), f"{name}_rel_err": float(f"{e_:.2e}"),
-                f"{name}_same_bits": same, f"{name}_check": "ok" if e_ < 2e-2 else "MISMATCH"})
+                f"{name}_same_bits": same, f"{name}_bits_expected": bits_expected(name),
+                f"{name}_check": "ok" if e_ < 2e-2 else "MISMATCH"})
         print(f"  attention {str([b, s, n, d]):<22} {case:<15} ours {ours_ms:8.3f} ms {flops / ours_ms / 1e9:6.0f} TF/s  "
               f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}"
-              + "".join(f"  {name} {flops / ms / 1e9:4.0f} TF/s x{base_ms / ms:5.3f}{'' if same else ' BITS DIFFER'}"
+              + "".join(f"  {name} {flops / ms / 1e9:4.0f} TF/s x{base_ms / ms:5.3f}"
+                        f"{'' if same else (' BITS DIFFER' if bits_expected(name) else ' (other bits, as expected)')}"
                         f"{'' if e_ < 2e-2 else ' MISMATCH'}"
                         for name, ms, e_, same in zip(names, other_ms, other_err, same_bits)),
               flush=True)
@@ -180,21 +234,28 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
 
 
 def _extra_names(rows: list[dict]) -> list[str]:
-    names = ["pipelined"] + [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
+    names = (["pipelined"] + [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
+             + ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT])
     return [n for n in names if any(f"{n}_ratio" in r["extra"] for r in rows)]
 
 
 def bad_row(r: dict) -> bool:
-    """A row whose default or any timed variant disagrees with the baseline, or a variant whose bits differ."""
+    """A row whose default or any timed variant disagrees with the baseline, or a variant whose bits differ
+    where they must not (<name>_bits_expected; rows written before that key existed: every variant)."""
     e = r["extra"]
     return any(v != "ok" for k, v in e.items() if k.endswith("check")) or not all(
-        v for k, v in e.items() if k.endswith("_same_bits"))
+        v for k, v in e.items() if k.endswith("_same_bits") and e.get(k[:-len("_same_bits")] + "_bits_expected", True))
+
+
+def _label(name: str) -> str:
+    """A column title of at most 10 characters ("bwd_l2order_dqfirst" -> "b:l2dqfirs")."""
+    return name.replace("bwd_", "b:").replace("l2order_dqfirst", "l2dqfirst")[:10]
 
 
 def print_table(rows: list[dict]) -> None:
     names = _extra_names(rows)
     head = (f"{'case':<16}{'[B, S, N, D]':<24}{'ours TF/s':>10}{'base TF/s':>10}{'ratio':>8}"
-            + "".join(f"{n[:10] + ' x':>13}" for n in names) + "  check")
+            + "".join(f"{_label(n) + ' x':>13}" for n in names) + "  check")
     print(head)
     print("-" * len(head))
     for r in rows:

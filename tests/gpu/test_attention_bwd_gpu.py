@@ -4,7 +4,13 @@ jax.grad through pk_jax.attention(implementation="pk") vs the gradients of a flo
 GQA 8:1 and MQA, odd and unequal lengths, causal offsets (incl. rows that see no key and a key block
 no row sees), a cotangent on the LSE; repeated calls (dK and dV bit-identical; dQ is summed by
 float32 bulk reduce-adds in a run-dependent order, so only its closeness is asserted and whether its
-bits repeated is printed). Each case checks that the lowered program holds both custom calls."""
+bits repeated is printed). Each case checks that the lowered program holds both custom calls.
+The backward variants ($PK_JAX_ATTENTION_BWD_VARIANT: dqfirst, l2order_dqfirst, read at lowering) run a
+subset of the cases against the float32 reference and must give base's dK and dV bits; a first look at one
+alone (the DEBUG build's waits time out instead of hanging):
+  PK_JAX_ATTENTION_BWD_DEBUG=1 timeout 60 python -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x \
+      -k "bwd_first_look and l2order_dqfirst"
+"""
 
 from __future__ import annotations
 
@@ -16,7 +22,7 @@ import numpy as np
 import pytest
 
 import pk_jax
-from pk_jax.attention import BWD_VAR, backward_kernel_enabled
+from pk_jax.attention import BWD_VAR, BWD_VARIANT_VAR, BWD_VARIANTS, DEFAULT_BWD_VARIANT, backward_kernel_enabled
 
 from .attention_reference import attention_f32
 from .poison import poison_allocator
@@ -95,6 +101,68 @@ def test_gradients_match_f32_reference(case, dtype):
     same_dq = np.array_equal(again[0], got[0])
     print(f"PASS attention bwd {_ids(case)} {jnp.dtype(dtype).name}: rel err dq {errs[0]:.2e} dk {errs[1]:.2e} "
           f"dv {errs[2]:.2e}; dq bits {'repeat' if same_dq else 'DIFFER (reduce order)'}")
+
+
+BWD_NEW_VARIANTS = [v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
+# Full and causal, D 64 / 128, GQA, a partly unseen key block, unaligned offsets.
+BWD_VARIANT_CASES = [CASES[0], CASES[1], CASES[2], CASES[4], CASES[11], CASES[12], CASES[13]]
+
+
+def _grads(case, dtype, seed_inputs):
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    q, k, v, w_out, w_lse = seed_inputs
+    ours = _loss(lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, return_lse=True, q_offset=qo, kv_offset=ko,
+                                                  implementation="pk"), w_out, w_lse)
+    f = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))  # lowered below, under the variable the caller set
+    assert "pk_attention_bwd" in f.lower(q, k, v).as_text(), "the kernel path was not taken"
+    return [np.asarray(x, np.float32) for x in f(q, k, v)]
+
+
+def _variant_inputs(case, dtype):
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    return (rand((b, tq, n, d), dtype), rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype),
+            rand((b, tq, n, d)), rand((b, n, tq)))
+
+
+@pytest.mark.parametrize("variant", BWD_NEW_VARIANTS)
+def test_bwd_first_look(variant, monkeypatch):
+    """The smallest case with one backward variant: the first thing to run of a new variant (under timeout 60)."""
+    case = CASES[0]
+    inputs = _variant_inputs(case, jnp.bfloat16)
+    monkeypatch.setenv(BWD_VARIANT_VAR, variant)
+    got = _grads(case, jnp.bfloat16, inputs)
+    monkeypatch.setenv(BWD_VARIANT_VAR, DEFAULT_BWD_VARIANT)
+    want = _grads(case, jnp.bfloat16, inputs)
+    assert np.array_equal(got[1], want[1]) and np.array_equal(got[2], want[2]), "dk / dv differ from base"
+    np.testing.assert_allclose(got[0], want[0], atol=1e-2 * float(np.max(np.abs(want[0])) or 1.0), rtol=1e-2)
+    print(f"PASS attention bwd first look {variant}")
+
+
+@pytest.mark.parametrize("variant", BWD_NEW_VARIANTS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", BWD_VARIANT_CASES, ids=[_ids(c) for c in BWD_VARIANT_CASES])
+def test_bwd_variant_matches_reference_and_base_bits(case, dtype, variant, monkeypatch):
+    """A backward variant: gradients within the float32 reference's tolerance, dK and dV bit-identical to base
+    (same operations per element, only the task order / issue order differ), dQ close to base's."""
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    inputs = _variant_inputs(case, dtype)
+    q, k, v, w_out, w_lse = inputs
+    monkeypatch.setenv(BWD_VARIANT_VAR, variant)
+    poison_allocator(8 * (q.size + k.size) * 2)
+    got = _grads(case, dtype, inputs)
+    monkeypatch.setenv(BWD_VARIANT_VAR, DEFAULT_BWD_VARIANT)
+    base = _grads(case, dtype, inputs)
+    ref = _loss(lambda q, k, v: attention_f32(q, k, v, scale=d ** -0.5, causal=causal, q_offset=qo, kv_offset=ko,
+                                              xp=jnp), w_out, w_lse)
+    want = [np.asarray(x) for x in jax.jit(jax.grad(ref, argnums=(0, 1, 2)))(*(x.astype(jnp.float32) for x in (q, k, v)))]
+    tol = 3e-2 if dtype == jnp.bfloat16 else 1e-2
+    for name, g, w in zip("qkv", got, want):
+        assert not np.isnan(g).any(), f"NaN in d{name}"
+        err = float(np.linalg.norm(g - w) / (np.linalg.norm(w) or 1.0))
+        assert err < tol, f"d{name}: relative norm error {err:.2e}"
+    assert np.array_equal(got[1], base[1]) and np.array_equal(got[2], base[2]), "dk / dv differ from base"
+    np.testing.assert_allclose(got[0], base[0], atol=1e-2 * float(np.max(np.abs(base[0])) or 1.0), rtol=1e-2)
+    print(f"PASS attention bwd {variant} {_ids(case)} {jnp.dtype(dtype).name}: base's dk / dv bits")
 
 
 def test_vmap_of_grad_folds_into_one_call():
