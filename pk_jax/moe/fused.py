@@ -18,6 +18,7 @@ emulation: for tests) or "reference".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -39,8 +40,26 @@ MAX_EXPERTS = 1024
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
+_override: list[str] = []
+
+
+@contextlib.contextmanager
+def override(impl: str):
+    """Within the block, trace pk_jax.moe.dispatch with `impl` ("auto" | "fused" | "reference") whatever
+    PK_JAX_MOE_DISPATCH says (benchmarks and tests compare the paths in one process)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"pk_jax.moe.fused.override: {impl!r}; use one of {', '.join(IMPLEMENTATIONS)}")
+    _override.append(impl)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
 def implementation() -> str:
-    """The PK_JAX_MOE_DISPATCH setting, read at trace time."""
+    """The path pk_jax.moe.dispatch takes, read at trace time: override(), else PK_JAX_MOE_DISPATCH."""
+    if _override:
+        return _override[-1]
     impl = os.environ.get(ENV, "auto") or "auto"
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"pk_jax.moe: {ENV}={impl!r}; use one of {', '.join(IMPLEMENTATIONS)}")
@@ -70,9 +89,9 @@ def _name(axis_name: tuple):
 def _varying(aval, axis_name: tuple, shape, dtype, *others):
     """An output aval: varying over the group axes and whatever the inputs vary over."""
     if not config._check_vma.value:
-        return aval.update(shape=shape, dtype=dtype)
+        return aval.update(shape=shape, dtype=dtype, weak_type=False)
     vma = frozenset(axis_name).union(*(a.mat.varying for a in (aval, *others)))
-    return aval.update(shape=shape, dtype=dtype, manual_axis_type=aval.mat.update(varying=vma))
+    return aval.update(shape=shape, dtype=dtype, weak_type=False, manual_axis_type=aval.mat.update(varying=vma))
 
 
 def _bind(p, *args, **params):
