@@ -8,7 +8,10 @@ per-destination offsets by cumsum, and one all-to-all of the (G, L) counts so th
 what it will receive (through pk_jax.all_to_all like the rows, never an XLA collective, which ranks sharing
 a GPU cannot run; as float32, exact because a count is at most T * K <= MAX_ASSIGNMENTS = 2^24). Senders
 use a padded buffer of S rows per destination (the reference exchange); receivers regroup what arrives
-into R rows, expert-major, source-major within an expert.
+into R rows, expert-major, source-major within an expert. The fused path (pk_jax/moe/fused.py) shares the
+sender-local half (plan_local: capacity, each assignment's position within its expert) and the receiver's
+(plan_receive, from the counts its kernel exchanged), and records each assignment's destination row
+(RoutingHandle.send_row) instead of using the padded buffer.
 
 Dropping (both deterministic, both documented on pk_jax.moe.dispatch):
 - capacity C: each member sends at most C rows to each expert, as in GShard / Switch (the capacity of a
