@@ -104,7 +104,7 @@ ffi::Error send(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buf
                 int32_t top_k, int32_t scaled, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   Group g;
   const LocalDevice* me = nullptr;
-  if (ffi::Error e = group_for(ordinal, kOpMoeDispatch, mesh_ids, mesh_shape, group_axes, g, me); e.failure())
+  if (ffi::Error e = group_for(ordinal, kOpMoeSend, mesh_ids, mesh_shape, group_axes, g, me); e.failure())
     return e;
   const auto dx = x.dimensions(), dr = recv->dimensions();
   DType dt{};

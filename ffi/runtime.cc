@@ -43,6 +43,7 @@ const char* op_name(int32_t op) {
     case kOpMatmulAllReduce: return "matmul_all_reduce";
     case kOpMoeDispatch: return "moe dispatch";
     case kOpMoeCombine: return "moe combine";
+    case kOpMoeSend: return "moe send";
   }
   return "unknown op";
 }

@@ -18,6 +18,7 @@ enum OpCode : int32_t {
   kOpMatmulAllReduce = 8,
   kOpMoeDispatch = 9,  // kernels/moe_dispatch.cu: rows pushed to the experts' members (counts exchanged or known)
   kOpMoeCombine = 10,  // rows pulled back to their tokens' members and summed by weight (or gathered)
+  kOpMoeSend = 11,     // rows pushed with the layout known (combine's backward)
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };

@@ -76,9 +76,17 @@ __global__ void __launch_bounds__(kMoeThreads)
   // grid-wide dependency before the publication.
   for (int e = threadIdx.x; e < E; e += blockDim.x) own[e] = 0;
   __syncthreads();
-  for (int64_t a = threadIdx.x; a < n; a += blockDim.x) {
-    const int32_t k = key[a];
-    if (k >= 0 && k < E) atomicAdd(&own[k], 1);
+  constexpr int kKeysInFlight = 8;  // loads issued before the shared-memory atomics that consume them
+  for (int64_t a0 = threadIdx.x; a0 < n; a0 += kKeysInFlight * blockDim.x) {
+    int32_t k[kKeysInFlight];
+#pragma unroll
+    for (int u = 0; u < kKeysInFlight; ++u) {
+      const int64_t a = a0 + int64_t(u) * blockDim.x;
+      k[u] = a < n ? key[a] : -1;
+    }
+#pragma unroll
+    for (int u = 0; u < kKeysInFlight; ++u)
+      if (k[u] >= 0 && k[u] < E) atomicAdd(&own[k[u]], 1);
   }
   __syncthreads();
   // CTA 0 writes them into every peer's block; the peer reads them after acquiring our ready (the
@@ -133,13 +141,11 @@ __global__ void __launch_bounds__(kMoeThreads)
       copy_segment<VEC>(x, (a / d.top_k) * d.row_vecs + seg * kSegVecs, bufs[0][k / L],
                         row * d.row_vecs + seg * kSegVecs, d.row_vecs - seg * kSegVecs, w.lane);
     }
-    // The layout for combine and the backward passes.
-    if (blockIdx.x == 0) {
-      for (int64_t a = threadIdx.x; a < n; a += blockDim.x) {
-        const int32_t k = key[a];
-        const int64_t row = k >= 0 && k < E ? int64_t(base[k]) + pos[a] : d.recv_rows;
-        send_row[a] = row < d.recv_rows ? int32_t((k / L) * d.recv_rows + row) : -1;
-      }
+    // The layout for combine and the backward passes (grid-strided: every CTA has the offsets).
+    for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < n; a += int64_t(gridDim.x) * blockDim.x) {
+      const int32_t k = key[a];
+      const int64_t row = k >= 0 && k < E ? int64_t(base[k]) + pos[a] : d.recv_rows;
+      send_row[a] = row < d.recv_rows ? int32_t((k / L) * d.recv_rows + row) : -1;
     }
     zero_rows<VEC>(recv, arrived < d.recv_rows ? arrived : d.recv_rows, d.recv_rows, d.row_vecs);
   }

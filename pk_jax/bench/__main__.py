@@ -56,13 +56,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="context, moe: tiny sizes (same as --quick; default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
-    p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
+    p.add_argument("--op", default=None, help="only this op (e.g. all_reduce; moe: a comma-separated list, e.g. "
+                                              "dispatch,combine)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="attention: only these cases (fwd, fwd_causal, fwd_gqa, fwd_causal_gqa and their fwd_bwd* "
-                        "forms: forward + backward)")
+                        "forms: forward + backward); moe: only these (uniform_fwd, skewed_fwd_bwd, ...)")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention: only these sequence lengths")
     p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
+    p.add_argument("--sizes", type=int, nargs="+", default=None,
+                   help="tp_gemm: only these N (default 4096..32768); moe: only these hidden sizes (e.g. 7168)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile; "
                         "attention: the full sweep, 64k..512k tokens, 16..128 heads)")
@@ -186,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
-        rows = suite.run(small=small, reps=reps, only=args.op)
+        extra = dict(cases=args.cases, hidden=args.sizes) if args.suite == "moe" else {}
+        rows = suite.run(small=small, reps=reps, only=args.op, **extra)
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:
         print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)

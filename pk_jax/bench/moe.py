@@ -56,7 +56,7 @@ class Case:
 DEEPSEEK_EXCHANGE = (4096, 7168, 256, 8, 2048)  # dispatch / combine at the issue's target shape (uniform)
 
 
-def cases(g: int, small: bool) -> list[Case]:
+def all_cases(g: int, small: bool) -> list[Case]:
     """Full: T 4096, H 4096, (E 64, K 4, F 1408) and (E 8 rounded up to G, K 2, F 4096); small: tiny."""
     shapes = [(64, 64, max(8, g), 2, 128)] if small else [(4096, 4096, 64, 4, 1408), (4096, 4096, max(8, g), 2, 4096)]
     out = []
@@ -265,13 +265,16 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype):
     return args, ours, bases, moved, remote
 
 
-def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None) -> list[dict]:
+def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cases: list[str] | None = None,
+        hidden: list[int] | None = None) -> list[dict]:
+    """only: ops (comma-separated); cases: case names (uniform_fwd, ...); hidden: hidden sizes."""
     devices = jax.devices()
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     rows = []
-    for c in cases(g, small):
-        if only and c.op != only:
+    ops = only.split(",") if only else None
+    for c in all_cases(g, small):
+        if (ops and c.op not in ops) or (cases and c.name not in cases) or (hidden and c.h not in hidden):
             continue
         args, ours_jit, bases, moved, remote = _contenders(c, g, mesh, dtype)
         sizes = routing.routing_sizes(g, c.e, c.t, c.k, None, None)
