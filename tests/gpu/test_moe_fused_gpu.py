@@ -109,7 +109,7 @@ def test_dtypes_and_vector_widths(dtype, hidden):
 
 
 def test_issue_shape_hidden_7168_256_experts_top8():
-    g = len(gpus()) if 256 % len(gpus()) == 0 else 2
+    g = 2  # the outputs come back to the host as float32: ~0.5 GB at G = 2
     mesh = Mesh(np.array(gpus()[:g]), ("ep",))
     got = _compare(mesh, "ep", g, 256, 8, "uniform", jnp.bfloat16, tokens=256, hidden=7168, seed=3)
     assert got[2].sum() == g * 256 * 8  # every row arrived
