@@ -79,8 +79,9 @@ ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
     return ffi::Error::InvalidArgument("pk_jax moe dispatch: x (T, H), key/pos/send_row (T*K,), recv (R, H)");
   if (num_experts < g.size || num_experts % g.size != 0 || num_experts > kMoeMaxExperts ||
       recv_counts->element_count() != int64_t(num_experts))
-    return ffi::Error::InvalidArgument("pk_jax moe dispatch: num_experts must be a multiple of the group size, at most " +
-                                       std::to_string(kMoeMaxExperts) + ", with recv_counts (G, E / G)");
+    return ffi::Error::InvalidArgument(
+        "pk_jax moe dispatch: num_experts must be a multiple of the group size, at most " +
+        std::to_string(kMoeMaxExperts) + ", with recv_counts (G, E / G)");
   const int64_t row_bytes = int64_t(x.size_bytes()) / dx[0];
   BufferStaging staging(*me, stream);  // multi-process: a receive buffer the peers cannot reach (rare)
   void* out = nullptr;

@@ -30,7 +30,9 @@ struct Warps {
 
 __device__ __forceinline__ int64_t segments(const MoeDims& d) { return (d.row_vecs + kSegVecs - 1) / kSegVecs; }
 
-__device__ __forceinline__ int32_t load_volatile(const int32_t* p) { return *reinterpret_cast<const volatile int32_t*>(p); }
+__device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
+  return *reinterpret_cast<const volatile int32_t*>(p);
+}
 
 // Zeroes vectors [from_row * row_vecs, rows * row_vecs) of this member's buffer, grid-strided.
 template <int VEC>

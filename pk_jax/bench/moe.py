@@ -122,8 +122,9 @@ class _Traced:
 
 
 def _routed_inputs(mesh: Mesh, disp: Callable, impl: str | None, x, ids):
-    """(recv, handle leaves) of one dispatch run with path `impl` (None: as PK_JAX_MOE_DISPATCH says), and the function that rebuilds the handle
-    from a member's leaves inside shard_map: combine's inputs, so that combine is timed alone."""
+    """(recv, handle leaves) of one dispatch run with path `impl` (None: as PK_JAX_MOE_DISPATCH says), and the
+    function that rebuilds the handle from a member's leaves inside shard_map: combine's inputs, so that
+    combine is timed alone."""
     meta: dict = {}
 
     def f(x, ids):
