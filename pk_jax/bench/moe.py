@@ -311,7 +311,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
                       "check": check},
         })
         print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours ({path}) {times[0]:9.3f} ms  "
-              f"{rows[-1]['extra']['gbps']:8.1f} GB/s  "
+              f"{rows[-1]['extra']['gbps']:8.1f} GB/s ({rows[-1]['extra']['remote_gbps']:.1f} remote)  "
               + "  ".join(f"{k} {v:9.3f} ms" for k, v in base.items())
               + "".join(f"  [{k}: {v}]" for k, v in errors.items()) + f"  {check}", flush=True)
     return rows
