@@ -30,6 +30,9 @@ extern "C" XLA_FFI_Error* PkGroupedMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttentionBwd(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkMoeDispatch(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkMoeSend(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkMoeCombine(XLA_FFI_CallFrame*);
 
 namespace {
 
@@ -102,6 +105,9 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
     d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
     d["pk_attention_bwd"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionBwd));
+    d["pk_moe_dispatch"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatch));
+    d["pk_moe_send"] = handler_capsule(reinterpret_cast<void*>(&PkMoeSend));
+    d["pk_moe_combine"] = handler_capsule(reinterpret_cast<void*>(&PkMoeCombine));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {

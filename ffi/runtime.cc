@@ -41,6 +41,9 @@ const char* op_name(int32_t op) {
     case kOpAllGatherMatmul: return "all_gather_matmul";
     case kOpMatmulReduceScatter: return "matmul_reduce_scatter";
     case kOpMatmulAllReduce: return "matmul_all_reduce";
+    case kOpMoeDispatch: return "moe dispatch";
+    case kOpMoeCombine: return "moe combine";
+    case kOpMoeSend: return "moe send";
   }
   return "unknown op";
 }

@@ -3,6 +3,7 @@
 // directly between the members' XLA buffers; OpProtocol does the handshakes.
 #include "collectives.cuh"
 #include "small_collectives.cuh"
+#include "moe_dispatch.cuh"
 #include "pk/op_protocol.cuh"
 #include "pk/vec.cuh"
 
@@ -223,6 +224,10 @@ cudaError_t launch_pull_reduce(const Group& g, const Box& box, int vec_bytes, DT
   return cudaLaunchKernel(k, grid, kReduceThreads, args, 0, stream);
 }
 
+int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim) {
+  return grid_for(kernel, warp_items, threads, lim);
+}
+
 cudaError_t launch_wait_for_peer(const Group& g, int peer_rank, cudaStream_t stream) {
   return launch(wait_for_peer_kernel, 1, 32, stream, g, peer_rank);
 }
@@ -255,6 +260,7 @@ std::vector<const void*> collective_kernels() {
   ReduceKernels<__half, 2>::all(out);
   out.push_back(reinterpret_cast<const void*>(&wait_for_peer_kernel));
   for (const void* k : small_collective_kernels()) out.push_back(k);
+  for (const void* k : moe_kernels()) out.push_back(k);
   return out;
 }
 

@@ -16,6 +16,9 @@ enum OpCode : int32_t {
   kOpAllGatherMatmul = 6,
   kOpMatmulReduceScatter = 7,
   kOpMatmulAllReduce = 8,
+  kOpMoeDispatch = 9,  // kernels/moe_dispatch.cu: rows pushed to the experts' members (counts exchanged or known)
+  kOpMoeCombine = 10,  // rows pulled back to their tokens' members and summed by weight (or gathered)
+  kOpMoeSend = 11,     // rows pushed with the layout known (combine's backward)
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
@@ -41,6 +44,10 @@ cudaError_t launch_wait_for_peer(const Group& g, int peer_rank, cudaStream_t str
 // Every kernel in this file, so the runtime can load them all before any cross-GPU wait can be in
 // flight (a lazy module load takes a process-wide lock and can deadlock against a spinning kernel).
 std::vector<const void*> collective_kernels();
+
+// Grid for `kernel` (configured by configure_kernels) with `warp_items` warp-sized work items of
+// `threads`-thread CTAs, capped so that every CTA is resident at once (CTAs wait on peers).
+int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim);
 
 // Loads every kernel on the current device and records how many CTAs of each fit on one SM.
 // Call on each device at start-up, before any launch.

@@ -30,8 +30,8 @@ import harness  # noqa: E402
 import small_cases  # noqa: E402
 
 
-def _launch(script: str, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+def _launch(script: str, tmp_path: Path, *args: str, **env_vars: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **env_vars)
     env.pop("XLA_FLAGS", None)  # conftest's 8 virtual devices are this process's, not the ranks'
     out = tmp_path / f"{script}.json"
     cmd = [sys.executable, "-m", "pk_jax.launch", "--cpu", "-n", "2", "--timeout", "150",
@@ -162,6 +162,19 @@ def test_moe_two_cpu_ranks(tmp_path):
     exact = [r for r in rows if r["op"] == "dispatch" and r["case"].endswith("_fwd")]
     assert exact and all(r["extra"]["max_err"] == 0 for r in exact), exact  # rows, order and counts move exactly
     assert len(rows) == 12 and {r["group"] for r in rows if r["op"] != "moe_mlp"} == {2}
+
+
+def test_moe_fused_path_two_cpu_ranks(tmp_path):
+    """check_moe.py --smoke with PK_JAX_MOE_DISPATCH=fused: the fused path's primitives (their jax.lax emulation
+    over gloo on CPU) across 2 processes, exact dispatch rows and counts."""
+    proc, rows = _launch("check_moe.py", tmp_path, "--smoke", PK_JAX_MOE_DISPATCH="fused")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert all(r["extra"]["ok"] for r in rows) and "FAIL" not in proc.stdout, rows
+    assert {(r["op"], r["case"]) for r in rows} == {(op, f"{routing}_{case}") for op in ("dispatch", "combine")
+                                                    for routing in ("uniform_k2", "skewed_k2_cap2")
+                                                    for case in ("fwd", "fwd_bwd")}
+    exact = [r for r in rows if r["op"] == "dispatch" and r["case"].endswith("_fwd")]
+    assert exact and all(r["extra"]["max_err"] == 0 for r in exact), exact
 
 
 def test_soak_two_cpu_ranks(tmp_path):

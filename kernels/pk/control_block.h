@@ -14,6 +14,8 @@ constexpr int kMaxChunks = 4096;   // pushers on every SM: AG row chunks of x, s
 // 4 payload bytes, so a sender's payload per op is capped at kLLLines * 4 = 1 MiB; the LL area is
 // 2 x kMaxSlots x kLLLines x 8 B = 32 MiB per device (pk_jax/collectives.py SMALL_MAX_BYTES matches).
 constexpr int kLLLines = 1 << 18;
+// Fused MoE dispatch (kernels/moe_dispatch.cu): experts whose per-sender counts a member can publish.
+constexpr int kMoeMaxExperts = 1024;
 
 // Error codes written by device code into a host-mapped ErrorRecord.
 enum ErrorCode : int32_t {
@@ -66,6 +68,11 @@ struct alignas(128) ControlBlock {
   // (low 32 bits) it belongs to; parity = epoch & 1. One 8-byte store is single-copy atomic, so a
   // line whose flag matches carries that op's data: no fence, no separate ready flag.
   alignas(128) uint64_t ll[2][kMaxSlots][kLLLines];
+  // Fused MoE dispatch: moe_counts[src][e] = rows src sends to global expert e in the running dispatch,
+  // written by src before its ready signal (release) and read by this member after acquiring it. Never
+  // reset: src writes the next dispatch's counts only after this member reported done for this one,
+  // i.e. after it read them (docs/design-moe.md).
+  alignas(128) int32_t moe_counts[kMaxSlots][kMoeMaxExperts];
 };
 
 }  // namespace pk

@@ -56,20 +56,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--small", action="store_true", help="context, moe: tiny sizes (same as --quick; default on CPU)")
     p.add_argument("--reps", type=int, default=None,
                    help="timed calls per case, median reported (default 20; transfer 5, sync 9)")
-    p.add_argument("--op", default=None, help="only this op (e.g. all_reduce)")
+    p.add_argument("--op", default=None, help="only this op (e.g. all_reduce; moe: a comma-separated list, e.g. "
+                                              "dispatch,combine)")
     p.add_argument("--cases", nargs="+", default=None,
                    help="attention: only these cases (fwd, fwd_causal, fwd_gqa, fwd_causal_gqa and their fwd_bwd* "
-                        "forms: forward + backward); context: case names (fwd_contiguous, fwd_causal_zigzag, ...)")
+                        "forms: forward + backward); context: case names (fwd_contiguous, fwd_causal_zigzag, ...); "
+                        "moe: only these (uniform_fwd, skewed_fwd_bwd, ...)")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
     p.add_argument("--fwd-variants", nargs="*", default=None, metavar="VARIANT",
                    help="attention: time the forward kernel variants (base, l2order, pingpong, fa3n160, fa3n176; "
-                        "or only the named ones) beside the default and cuDNN on the default shapes (--variants: the full sweep, "
-                        "with the pipelined schedule too)")
+                        "or only the named ones) beside the default and cuDNN on the default shapes (--variants: the "
+                        "full sweep, with the pipelined schedule too)")
     p.add_argument("--bwd-variants", nargs="*", default=None, metavar="VARIANT",
                    help="attention: on the fwd_bwd* rows also time the backward kernel variants (dqfirst, "
                         "l2order_dqfirst; or only the named ones) beside the default")
-    p.add_argument("--sizes", type=int, nargs="+", default=None, help="tp_gemm: only these N (default 4096..32768)")
+    p.add_argument("--sizes", type=int, nargs="+", default=None,
+                   help="tp_gemm: only these N (default 4096..32768); moe: only these hidden sizes (e.g. 7168)")
     p.add_argument("--variants", action="store_true",
                    help="also time the non-default variants (collectives: pull transport; gemm: every tile; "
                         "attention: the full sweep, 64k..512k tokens, 16..128 heads; moe grouped_matmul: the "
@@ -195,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
-        kw = {"variants": args.variants} if args.suite == "moe" else {"names": args.cases, "seqs": args.seqs}
+        kw = (dict(cases=args.cases, hidden=args.sizes, variants=args.variants) if args.suite == "moe"
+              else dict(names=args.cases, seqs=args.seqs))
         rows = suite.run(small=small, reps=reps, only=args.op, **kw)
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:

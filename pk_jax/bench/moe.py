@@ -2,10 +2,15 @@
 
 Rows: op = dispatch | combine | grouped_matmul | moe_mlp; shape = [T, hidden, experts, top_k] (T tokens per
 member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
-receiver (dispatch: its rows; combine: the rows back at the busiest sender; moe_mlp: both) / time.
+receiver (dispatch: its rows; combine: the rows back at the busiest home member; moe_mlp: both) / time;
+extra.remote_gbps counts only the rows that cross from another member (NVLink). extra.path: "fused" (the
+kernels of pk_jax/moe/fused.py) or "reference" (the padded all_to_all exchange), as PK_JAX_MOE_DISPATCH picks.
+dispatch and combine also run at the DeepSeek-V3 per-GPU shape (T 4096, H 7168, E 256, top-8, uniform).
+combine is timed alone: the routing handle and the rows come from a dispatch run once beforehand.
 Baselines, timed in turns in the same run:
-- dispatch: jax.lax.ragged_all_to_all of the sender-sorted rows (GPU only: XLA:CPU lacks it), which
-  leaves rows source-major (not regrouped by expert);
+- dispatch and combine: the reference exchange (PK_JAX_MOE_DISPATCH=reference: padded pk_jax.all_to_all plus
+  gathers) and, forward (GPU only: XLA:CPU lacks it), jax.lax.ragged_all_to_all of the sender-sorted rows,
+  which leaves rows source-major (not regrouped by expert) and, for combine, sends them back the same way;
 - grouped_matmul (on GPUs our grouped GEMM kernel): jnp.dot of the same FLOPs (the used rows times one
   expert's matrix), jax.lax.ragged_dot (skipped where XLA's dense emulation would need an (E, m, n) temporary
   over 8 GB) and, forward only, (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu; also at the
@@ -32,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.bench import results, timing
-from pk_jax.moe import routing
+from pk_jax.moe import fused, routing
 
 AX = "ep"
 # --variants: the schedule variants timed beside the default (PK_JAX_BENCH_GROUPED_VARIANTS, space-separated,
@@ -81,12 +86,17 @@ class Case:
         return f"{self.routing}_{'fwd_bwd' if self.backward else 'fwd'}"
 
 
-def cases(g: int, small: bool) -> list[Case]:
+DEEPSEEK_EXCHANGE = (4096, 7168, 256, 8, 2048)  # dispatch / combine at the issue's target shape (uniform)
+
+
+def all_cases(g: int, small: bool) -> list[Case]:
     """Full: T 4096, H 4096, (E 64, K 4, F 1408) and (E 8 rounded up to G, K 2, F 4096); small: tiny."""
     shapes = [(64, 64, max(8, g), 2, 128)] if small else [(4096, 4096, 64, 4, 1408), (4096, 4096, max(8, g), 2, 4096)]
     out = []
     for op in ("dispatch", "combine", "grouped_matmul", "moe_mlp"):
         per_gpu = [] if small or op != "grouped_matmul" else [(4096, 7168, 64 * g, 8, 2048)]
+        if not small and op in ("dispatch", "combine") and DEEPSEEK_EXCHANGE[2] % g == 0:
+            out += [Case(op, *DEEPSEEK_EXCHANGE, "uniform", backward) for backward in (False, True)]
         for t, h, e, k, f in shapes + per_gpu:
             for kind in ("uniform", "skewed"):
                 for backward in (False, True):
@@ -114,6 +124,54 @@ def _ragged_a2a_dispatch(x, ids, e: int):
     out_off = jax.lax.all_to_all(recv_off, AX, 0, 0, tiled=True)
     out = jnp.zeros((sizes.recv_rows, x.shape[1]), x.dtype)
     return jax.lax.ragged_all_to_all(rows, out, jnp.cumsum(sent) - sent, sent, out_off, recv, axis_name=AX)
+
+
+def _ragged_a2a_combine(y, ids, wts, e: int):
+    """Baseline: rows of _ragged_a2a_dispatch (source-major) back to their senders by
+    jax.lax.ragged_all_to_all, unsorted, and summed by weight in float32."""
+    g = jax.lax.axis_size(AX)
+    t, k = ids.shape
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    sent = jnp.zeros(e, jnp.int32).at[ids.reshape(-1)].add(1).reshape(g, -1).sum(1)
+    recv = jax.lax.all_to_all(sent, AX, 0, 0, tiled=True)
+    back_off = jax.lax.all_to_all(jnp.cumsum(sent) - sent, AX, 0, 0, tiled=True)
+    out = jnp.zeros((t * k, y.shape[1]), y.dtype)
+    got = jax.lax.ragged_all_to_all(y, out, jnp.cumsum(recv) - recv, recv, back_off, sent, axis_name=AX)
+    rows = jnp.zeros_like(got).at[order].set(got)
+    return jnp.einsum("tkh,tk->th", rows.reshape(t, k, -1).astype(jnp.float32),
+                      wts.astype(jnp.float32)).astype(y.dtype)
+
+
+class _Traced:
+    """A jitted program lowered with pk_jax.moe's path `impl` (fused.override): the reference exchange as a
+    baseline in the same run as the default path."""
+
+    def __init__(self, impl: str, jitted):
+        self.impl, self.jitted = impl, jitted
+
+    def lower(self, *args):
+        with fused.override(self.impl):
+            return self.jitted.lower(*args)
+
+
+def _routed_inputs(mesh: Mesh, disp: Callable, impl: str | None, x, ids):
+    """(recv, handle leaves) of one dispatch run with path `impl` (None: as PK_JAX_MOE_DISPATCH says), and the
+    function that rebuilds the handle from a member's leaves inside shard_map: combine's inputs, so that
+    combine is timed alone."""
+    meta: dict = {}
+
+    def f(x, ids):
+        recv, _, h = disp(x, ids)
+        leaves, meta["tree"] = jax.tree.flatten(h)
+        meta["scalar"] = [leaf.ndim == 0 for leaf in leaves]
+        return recv, [leaf.reshape(1) if leaf.ndim == 0 else leaf for leaf in leaves]
+
+    prog = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=P(AX), out_specs=P(AX), check_vma=False))
+    with fused.override(impl) if impl else contextlib.nullcontext():
+        recv, leaves = prog(x, ids)
+    rebuild = lambda ls: jax.tree.unflatten(meta["tree"], [l.reshape(()) if s else l
+                                                           for l, s in zip(ls, meta["scalar"])])
+    return recv, leaves, rebuild
 
 
 def _capacity_einsum_mlp(x, ids, wts, wg, wu, wd):
@@ -153,8 +211,8 @@ def _try(jitted, args):
 
 
 def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
-    """(args, ours, [(name, baseline)], bytes at the busiest receiver) of one case; variants: our grouped
-    GEMM's schedule variants as more contenders, named "ours[<variant>]"."""
+    """(args, ours, [(name, baseline)], bytes at the busiest receiver, of them over NVLink) of one case;
+    variants: our grouped GEMM's schedule variants as more contenders, named "ours[<variant>]"."""
     rng = np.random.default_rng(1)
     shard = NamedSharding(mesh, P(AX))
     put = lambda a, dt=dtype: jax.device_put(jnp.asarray(a, dt), shard)
@@ -169,20 +227,38 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
     busiest = int(np.max(info[0]))
     row_bytes = c.h * jnp.dtype(dtype).itemsize
     bases = []
+    ids_np = _ids(c, g, 0).reshape(g, c.t * c.k) // local  # destination member of each assignment
+    remote_in = max(int(np.sum((ids_np == d) & (np.arange(g)[:, None] != d))) for d in range(g))
+    remote_back = max(int(np.sum(ids_np[s] != s)) for s in range(g))
     if c.op == "dispatch":
         ours = _program(lambda x, ids: disp(x, ids)[0], mesh, P(AX), c.backward, (0,))
         args = [x, ids]
+        bases.append(("reference exchange", _Traced("reference", _program(lambda x, ids: disp(x, ids)[0], mesh,
+                                                                          P(AX), c.backward, (0,)))))
         if not c.backward:
             bases.append(("lax.ragged_all_to_all", _program(lambda x, ids: _ragged_a2a_dispatch(x, ids, c.e), mesh,
                                                              P(AX), False, (0,))))
-        moved = busiest * row_bytes
+        moved, remote = busiest * row_bytes, remote_in * row_bytes
     elif c.op == "combine":
-        def comb(x, ids, wts):
-            recv, _, hdl = disp(x, ids)
-            return pk_jax.moe.combine(recv, wts, hdl)
-        ours = _program(comb, mesh, P(AX), c.backward, (0, 2))
-        args = [x, ids, wts]
-        moved = 2 * busiest * row_bytes  # timed with its dispatch (the handle comes from it)
+        def combine_program(rebuild):
+            return _program(lambda y, wts, *leaves: pk_jax.moe.combine(y, wts, rebuild(leaves)), mesh, P(AX),
+                            c.backward, (0, 1))
+        recv, leaves, rebuild = _routed_inputs(mesh, disp, None, x, ids)
+        ours = combine_program(rebuild)
+        args = [recv, wts, *leaves]
+        recv_r, leaves_r, rebuild_r = _routed_inputs(mesh, disp, "reference", x, ids)
+        bases.append(("reference exchange", _Traced("reference", combine_program(rebuild_r)),
+                      [recv_r, wts, *leaves_r]))
+        if not c.backward and jax.devices()[0].platform == "gpu":
+            try:
+                y_lax = _program(lambda x, ids: _ragged_a2a_dispatch(x, ids, c.e), mesh, P(AX), False, (0,))(x, ids)
+                bases.append(("lax.ragged_all_to_all", _program(
+                    lambda y, ids, wts: _ragged_a2a_combine(y, ids, wts, c.e), mesh, P(AX), False, (0,)),
+                    [y_lax, ids, wts]))
+            except Exception as e:  # noqa: BLE001 - optional baseline
+                print(f"  (lax.ragged_all_to_all combine baseline unavailable: {type(e).__name__})", flush=True)
+        # rows that arrive back at the busiest home member (every kept choice's row)
+        moved, remote = c.t * c.k * row_bytes, remote_back * row_bytes
     elif c.op == "grouped_matmul":
         rows = routing.worst_case_recv_rows(g, c.t, c.k)
         counts = np.asarray(info[1]).reshape(g, local)[int(np.argmax(info[0]))]
@@ -214,6 +290,7 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
         if not variants and (not gpu or local * rows * c.f * 4 <= 8 << 30):  # XLA:GPU may emulate it densely
             bases.append(("lax.ragged_dot", one(lambda a, b, s: jax.lax.ragged_dot(a, b, s))))
         moved = int(counts.sum()) * row_bytes  # no exchange: the bytes of the busiest member's rows
+        remote = 0
     else:
         wsh = lambda *s: put(rng.standard_normal((c.e,) + s) / np.sqrt(s[0]))
         wg, wu, wd = wsh(c.h, c.f), wsh(c.h, c.f), wsh(c.f, c.h)
@@ -222,19 +299,25 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
         args = [x, ids, wts, wg, wu, wd]
         bases.append(("dispatch + capacity-padded einsum (cf 1.25)",
                       _program(_capacity_einsum_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
-        moved = 2 * busiest * row_bytes
-    return args, ours, bases, moved
+        moved, remote = 2 * busiest * row_bytes, (remote_in + remote_back) * row_bytes
+    return args, ours, bases, moved, remote
 
 
-def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, variants: bool = False) -> list[dict]:
+def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cases: list[str] | None = None,
+        hidden: list[int] | None = None, variants: bool = False) -> list[dict]:
+    """only: ops (comma-separated); cases: case names (uniform_fwd, ...); hidden: hidden sizes; variants: the
+    grouped GEMM's schedule variants too."""
     devices = jax.devices()
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     rows = []
-    for c in cases(g, small):
-        if only and c.op != only:
+    ops = only.split(",") if only else None
+    for c in all_cases(g, small):
+        if (ops and c.op not in ops) or (cases and c.name not in cases) or (hidden and c.h not in hidden):
             continue
-        args, ours_jit, bases, moved = _contenders(c, g, mesh, dtype, variants)
+        args, ours_jit, bases, moved, remote = _contenders(c, g, mesh, dtype, variants)
+        sizes = routing.routing_sizes(g, c.e, c.t, c.k, None, None)
+        path = "fused" if c.op != "grouped_matmul" and fused.use_fused(sizes, c.h, dtype) else "reference"
         ours, err = _try(ours_jit, args)
         if ours is None:
             raise RuntimeError(f"pk_jax.bench moe: {c.op} {c.name} failed: {err}")
@@ -271,13 +354,15 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, var
             "baseline_ms": round(times_b[1], 5) if names_b else None,
             "ratio": round(times_b[1] / times[0], 4) if names_b else None,
             "extra": {"gbps": round(moved / times[0] / 1e6, 2), "busiest_bytes": moved, "ffn": c.f, "reps": reps,
+                      "remote_gbps": round(remote / times[0] / 1e6, 2), "remote_bytes": remote, "path": path,
+                      "baselines_gbps": {k: round(moved / v / 1e6, 2) for k, v in base.items()},
                       "baselines_ms": {k: round(v, 5) for k, v in base.items()}, "baseline_errors": errors,
                       "check": check},
         })
         if mine_ms:
             rows[-1]["extra"]["variants_ms"] = {k: round(v, 5) for k, v in mine_ms.items()}
-        print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours {times[0]:9.3f} ms  "
-              f"{rows[-1]['extra']['gbps']:8.1f} GB/s  "
+        print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours ({path}) {times[0]:9.3f} ms  "
+              f"{rows[-1]['extra']['gbps']:8.1f} GB/s ({rows[-1]['extra']['remote_gbps']:.1f} remote)  "
               + "  ".join(f"{k} {v:9.3f} ms" for k, v in base.items())
               + "".join(f"  ours[{k}] {v:9.3f} ms" for k, v in mine_ms.items())
               + "".join(f"  [{k}: {v}]" for k, v in errors.items()) + f"  {check}", flush=True)

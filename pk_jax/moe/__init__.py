@@ -1,7 +1,8 @@
 """Expert parallelism: dispatch tokens to the members holding their experts, grouped GEMMs, combine.
 
-Reference path today (jnp routing layout, padded all-to-all, ragged_dot / a tiled scan); the fused
-kernels will replace it under the same semantics (pinned by tests/test_moe_cpu.py)."""
+dispatch / combine run fused kernels on GPUs (pk_jax/moe/fused.py: counts and rows exchanged inside one
+kernel per op) and the reference exchange (padded pk_jax.all_to_all) elsewhere or with
+PK_JAX_MOE_DISPATCH=reference, under the same semantics (pinned by tests/test_moe_cpu.py; docs/design-moe.md)."""
 
 from pk_jax.moe.dispatch import combine, dispatch
 from pk_jax.moe.grouped_matmul import grouped_matmul

@@ -1,9 +1,14 @@
 """dispatch and combine: send each token to its experts' members, bring the weighted expert outputs home.
 
+Two implementations with the same semantics (layout, counts, drops, VJPs), picked at trace time by
+pk_jax.moe.fused.use_fused (PK_JAX_MOE_DISPATCH = auto | fused | reference): the fused kernels
+(pk_jax/moe/fused.py, kernels/moe_dispatch.cu: counts exchanged and rows pushed / pulled straight between
+the members' buffers, default on GPUs), and the reference exchange below (the CPU/XLA path).
+
 Reference exchange: a padded buffer of S rows per destination through pk_jax.all_to_all (device-initiated
 on GPUs, jax.lax.all_to_all elsewhere), regrouped by gathers on both sides. jax.lax.ragged_all_to_all
 would avoid the padding but XLA:CPU does not implement it (jax 0.11.2: "HLO opcode ragged-all-to-all is
-not supported by XLA:CPU"), and the fused kernels will replace this path anyway.
+not supported by XLA:CPU"); the fused kernels replace it on GPUs.
 
 dispatch and combine are linear in x and y and each other's transpose, so both have custom VJPs made of
 the two exchanges below rather than autodiff through scatters: d(dispatch) = combine with weights 1,
@@ -17,9 +22,9 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax.collectives import all_to_all
-from pk_jax.moe import routing
+from pk_jax.moe import fused, routing
 from pk_jax.moe.routing import RoutingHandle
-from pk_jax.sharding import group_size
+from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 
 
@@ -144,6 +149,14 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, axis_name: AxisName, *, num_expe
     if recv_rows is not None and (not isinstance(recv_rows, int) or recv_rows < 1):
         raise ValueError(f"pk_jax.moe.dispatch: recv_rows={recv_rows!r} must be None or an int >= 1")
     sizes = routing.routing_sizes(g, num_experts, x.shape[0], topk_ids.shape[1], capacity, recv_rows)
+    if fused.use_fused(sizes, x.shape[1], x.dtype):
+        axes = normalize_axis_name(axis_name)
+        lp = routing.plan_local(topk_ids, sizes)
+        recv, recv_counts, send_row = fused.dispatch_rows(x, lp.key, lp.pos, axes, sizes)
+        recv_source_row, expert_counts, received = routing.plan_receive(recv_counts, sizes)
+        h = RoutingHandle(lp.send_assignment, lp.assignment_slot, recv_source_row, expert_counts, received, lp.sent,
+                          send_row, axis_name, sizes)
+        return recv, expert_counts, h
     h = routing.plan(topk_ids, axis_name, sizes)
     return _dispatch_rows(x, h), h.expert_counts, h
 
@@ -167,4 +180,7 @@ def combine(y: jax.Array, topk_weights: jax.Array, handle: RoutingHandle) -> jax
     if topk_weights.shape != (sz.tokens, sz.top_k):
         raise ValueError(f"pk_jax.moe.combine: topk_weights must be (tokens, top_k) = {(sz.tokens, sz.top_k)}, "
                          f"got shape {topk_weights.shape}")
+    if handle.send_row is not None and jnp.dtype(y.dtype) in fused.DTYPES and y.shape[1] > 0:
+        return fused.combine_rows(y, topk_weights, handle.send_row, handle.received,
+                                  normalize_axis_name(handle.axis_name), sz)
     return _combine_rows(y, topk_weights, handle)

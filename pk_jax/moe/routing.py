@@ -8,7 +8,10 @@ per-destination offsets by cumsum, and one all-to-all of the (G, L) counts so th
 what it will receive (through pk_jax.all_to_all like the rows, never an XLA collective, which ranks sharing
 a GPU cannot run; as float32, exact because a count is at most T * K <= MAX_ASSIGNMENTS = 2^24). Senders
 use a padded buffer of S rows per destination (the reference exchange); receivers regroup what arrives
-into R rows, expert-major, source-major within an expert.
+into R rows, expert-major, source-major within an expert. The fused path (pk_jax/moe/fused.py) shares the
+sender-local half (plan_local: capacity, each assignment's position within its expert) and the receiver's
+(plan_receive, from the counts its kernel exchanged), and records each assignment's destination row
+(RoutingHandle.send_row) instead of using the padded buffer.
 
 Dropping (both deterministic, both documented on pk_jax.moe.dispatch):
 - capacity C: each member sends at most C rows to each expert, as in GShard / Switch (the capacity of a
@@ -78,6 +81,9 @@ class RoutingHandle:
       expert_counts: (L,) rows per local expert in the output (after any recv_rows overflow).
       received: () rows that arrived before the recv_rows bound; received - sum(expert_counts) dropped here.
       sent: () assignments this member sent (T * K minus its capacity drops).
+      send_row: (T * K,) the fused path's layout (pk_jax.moe.fused): each assignment's destination member d
+        and row i there as d * R + i, -1 if dropped (capacity or the recv_rows bound); None on the reference
+        path, whose exchange uses the slots above.
     """
     send_assignment: jax.Array
     assignment_slot: jax.Array
@@ -85,6 +91,7 @@ class RoutingHandle:
     expert_counts: jax.Array
     received: jax.Array
     sent: jax.Array
+    send_row: jax.Array | None
     axis_name: AxisName = dataclasses.field(metadata=dict(static=True))
     sizes: RoutingSizes = dataclasses.field(metadata=dict(static=True))
 
@@ -108,9 +115,23 @@ def capacity_keep(expert: jax.Array, num_experts: int, tokens: int, top_k: int, 
     return rank < capacity
 
 
-def plan(topk_ids: jax.Array, axis_name: AxisName, sizes: RoutingSizes) -> RoutingHandle:
-    """Computes the routing layout of this member's assignments (inside shard_map over `axis_name`)."""
-    g, e, t, k, s, r = sizes.g, sizes.num_experts, sizes.tokens, sizes.top_k, sizes.send_rows, sizes.recv_rows
+@dataclasses.dataclass(frozen=True)
+class LocalPlan:
+    """The sender's half of the routing layout (no communication): per assignment its key (global expert, or
+    E if capacity dropped it) and position among this member's kept rows of that expert (position order),
+    the padded send layout of the reference exchange, this member's kept rows per global expert, and how
+    many it sends."""
+    key: jax.Array
+    pos: jax.Array
+    send_assignment: jax.Array
+    assignment_slot: jax.Array
+    counts: jax.Array
+    sent: jax.Array
+
+
+def plan_local(topk_ids: jax.Array, sizes: RoutingSizes) -> LocalPlan:
+    """The sender-local layout of this member's assignments (shared by the reference and the fused path)."""
+    g, e, t, k, s = sizes.g, sizes.num_experts, sizes.tokens, sizes.top_k, sizes.send_rows
     local = sizes.local_experts
     n = t * k
     expert = topk_ids.reshape(n).astype(jnp.int32)
@@ -123,17 +144,22 @@ def plan(topk_ids: jax.Array, axis_name: AxisName, sizes: RoutingSizes) -> Routi
     dest_start = _exclusive_cumsum(per_dest)
     sorted_key = key[order]
     sorted_dest = jnp.minimum(sorted_key // local, g - 1)
-    slot_in_dest = jnp.arange(n, dtype=jnp.int32) - dest_start[sorted_dest]
+    index = jnp.arange(n, dtype=jnp.int32)
+    slot_in_dest = index - dest_start[sorted_dest]
     sorted_slot = jnp.where(sorted_key < e, sorted_dest * s + slot_in_dest, g * s)
     assignment_slot = jnp.zeros(n, jnp.int32).at[order].set(sorted_slot)
     send_assignment = jnp.full(g * s + 1, n, jnp.int32).at[sorted_slot].set(order)[:g * s]
+    # Position among this member's kept rows of the same expert (the fused kernels' offset within a block).
+    expert_start = jnp.concatenate([_exclusive_cumsum(counts), jnp.zeros(1, jnp.int32)])
+    pos = jnp.zeros(n, jnp.int32).at[order].set(index - expert_start[sorted_key])
+    return LocalPlan(key, pos, send_assignment, assignment_slot, counts, keep.sum(dtype=jnp.int32))
 
-    # Every member learns how many rows of each of its local experts each source sends. pk_jax.all_to_all,
-    # not jax.lax's (NCCL refuses ranks sharing a GPU); as float32, exact since counts <= T * K <= 2^24.
-    recv_counts = counts.reshape(g, local)
-    if g > 1:
-        sent = recv_counts.astype(jnp.float32)
-        recv_counts = all_to_all(sent, axis_name, 0, 0, tiled=True).astype(jnp.int32)  # (source, local expert)
+
+def plan_receive(recv_counts: jax.Array, sizes: RoutingSizes) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The receiver's half, from recv_counts (G, L) = rows of each local expert from each source:
+    (recv_source_row, expert_counts, received) of RoutingHandle."""
+    g, s, r = sizes.g, sizes.send_rows, sizes.recv_rows
+    local = sizes.local_experts
     src_expert_start = _exclusive_cumsum(recv_counts, axis=1)  # offset of (source, expert) in that source's rows
     by_expert = recv_counts.T.reshape(local * g)  # output order: expert-major, source-major within
     bounds = jnp.cumsum(by_expert)
@@ -147,8 +173,23 @@ def plan(topk_ids: jax.Array, axis_name: AxisName, sizes: RoutingSizes) -> Routi
 
     expert_totals = recv_counts.sum(axis=0)
     expert_counts = jnp.clip(r - _exclusive_cumsum(expert_totals), 0, expert_totals)
-    return RoutingHandle(send_assignment, assignment_slot, recv_source_row, expert_counts, received,
-                         keep.sum(dtype=jnp.int32), axis_name, sizes)
+    return recv_source_row, expert_counts, received
+
+
+def plan(topk_ids: jax.Array, axis_name: AxisName, sizes: RoutingSizes) -> RoutingHandle:
+    """Computes the routing layout of this member's assignments (inside shard_map over `axis_name`): the
+    reference path, whose counts cross by pk_jax.all_to_all."""
+    g, local = sizes.g, sizes.local_experts
+    lp = plan_local(topk_ids, sizes)
+    # Every member learns how many rows of each of its local experts each source sends. pk_jax.all_to_all,
+    # not jax.lax's (NCCL refuses ranks sharing a GPU); as float32, exact since counts <= T * K <= 2^24.
+    recv_counts = lp.counts.reshape(g, local)
+    if g > 1:
+        sent = recv_counts.astype(jnp.float32)
+        recv_counts = all_to_all(sent, axis_name, 0, 0, tiled=True).astype(jnp.int32)  # (source, local expert)
+    recv_source_row, expert_counts, received = plan_receive(recv_counts, sizes)
+    return RoutingHandle(lp.send_assignment, lp.assignment_slot, recv_source_row, expert_counts, received,
+                         lp.sent, None, axis_name, sizes)
 
 
 def worst_case_recv_rows(g: int, tokens: int, top_k: int) -> int:

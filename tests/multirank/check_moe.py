@@ -18,6 +18,10 @@ Run under the launcher, e.g. `python -m pk_jax.launch -n 4 --ranks-per-gpu 4 tes
   replicated over dp, whose weight gradients are summed over dp by pk_jax.all_reduce (case suffix
   @dp2xep<G/2>), shape [T, H, E, K].
 --quick (CPU CI): routings idle_member_k2 and skewed_k2_cap2; moe_mlp skewed_k2_cap<T/4> and skewed_k2@dp2.
+On GPUs every program runs pk_jax.moe's fused kernels (PK_JAX_MOE_DISPATCH=auto; each routing program is
+checked to hold their custom calls), and the quick routings run once more on the reference exchange (case
+suffix @reference). --smoke: routings uniform_k2 and skewed_k2_cap2 on the default path only (no moe_mlp): the
+first run of a new build, under a short timeout.
 """
 
 from __future__ import annotations
@@ -28,11 +32,17 @@ import moe_mlp_case  # noqa: E402
 
 
 def main() -> int:
-    args = harness.parse_args(__doc__)
+    args = harness.parse_args(__doc__, lambda p: p.add_argument(
+        "--smoke", action="store_true", help="two routings on the default path, no moe_mlp"))
     job = harness.start_job()
     rows = harness.Rows(job, "check_moe")
-    for routing in moe_routing.routings(args.quick):
+    for routing in moe_routing.routings(args.quick, args.smoke):
         moe_routing.add_rows(rows, routing, args.seed, job.on_gpu)
+    if args.smoke:
+        return rows.finish(args.out)
+    if job.on_gpu:  # the reference exchange stays covered (PK_JAX_MOE_DISPATCH=reference)
+        for routing in moe_routing.routings(True):
+            moe_routing.add_rows(rows, routing, args.seed, job.on_gpu, impl="reference")
     dtypes = [d for d in args.dtypes if d in ("float32", "bfloat16")] or ["float32"]
     for case in moe_mlp_case.cases(args.quick, dtypes):
         moe_mlp_case.add_rows(rows, case, args.seed, job.on_gpu)

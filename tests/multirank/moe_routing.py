@@ -13,6 +13,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 import pk_jax  # noqa: E402
+from pk_jax.moe import fused  # noqa: E402
 from pk_jax.moe.routing import routing_sizes  # noqa: E402
 
 if str(harness.ROOT / "tests") not in sys.path:  # the MoE model and checks shared with tests/test_moe_cpu.py
@@ -46,6 +47,8 @@ ROUTINGS = (Routing("uniform", 4, 1), Routing("uniform", 4, 2), Routing("skewed"
             Routing("empty_expert", 8, 4), Routing("idle_member", 2, 2), Routing("repeats", 4, 3),
             Routing("uniform", 4, 8), Routing("skewed", 4, 2, capacity=2), Routing("skewed", 4, 2, recv_rows=10))
 QUICK = ("idle_member_k2", "skewed_k2_cap2")  # CPU CI: each program costs seconds to compile
+SMOKE = ("uniform_k2", "skewed_k2_cap2")  # --smoke: the first GPU run of a new build (no moe_mlp)
+FUSED_CALLS = ("pk_moe_dispatch", "pk_moe_combine", "pk_moe_send")  # custom-call targets of the fused path
 
 # Row checks: (op, case suffix, outputs of moe_checks.ROUTED_OUTPUTS, tolerance class of harness.TOLERANCES).
 # Moves are exact; combine and the VJPs sum K float32 products against a float64 model: "reduce".
@@ -55,8 +58,9 @@ ROW_CHECKS = (("dispatch", "fwd", ("recv", "counts", "received"), "exact"),
               ("combine", "fwd_bwd", ("dx", "dweights"), "reduce"))
 
 
-def routings(quick: bool) -> list[Routing]:
-    return [r for r in ROUTINGS if not quick or r.name in QUICK]
+def routings(quick: bool, smoke: bool = False) -> list[Routing]:
+    pick = SMOKE if smoke else QUICK if quick else None
+    return [r for r in ROUTINGS if pick is None or r.name in pick]
 
 
 def once(fn: Callable[[], object]) -> Callable[[], object]:
@@ -77,9 +81,11 @@ def once(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool) -> tuple[list[jax.Array], dict]:
-    """Runs moe_checks.routed_member on every member: (stacked outputs in ROUTED_OUTPUTS order, the model's
-    expectation). Raises if the program holds an XLA collective (GPU) or a drop case drops nothing."""
+def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool, impl: str = "auto") -> tuple[list[jax.Array], dict]:
+    """Runs moe_checks.routed_member on every member, traced with pk_jax.moe's path `impl` (auto: the fused
+    kernels on GPUs): (stacked outputs in ROUTED_OUTPUTS order, the model's expectation). Raises if the
+    program holds an XLA collective (GPU), if on GPU it does not (auto) or does (reference) hold the fused
+    custom calls, or if a drop case drops nothing."""
     g = mesh.devices.size
     e = r.local * g
     sizes = routing_sizes(g, e, moe_checks.TOKENS, r.top_k, r.capacity, r.recv_rows)
@@ -89,24 +95,34 @@ def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool) -> tuple[list[j
         raise AssertionError(f"{r.name}: the case must drop some assignments (the model drops none)")
     f = harness.members_program(mesh, moe_checks.routed_member("ep", e, r.capacity, r.recv_rows), 5)
     args = [harness.stacked_array(mesh, inputs[k]) for k in ("ids", "x", "weights", "cot", "d_recv")]
-    compiled = f.lower(*args).compile()
-    if on_gpu and (lax := harness.xla_collectives(compiled.as_text())):
+    with fused.override(impl):
+        compiled = f.lower(*args).compile()
+    text = compiled.as_text()
+    if on_gpu and (lax := harness.xla_collectives(text)):
         raise AssertionError(f"XLA collectives in the program: {lax}")
+    if on_gpu:
+        present = [c for c in FUSED_CALLS if c in text]
+        if impl == "reference" and present:
+            raise AssertionError(f"the reference path's program holds fused custom calls {present}")
+        if impl != "reference" and len(present) != len(FUSED_CALLS):
+            raise AssertionError(f"the fused path's program lacks custom calls: has {present} of {FUSED_CALLS}")
     outs = jax.block_until_ready(compiled(*args))
     pk_jax.runtime.check()  # a peer that failed or never arrived (GPU) is an error here, not a hang
     return list(outs), want
 
 
-def add_rows(rows: harness.Rows, r: Routing, seed: int, on_gpu: bool) -> None:
-    """The four rows of ROW_CHECKS for routing `r` over all devices of the job."""
+def add_rows(rows: harness.Rows, r: Routing, seed: int, on_gpu: bool, impl: str = "auto") -> None:
+    """The four rows of ROW_CHECKS for routing `r` over all devices of the job (impl "reference": case suffix
+    @reference)."""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     g = mesh.devices.size
-    result = once(lambda: run_routing(mesh, r, (seed * 7919 + harness.hash_str(r.name)) % (1 << 32), on_gpu))
+    result = once(lambda: run_routing(mesh, r, (seed * 7919 + harness.hash_str(r.name)) % (1 << 32), on_gpu, impl))
+    suffix = "@reference" if impl == "reference" else ""
     names = moe_checks.ROUTED_OUTPUTS
-    for op, suffix, outputs, kind in ROW_CHECKS:
+    for op, case, outputs, kind in ROW_CHECKS:
         def check(outputs=outputs, kind=kind) -> tuple[bool, float]:
             outs, want = result()
             picked = [outs[names.index(o)] for o in outputs]
             return harness.compare(picked, lambda m: [want[o][m] for o in outputs], kind, "float32")
-        rows.run(op, f"{r.name}_{suffix}", (moe_checks.TOKENS, moe_checks.HIDDEN, r.local * g, r.top_k),
+        rows.run(op, f"{r.name}_{case}{suffix}", (moe_checks.TOKENS, moe_checks.HIDDEN, r.local * g, r.top_k),
                  "float32", g, check)

@@ -1,0 +1,307 @@
+"""The fused MoE exchange: dispatch and combine as device-initiated kernels (kernels/moe_dispatch.cu).
+
+Three primitives, each one FFI custom call on GPUs (docs/design-moe.md has the protocol):
+- moe_dispatch: x, key, pos -> recv, recv_counts, send_row. Every member counts its rows per expert, publishes
+  the counts with its receive buffer's address (one handshake), derives every offset (prefix over sources in
+  rank order) and pushes each kept row of x straight into its destination's receive buffer.
+- moe_send: the same push with the layout known (send_row), rows optionally scaled per assignment: the
+  backward of combine.
+- moe_combine: each member pulls its assignments' expert rows back and sums them by weight in choice order,
+  float32 (or gathers them one per assignment: the weight gradient of combine).
+Where no kernel serves a call (CPU, no concrete mesh), the lowering is a jax.lax emulation of the kernels'
+semantics (all_gather / all_to_all), so the layout and results are the same everywhere.
+
+Which path pk_jax.moe.dispatch takes: PK_JAX_MOE_DISPATCH = "auto" (default: fused where the CUDA extension
+serves GPUs, else the reference exchange of pk_jax/moe/dispatch.py), "fused" (also on CPU, through the
+emulation: for tests) or "reference".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax._src import config, core
+from jax._src.lax.parallel import insert_collective_pvary
+from jax.interpreters import mlir
+
+from pk_jax import _ext, runtime
+from pk_jax.moe.routing import RoutingSizes
+
+ENV = "PK_JAX_MOE_DISPATCH"
+IMPLEMENTATIONS = ("auto", "fused", "reference")
+# kMoeMaxExperts in kernels/pk/control_block.h: experts whose counts fit a member's publication area.
+MAX_EXPERTS = 1024
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+_override: list[str] = []
+
+
+@contextlib.contextmanager
+def override(impl: str):
+    """Within the block, trace pk_jax.moe.dispatch with `impl` ("auto" | "fused" | "reference") whatever
+    PK_JAX_MOE_DISPATCH says (benchmarks and tests compare the paths in one process)."""
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"pk_jax.moe.fused.override: {impl!r}; use one of {', '.join(IMPLEMENTATIONS)}")
+    _override.append(impl)
+    try:
+        yield
+    finally:
+        _override.pop()
+
+
+def implementation() -> str:
+    """The path pk_jax.moe.dispatch takes, read at trace time: override(), else PK_JAX_MOE_DISPATCH."""
+    if _override:
+        return _override[-1]
+    impl = os.environ.get(ENV, "auto") or "auto"
+    if impl not in IMPLEMENTATIONS:
+        raise ValueError(f"pk_jax.moe: {ENV}={impl!r}; use one of {', '.join(IMPLEMENTATIONS)}")
+    return impl
+
+
+def supported(sizes: RoutingSizes, hidden: int, dtype) -> bool:
+    """Whether the fused kernels serve this routing: a group of 2..8, at most MAX_EXPERTS experts, a row
+    layout that fits int32 (dest * R + row), rows of whole 16-bit words, float32 / bfloat16 / float16."""
+    dtype = jnp.dtype(dtype)
+    return (2 <= sizes.g <= 8 and sizes.num_experts <= MAX_EXPERTS and sizes.tokens * sizes.top_k > 0
+            and hidden > 0 and dtype in DTYPES and sizes.g * sizes.recv_rows < 2 ** 31)
+
+
+def use_fused(sizes: RoutingSizes, hidden: int, dtype) -> bool:
+    """Trace-time choice of pk_jax.moe.dispatch: the fused path (auto: on GPUs with the extension)."""
+    impl = implementation()
+    if impl == "reference" or not supported(sizes, hidden, dtype):
+        return False
+    return impl == "fused" or (_ext.available() and jax.default_backend() == "gpu")
+
+
+def _name(axis_name: tuple):
+    return axis_name if len(axis_name) > 1 else axis_name[0]
+
+
+def _varying(aval, axis_name: tuple, shape, dtype, *others):
+    """An output aval: varying over the group axes and whatever the inputs vary over."""
+    if not config._check_vma.value:
+        return aval.update(shape=shape, dtype=dtype, weak_type=False)
+    vma = frozenset(axis_name).union(*(a.mat.varying for a in (aval, *others)))
+    return aval.update(shape=shape, dtype=dtype, weak_type=False, manual_axis_type=aval.mat.update(varying=vma))
+
+
+def _bind(p, *args, **params):
+    axis_name = params["axis_name"]
+    return p.bind(*(insert_collective_pvary(axis_name, a) for a in args), **params)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Semantics (the lax emulation: the CPU lowering and the GPU fallback)
+
+def _send_emulation(x, send_row, scale, *, axis_name, recv_rows, g):
+    n, t = send_row.shape[0], x.shape[0]
+    rows = x[jnp.arange(n) // (n // t)]
+    if scale is not None:
+        rows = (rows.astype(jnp.float32) * scale[:, None].astype(jnp.float32)).astype(x.dtype)
+    ok = send_row >= 0
+    dest = jnp.where(ok, send_row // recv_rows, 0)
+    row = jnp.where(ok, send_row % recv_rows, recv_rows)  # row R: a discarded extra row
+    buf = jnp.zeros((g, recv_rows + 1, x.shape[1]), x.dtype).at[dest, row].set(rows)[:, :recv_rows]
+    mask = jnp.zeros((g, recv_rows + 1), jnp.int32).at[dest, row].set(1)[:, :recv_rows]
+    name = _name(axis_name)
+    got = jax.lax.all_to_all(buf, name, 0, 0, tiled=True)  # (G sources, R, H)
+    got_mask = jax.lax.all_to_all(mask, name, 0, 0, tiled=True)
+    src = jnp.argmax(got_mask, axis=0)
+    pick = jnp.take_along_axis(got, src[None, :, None], axis=0)[0]
+    return jnp.where(got_mask.any(axis=0)[:, None], pick, jnp.zeros((), x.dtype))
+
+
+def _dispatch_emulation(x, key, pos, *, axis_name, sizes: RoutingSizes):
+    g, e, r = sizes.g, sizes.num_experts, sizes.recv_rows
+    local = e // g
+    name = _name(axis_name)
+    me = jax.lax.axis_index(name)
+    valid = (key >= 0) & (key < e)
+    k = jnp.clip(key, 0, e - 1)
+    own = jnp.zeros(e + 1, jnp.int32).at[jnp.where(valid, key, e)].add(1)[:e]
+    counts = jax.lax.all_gather(own, name)  # (G sources, E), rank order
+    before = jnp.where(jnp.arange(g)[:, None] < me, counts, 0).sum(axis=0)
+    total = counts.sum(axis=0).reshape(g, local)
+    base = before + (jnp.cumsum(total, axis=1) - total).reshape(e)
+    row = base[k] + pos
+    keep = valid & (row < r)
+    send_row = jnp.where(keep, (k // local) * r + row, -1).astype(jnp.int32)
+    recv_counts = jax.lax.dynamic_slice_in_dim(counts, me * local, local, axis=1).astype(jnp.int32)
+    recv = _send_emulation(x, send_row, None, axis_name=axis_name, recv_rows=r, g=g)
+    return recv, recv_counts, send_row
+
+
+def _combine_emulation(y, send_row, weights, *, axis_name, top_k, gather):
+    r, n = y.shape[0], send_row.shape[0]
+    ys = jax.lax.all_gather(y, _name(axis_name))  # (G, R, H)
+    ok = send_row >= 0
+    rows = ys[jnp.where(ok, send_row // r, 0), jnp.where(ok, send_row % r, 0)]
+    rows = jnp.where(ok[:, None], rows, jnp.zeros((), y.dtype))
+    if gather:
+        return rows
+    per = rows.reshape(n // top_k, top_k, -1).astype(jnp.float32)
+    return jnp.einsum("tkh,tk->th", per, weights.reshape(n // top_k, top_k).astype(jnp.float32)).astype(y.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Primitives
+
+moe_dispatch_p = core.Primitive("pk_moe_dispatch")
+moe_dispatch_p.multiple_results = True
+moe_send_p = core.Primitive("pk_moe_send")
+moe_combine_p = core.Primitive("pk_moe_combine")
+
+
+def _dispatch_abstract(x, key, pos, *, axis_name, sizes: RoutingSizes):
+    return (_varying(x, axis_name, (sizes.recv_rows, x.shape[1]), x.dtype, key, pos),
+            _varying(x, axis_name, (sizes.g, sizes.local_experts), jnp.int32, key, pos),
+            _varying(x, axis_name, key.shape, jnp.int32, key, pos))
+
+
+def _send_abstract(x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
+    return _varying(x, axis_name, (recv_rows, x.shape[1]), x.dtype, send_row, scale, received)
+
+
+def _combine_abstract(y, send_row, weights, *, axis_name, top_k, gather):
+    rows = send_row.shape[0] if gather else send_row.shape[0] // top_k
+    return _varying(y, axis_name, (rows, y.shape[1]), y.dtype, send_row, weights)
+
+
+moe_dispatch_p.def_abstract_eval(_dispatch_abstract)
+moe_send_p.def_abstract_eval(_send_abstract)
+moe_combine_p.def_abstract_eval(_combine_abstract)
+
+
+def _dispatch_lax(ctx, x, key, pos, *, axis_name, sizes):
+    return mlir.lower_fun(functools.partial(_dispatch_emulation, axis_name=axis_name, sizes=sizes),
+                          multiple_results=True)(ctx, x, key, pos)
+
+
+def _send_lax(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
+    fn = lambda x, s, c, _: _send_emulation(x, s, c if scaled else None, axis_name=axis_name, recv_rows=recv_rows,
+                                            g=g)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, x, send_row, scale, received)
+
+
+def _combine_lax(ctx, y, send_row, weights, *, axis_name, top_k, gather):
+    fn = functools.partial(_combine_emulation, axis_name=axis_name, top_k=top_k, gather=gather)
+    return mlir.lower_fun(fn, multiple_results=False)(ctx, y, send_row, weights)
+
+
+@functools.cache
+def _warn_once(reason: str) -> None:
+    warnings.warn(f"pk_jax: the fused MoE exchange runs its jax.lax emulation on GPU: {reason}", stacklevel=3)
+
+
+def _group(ctx, op: str, axis_name):
+    """The group table of a GPU lowering, or None after checking that the lax emulation may run."""
+    table, reason = runtime.lowering_group(ctx, axis_name)
+    if table is None:
+        runtime.lax_fallback_allowed(op, reason)
+        _warn_once(f"{op} over {axis_name}: {reason}")
+    return table
+
+
+def _mesh_attrs(table) -> dict:
+    return dict(mesh_ids=np.asarray(table.mesh_ids, np.int64), mesh_shape=np.asarray(table.mesh_shape, np.int64),
+                group_axes=np.asarray(table.group_axes, np.int64))
+
+
+def _dispatch_cuda(ctx, x, key, pos, *, axis_name, sizes):
+    if (table := _group(ctx, "moe dispatch", axis_name)) is None:
+        return _dispatch_lax(ctx, x, key, pos, axis_name=axis_name, sizes=sizes)
+    return jax.ffi.ffi_lowering("pk_moe_dispatch")(ctx, x, key, pos, num_experts=np.int32(sizes.num_experts),
+                                                   **_mesh_attrs(table))
+
+
+def _send_cuda(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
+    if (table := _group(ctx, "moe dispatch", axis_name)) is None:
+        return _send_lax(ctx, x, send_row, scale, received, axis_name=axis_name, recv_rows=recv_rows, g=g,
+                         scaled=scaled)
+    top_k = ctx.avals_in[1].shape[0] // ctx.avals_in[0].shape[0]
+    return jax.ffi.ffi_lowering("pk_moe_send")(ctx, x, send_row, scale, received, top_k=np.int32(top_k),
+                                               scaled=np.int32(scaled), **_mesh_attrs(table))
+
+
+def _combine_cuda(ctx, y, send_row, weights, *, axis_name, top_k, gather):
+    if (table := _group(ctx, "moe combine", axis_name)) is None:
+        return _combine_lax(ctx, y, send_row, weights, axis_name=axis_name, top_k=top_k, gather=gather)
+    return jax.ffi.ffi_lowering("pk_moe_combine")(ctx, y, send_row, weights, top_k=np.int32(top_k),
+                                                  gather=np.int32(gather), **_mesh_attrs(table))
+
+
+mlir.register_lowering(moe_dispatch_p, _dispatch_lax)
+mlir.register_lowering(moe_send_p, _send_lax)
+mlir.register_lowering(moe_combine_p, _combine_lax)
+if _ext.available():
+    mlir.register_lowering(moe_dispatch_p, _dispatch_cuda, platform="cuda")
+    mlir.register_lowering(moe_send_p, _send_cuda, platform="cuda")
+    mlir.register_lowering(moe_combine_p, _combine_cuda, platform="cuda")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The exchanges with their VJPs (the reference path's: d(dispatch) = combine with weights 1,
+# d(combine)/dy = dispatch of the weighted cotangent).
+
+def send(x, send_row, scale, received, axis_name, sizes: RoutingSizes):
+    """(T, H) rows -> (R, H) at their destinations (layout known), scaled per assignment unless scale is None."""
+    scaled = scale is not None
+    scale = (scale.reshape(-1).astype(jnp.float32) if scaled else jnp.ones(send_row.shape, jnp.float32))
+    return _bind(moe_send_p, x, send_row, scale, jnp.asarray(received, jnp.int32).reshape(()),
+                 axis_name=axis_name, recv_rows=sizes.recv_rows, g=sizes.g, scaled=scaled)
+
+
+def pull(y, send_row, weights, axis_name, top_k: int, gather: bool):
+    """(R, H) expert rows -> (T, H) weighted sums (gather: (T * K, H), one row per assignment)."""
+    w = jnp.ones(send_row.shape, jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
+    return _bind(moe_combine_p, y, send_row, w, axis_name=axis_name, top_k=top_k, gather=gather)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def dispatch_rows(x, key, pos, axis_name, sizes: RoutingSizes):
+    """x (T, H), key/pos (T * K,) of routing.plan_local -> (recv (R, H), recv_counts (G, L), send_row (T * K,))."""
+    return tuple(_bind(moe_dispatch_p, x, key, pos, axis_name=axis_name, sizes=sizes))
+
+
+def _dispatch_fwd(x, key, pos, axis_name, sizes):
+    out = dispatch_rows(x, key, pos, axis_name, sizes)
+    return out, out[2]
+
+
+def _dispatch_bwd(axis_name, sizes, send_row, cts):
+    d_recv = cts[0]
+    return pull(d_recv, send_row, None, axis_name, sizes.top_k, gather=False), None, None
+
+
+dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def combine_rows(y, weights, send_row, received, axis_name, sizes: RoutingSizes):
+    """y (R, H') expert rows, weights (T, K) -> (T, H'): each token's choices summed by weight in float32."""
+    return pull(y, send_row, weights, axis_name, sizes.top_k, gather=False)
+
+
+def _combine_fwd(y, weights, send_row, received, axis_name, sizes):
+    return combine_rows(y, weights, send_row, received, axis_name, sizes), (y, weights, send_row, received)
+
+
+def _combine_bwd(axis_name, sizes, res, d_out):
+    y, weights, send_row, received = res
+    dy = send(d_out, send_row, weights, received, axis_name, sizes)
+    per_choice = pull(y, send_row, None, axis_name, sizes.top_k, gather=True)
+    per_choice = per_choice.reshape(sizes.tokens, sizes.top_k, -1)
+    dw = jnp.einsum("tkh,th->tk", per_choice.astype(jnp.float32), d_out.astype(jnp.float32))
+    return dy, dw.astype(weights.dtype), None, None
+
+
+combine_rows.defvjp(_combine_fwd, _combine_bwd)
