@@ -27,6 +27,9 @@
 #   attnvariants the forward kernel's variants (PK_JAX_ATTENTION_FWD_VARIANT): first looks, same bits, timing ~5 min
 #   latsweep    (2 GPUs+) small-path grid geometry sweep (PK_JAX_SMALL_LINES_PER_CTA / _MAX_CTAS), chains 16/64/256 ~2 min
 #   ringreserve (2 GPUs+) ring attention rows at S 12288 with PK_JAX_RING_RESERVE_SMS in RESERVES (default "8 0") ~2 min
+#   moesmoke    fused MoE dispatch/combine: 2 ranks sharing GPU 0, waits bounded at 3 s          ~1 min
+#   moe2        (2 GPUs+) check_moe at 2 ranks, then dispatch/combine alone (GB/s) vs reference and lax  ~4 min
+#   attnr2      wide-key forward variants and backward variants: first looks, f32 reference, timing  ~6 min
 #   contexttests (2 GPUs+) ring / Ulysses GPU tests (forward and gradients vs a float32 reference)  ~2 min
 #   groupedvariants grouped GEMM schedule variants (PK_JAX_GROUPED_VARIANT): every variant's first test, then timing ~4 min
 #   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
@@ -121,6 +124,23 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                      --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 \
                      --out "$OUT/$day-context-ring-reserve$r.json"
                  done ;;
+    moesmoke) stage moe-smoke 90 env PK_JAX_TIMEOUT_MS=3000 python3 -m pk_jax.launch -n 2 --ranks-per-gpu 2 --timeout 80 \
+                tests/multirank/check_moe.py --smoke --out "$OUT/$day-moe-smoke.json" ;;
+    moe2) stage moe-check 150 python3 -m pk_jax.bench multirank --ranks 2 --steps check_moe --out "$OUT/$day-multirank-moe.json"
+          stage moe-exchange 150 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 7168 --cases uniform_fwd \
+            uniform_fwd_bwd skewed_fwd --out "$OUT/$day-moe-exchange.json" ;;
+    attnr2) for v in fa3n176 fa3n160; do
+              stage attnr2-first-$v 60 env PK_JAX_ATTENTION_FWD_DEBUG=1 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu \
+                -q -x -rs -k "first_look and $v"
+            done
+            stage attnr2-bwd-first 60 env PK_JAX_ATTENTION_BWD_DEBUG=1 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu \
+              -q -x -rs -k "bwd_first_look"
+            stage attnr2-ref 100 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs \
+              -k "f32_reference and bf16 and (fa3n160 or fa3n176)"
+            stage attnr2-fwd 90 python3 -m pk_jax.bench attention --fwd-variants fa3n160 fa3n176 --cases fwd fwd_causal fwd_gqa \
+              --seqs 4096 16384 --head-dims 128 --out "$OUT/$day-attention-fwd-wide.json"
+            stage attnr2-bwd 120 python3 -m pk_jax.bench attention --bwd-variants --cases fwd_bwd fwd_bwd_causal fwd_bwd_gqa \
+              --seqs 4096 16384 --head-dims 128 --reps 5 --out "$OUT/$day-attention-fwd-bwd-variants.json" ;;
     contexttests) stage context-tests 180 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs ;;
     groupedvariants) stage grouped-first 120 python3 -m pytest -x -v -o faulthandler_timeout=50 tests/gpu/test_grouped_matmul_gpu.py \
                        -k "test_bf16 and 4096x512x1408-E64-uniform"
