@@ -64,17 +64,20 @@ SCHEDULES = ("in_turn", "pipelined")
 FWD_VARIANT_VAR = "PK_JAX_ATTENTION_FWD_VARIANT"
 FWD_VARIANTS = ("base", "l2order", "pingpong", "fa3", "fa3n160", "fa3n176")  # index = the handler's `variant` attribute
 FWD_VARIANTS_SAME_BITS = ("base", "l2order", "pingpong", "fa3")  # the variants that give base's bits exactly
-# fa3 on one H200 (2026-11-23, bench attention --fwd-variants, D 128, S 4096 / 16384): geomean 0.944x cuDNN
-# against base 0.864x, l2order 0.896x, pingpong 0.932x; 0.898-0.984x per row.
-DEFAULT_FWD_VARIANT = "fa3"
+# One H200 (2026-11-23, bench attention --fwd-variants, D 128, S 4096 / 16384, geomean vs cuDNN): fa3 0.944
+# against base 0.864, l2order 0.896, pingpong 0.932; in a later run fa3n160 0.916 against fa3 0.894 (5 of 6
+# rows faster, up to +5.6% causal) and fa3n176 0.846. fa3n160 passed the float32-reference tests (bf16).
+DEFAULT_FWD_VARIANT = "fa3n160"
 # The backward kernel's variant (read when a program is lowered, like the forward's; kernels/attention_bwd_kernel.cuh):
 #   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
 #                     one head's Q / dO reads and dQ reduce-adds in L2 instead of ~66 heads' in HBM.
-# All give base's dK / dV bits (dQ's reduce order varies between runs in every variant).
+# All give base's dK / dV bits (dQ's reduce order varies between runs in every variant). One H200
+# (2026-11-23, bench attention --bwd-variants, fwd+bwd vs cuDNN, geomean of 6 rows): base 0.791, dqfirst
+# 0.850, l2order_dqfirst 0.898 (0.836-0.936 per row), same dK / dV bits as base in every row.
 BWD_VARIANT_VAR = "PK_JAX_ATTENTION_BWD_VARIANT"
 BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst")  # index = the bwd handler's `variant` attribute
-DEFAULT_BWD_VARIANT = "base"
+DEFAULT_BWD_VARIANT = "l2order_dqfirst"
 
 pk_attention_p = core.Primitive("pk_attention")
 pk_attention_p.multiple_results = True

@@ -96,7 +96,7 @@ def test_fwd_variant_var_is_checked(monkeypatch):
     from pk_jax.attention import DEFAULT_FWD_VARIANT, FWD_VARIANT_VAR, FWD_VARIANTS, fwd_variant
 
     monkeypatch.delenv(FWD_VARIANT_VAR, raising=False)
-    assert fwd_variant() == DEFAULT_FWD_VARIANT == "fa3" and FWD_VARIANTS[0] == "base"
+    assert fwd_variant() == DEFAULT_FWD_VARIANT == "fa3n160" and FWD_VARIANTS[0] == "base"
     for name in FWD_VARIANTS:
         monkeypatch.setenv(FWD_VARIANT_VAR, name)
         assert fwd_variant() == name
@@ -120,12 +120,13 @@ def test_fwd_variants_bits_and_bench_selection():
     others = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     assert extra_kernels(False, True) == extra_kernels(False, []) == others
     assert extra_kernels(False, False) == extra_kernels(False, None) == []
-    assert extra_kernels(False, ["fa3n176", "fa3n160"]) == ["fa3n160", "fa3n176"]
+    assert extra_kernels(False, ["fa3n176", "fa3n160"]) == [v for v in ("fa3n160", "fa3n176") if v != DEFAULT_FWD_VARIANT]
     assert extra_kernels(True, False) == ["pipelined"] + others
     with pytest.raises(ValueError, match="unknown forward variants"):
         extra_kernels(False, ["fa4"])
-    assert bits_expected("pipelined") and bits_expected("base") and not bits_expected("fa3n160")
-    assert not bits_expected("fa3n176")
+    default_is_exact = DEFAULT_FWD_VARIANT in FWD_VARIANTS_SAME_BITS  # fa3n160 (the default) is not
+    assert bits_expected("pipelined") == bits_expected("base") == default_is_exact
+    assert not bits_expected("fa3n176") and not bits_expected("fa3n160")
     row = {"extra": {"check": "ok", "base_check": "ok", "base_same_bits": True, "base_bits_expected": True,
                      "fa3n160_check": "ok", "fa3n160_same_bits": False, "fa3n160_bits_expected": False}}
     assert not bad_row(row)
@@ -137,13 +138,14 @@ def test_fwd_variants_bits_and_bench_selection():
 
 
 def test_bwd_variant_var_and_bench_selection(monkeypatch):
-    """$PK_JAX_ATTENTION_BWD_VARIANT picks the backward kernel variant at lowering (unset or empty: base);
+    """$PK_JAX_ATTENTION_BWD_VARIANT picks the backward kernel variant at lowering (unset or empty:
+    DEFAULT_BWD_VARIANT, l2order_dqfirst);
     the bench's --bwd-variants names them bwd_<name> and expects the default's out / dK / dV bits."""
     from pk_jax.attention import BWD_VARIANT_VAR, BWD_VARIANTS, DEFAULT_BWD_VARIANT, bwd_variant
     from pk_jax.bench.attention import _label, bits_expected, bwd_extra_kernels
 
     monkeypatch.delenv(BWD_VARIANT_VAR, raising=False)
-    assert bwd_variant() == DEFAULT_BWD_VARIANT == "base" == BWD_VARIANTS[0]
+    assert bwd_variant() == DEFAULT_BWD_VARIANT == "l2order_dqfirst" and BWD_VARIANTS[0] == "base"
     for name in BWD_VARIANTS:
         monkeypatch.setenv(BWD_VARIANT_VAR, name)
         assert bwd_variant() == name
@@ -151,8 +153,9 @@ def test_bwd_variant_var_and_bench_selection(monkeypatch):
     with pytest.raises(ValueError, match=BWD_VARIANT_VAR):
         bwd_variant()
     assert bwd_extra_kernels(None) == bwd_extra_kernels(False) == []
-    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == ["bwd_dqfirst", "bwd_l2order_dqfirst"]
-    assert bwd_extra_kernels(["l2order_dqfirst"]) == ["bwd_l2order_dqfirst"]
+    others = ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
+    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == others == ["bwd_base", "bwd_dqfirst"]
+    assert bwd_extra_kernels(["dqfirst"]) == ["bwd_dqfirst"]
     with pytest.raises(ValueError, match="unknown backward variants"):
         bwd_extra_kernels(["fa3"])
     assert bits_expected("bwd_dqfirst") and bits_expected("bwd_l2order_dqfirst")

@@ -10,7 +10,7 @@ that for the backward (as FlashAttention counts: fwd+bwd = 3.5x). `cases`, `seqs
 (D 128) / 32 (D 64), every case. --variants: the full sweep, B*S = 64k..512k tokens and N = 16..128, and on
 GPUs the base kernel's second consumer schedule (pk_jax.attention.SCHEDULES: "pipelined"; 0.59-0.81x cuDNN
 against base's 0.73-0.95x on 2026-11-23) and the forward variants other than the default
-(pk_jax.attention.FWD_VARIANTS / DEFAULT_FWD_VARIANT: fa3) timed in the same turns as the default and cuDNN
+(pk_jax.attention.FWD_VARIANTS / DEFAULT_FWD_VARIANT: fa3n160) timed in the same turns as the default and cuDNN
 (forward cases): extra.<name>_ms /
 <name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, and <name>_same_bits (the variant's output
 equals the default's bit for bit: required of pk_jax.attention.FWD_VARIANTS_SAME_BITS only; fa3n160's and
