@@ -21,7 +21,12 @@ namespace {
 
 constexpr int kSmallThreads = 256;  // launch_bounds(256, 1): up to 255 registers, the reductions use 138-148
 constexpr int kWordsPerThread = 8;   // LL lines each thread has in flight per phase
-constexpr int kSmallMaxCtas = 128;   // 2048 lines per CTA: 1 CTA per 8 KiB, 128 at 1 MiB
+// 128 lines (512 payload bytes) per CTA, as many CTAs as SMs: a 4 KiB op on 8 SMs, 64 KiB and up on every SM.
+// Measured on 2x H200 (2026-11-23, scripts/latency_floor.py slopes, us per op at 4K / 16K / 64K / 256K / 1M):
+// 128 lines 4.81 / 4.21 / 5.23 / 6.80 / 13.07; 512 lines 5.21 / 4.72 / 5.50 / 7.52 / 12.98; 2048 lines with
+// 128 CTAs (the first choice) 5.56 / 7.39 / 8.01 / 8.71 / 13.54.
+constexpr int kSmallLinesPerCta = 128;
+constexpr int kSmallMaxCtas = 1024;  // capped by the SM count at launch
 
 // Grid geometry: lines per CTA (fewer: the sends spread over more SMs) and the grid's cap (at most the
 // SMs, so every CTA is resident and no receiver waits on a sender that cannot start). Defaults above;
@@ -41,7 +46,7 @@ int64_t env_or(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
 
 const SmallGeometry& small_geometry() {
   static const SmallGeometry geo{
-      env_or("PK_JAX_SMALL_LINES_PER_CTA", int64_t(kSmallThreads) * kWordsPerThread, 32,
+      env_or("PK_JAX_SMALL_LINES_PER_CTA", kSmallLinesPerCta, 32,
              int64_t(kSmallThreads) * kWordsPerThread * 64),
       env_or("PK_JAX_SMALL_MAX_CTAS", kSmallMaxCtas, 1, 1024)};
   return geo;

@@ -21,6 +21,7 @@
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
 #   latency     (2 GPUs+) all_reduce latency sweep, small path on (PK_JAX_SMALL_PATH=1), forced variants   ~2 min
+#   latdefault  (2 GPUs+) the latency sweep and the floor slopes at defaults                    ~1.5 min
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
 #   floor       scripts/latency_floor.py under three XLA_FLAGS (command buffers default / off / custom calls)  ~3 min
@@ -96,6 +97,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                --timeout 70 tests/launch_scripts/gpu_ranks.py" ;;
     latency) stage latency 200 env PK_JAX_SMALL_PATH=1 python3 -m pk_jax.bench collectives --latency --variants \
                --out "$OUT/$day-collectives-latency.json" ;;
+    latdefault) stage latency-default 120 python3 -m pk_jax.bench collectives --latency --out "$OUT/$day-collectives-latency.json"
+                stage floor-default 60 python3 scripts/latency_floor.py --tag default --ops pk_small_one_shot pk_auto psum \
+                  --bytes 4096 16384 65536 262144 1048576 --out "$OUT/$day-floor-default.json" ;;
     collectives) stage collectives 150 python3 -m pk_jax.bench collectives --out "$OUT/$day-collectives.json" ;;
     smallfused) stage smallfused 200 python3 -m pk_jax.bench multirank --ranks ${RANKS:-2} --steps check_ops check_small \
                   --out "$OUT/$day-multirank-small-fused.json" ;;
