@@ -27,8 +27,8 @@ AUTO_SEND_BYTES = 1 << 20
 
 def auto_enabled() -> bool:
     """Whether algorithm="auto" may pick the small path: yes unless PK_JAX_SMALL_PATH=0. Measured on 2x H200
-    (2026-11-23): device time per op 5.4 us at 4 KiB, 7.6 at 256 KiB, 13.3 at 1 MiB against the bulk path's
-    14.6-15.5 and psum's 12.7-25 (scripts/latency_floor.py slopes); correct at 2 and 4 ranks.
+    (2026-11-23): device time per op 4.4 us at 4 KiB, 7.1 at 256 KiB, 13.4 at 1 MiB against the bulk path's
+    14.6-15.5 and psum's 13.4-24.7 (scripts/latency_floor.py slopes); correct at 2 and 4 ranks.
     algorithm="small" forces it per call, algorithm="one_shot"/"two_shot"/"bulk" refuse it."""
     return os.environ.get("PK_JAX_SMALL_PATH", "1") != "0"
 
