@@ -179,6 +179,18 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("mb_all_pairs", [](const std::string& mech, const std::vector<int>& devices, size_t total, int sms, int reps) {
     return keep_device([&] { return pk::microbench::all_pairs(mech, devices, total, sms, reps); });
   });
+  m.def("mb_a2a_mechanisms", [] { return pk::microbench::a2a_mechanisms(); });
+  m.def("mb_missing_peer_access", [](const std::vector<int>& devices) {
+    return keep_device([&] { return pk::microbench::missing_peer_access(devices); });
+  });
+  // (ms, per-GPU ms): see pk::microbench::all_to_all.
+  m.def("mb_all_to_all", [](const std::string& mech, const std::vector<int>& devices, size_t bytes_per_peer, int sms,
+                            int reps) {
+    return keep_device([&] {
+      const auto r = pk::microbench::all_to_all(mech, devices, bytes_per_peer, sms, reps);
+      return std::make_pair(r.ms, r.gpu_ms);
+    });
+  });
   m.def("mb_mbarrier_handoff_ns", [](int dev, int iters) {
     return keep_device([&] { return pk::microbench::mbarrier_handoff_ns(dev, iters); });
   });

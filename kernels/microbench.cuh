@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "pk/group.cuh"
@@ -70,6 +71,26 @@ TransferResult transfer(const std::string& mechanism, int src, int dst, size_t t
 // its peers. Returns the per-GPU send bandwidth (GB/s), median of `reps`; every destination is
 // checked byte for byte afterwards.
 double all_pairs(const std::string& mechanism, const std::vector<int>& devices, size_t total, int sms, int reps);
+
+// All-to-all over `devices` (2..8 GPUs): GPU s sends its own `bytes_per_peer` message (a pattern of
+// (s, d, index)) to every other GPU d, all at once. Mechanisms (a2a_mechanisms): copy_engine (one
+// cudaMemcpyPeerAsync per peer, one stream per peer), tma_store and reg_store (one kernel per GPU, its
+// `sms` CTAs split round-robin over the G-1 peers, 32 KiB pieces). Every GPU's stream is held by a
+// gate kernel until the host has enqueued all of them (not for a copy engine over a pair without peer
+// access: host-staged copies may block the host); then start event, transfer, end event. `ms`:
+// median over `reps` of the slowest GPU's end - start; `gpu_ms`: each GPU's own median. Every
+// received slot is checked against the pattern after the last round (receive buffers are zeroed
+// before each round). Kernels need peer access between every pair and throw naming the pair that
+// lacks it; the copy engine does not.
+struct AllToAllResult {
+  double ms;
+  std::vector<double> gpu_ms;
+};
+const std::vector<std::string>& a2a_mechanisms();
+// Ordered (a, b) pairs of `devices` where a cannot access b's memory (cudaDeviceCanAccessPeer == 0).
+std::vector<std::pair<int, int>> missing_peer_access(const std::vector<int>& devices);
+AllToAllResult all_to_all(const std::string& mechanism, const std::vector<int>& devices, size_t bytes_per_peer,
+                          int sms, int reps);
 
 // Median latencies in nanoseconds over `iters` round trips:
 double mbarrier_handoff_ns(int device, int iters);      // two warps of one SM, through an mbarrier

@@ -15,6 +15,12 @@ MESSAGE_SIZES = [1 << k for k in range(7, 29, 2)] + [1 << 28]   # 128 B .. 256 M
 SM_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 48, 64, 96, 132]
 FIXED_MESSAGE = 64 << 10                             # the SM sweep's message size
 DEVICE_MECHANISMS = ["tma_store", "tma_load", "tma_store_add", "reg_store", "reg_load"]
+# All-to-all over every local GPU: bytes each GPU sends to each other GPU (powers of two, so multiples
+# of the kernels' 32 KiB pieces from 32 KiB on).
+A2A_SIZES = [1 << k for k in range(16, 29, 2)]                 # 64 KiB .. 256 MiB per peer
+A2A_SIZES_QUICK = [64 << 10, 4 << 20, 64 << 20]
+A2A_MECHANISMS = ["copy_engine", "tma_store", "reg_store"]
+A2A_BASELINE = "a2a_copy_engine same bytes_per_peer"
 
 
 def require_gpus() -> list[int]:
@@ -44,6 +50,65 @@ def _failed_row(case: str, nbytes: int, sms: int, message: int, sweep: str, err:
             "extra": {"sms": sms, "message_bytes": message, "sweep": sweep + "_failed", "error": str(err)}}
 
 
+def _a2a_row(mech: str, group: int, bytes_per_peer: int, ms: float, gpu_ms: list[float], sms: int,
+             ce_ms: float | None) -> dict:
+    """One all-to-all point: every one of `group` GPUs sends `bytes_per_peer` to every other one.
+    gbps: bytes each GPU receives ((G-1) x bytes_per_peer) per second of the slowest GPU's time;
+    aggregate_gbps: all G x (G-1) messages over that time. Baseline: the copy-engine all-to-all of
+    the same size (ratio > 1: faster than it)."""
+    recv = (group - 1) * bytes_per_peer
+    gbps = recv / (ms * 1e-3) / 1e9
+    agg = group * gbps
+    return {"op": "transfer", "case": "a2a_" + mech, "shape": [bytes_per_peer], "dtype": "bytes", "group": group,
+            "ours_ms": round(ms, 5), "baseline": A2A_BASELINE,
+            "baseline_ms": None if ce_ms is None else round(ce_ms, 5),
+            "ratio": None if ce_ms is None else round(ce_ms / ms, 4),
+            "extra": {"gbps": round(gbps, 1 if gbps >= 10 else 4), "aggregate_gbps": round(agg, 1 if agg >= 10 else 4),
+                      "per_gpu_ms": [round(t, 5) for t in gpu_ms], "sms": 0 if mech == "copy_engine" else sms,
+                      "message_bytes": bytes_per_peer, "sweep": "a2a"}}
+
+
+def _a2a_failed_row(mech: str, group: int, bytes_per_peer: int, sms: int, why: str, skipped: bool = False) -> dict:
+    return {"op": "transfer", "case": "a2a_" + mech, "shape": [bytes_per_peer], "dtype": "bytes", "group": group,
+            "ours_ms": None, "baseline": A2A_BASELINE, "baseline_ms": None, "ratio": None,
+            "extra": {"sms": sms, "message_bytes": bytes_per_peer, "sweep": "a2a_skipped" if skipped else "a2a_failed",
+                      "error": why}}
+
+
+def run_all_to_all(ext, devs: list[int], sizes: list[int], sms: int, reps: int, bar=None) -> list[dict]:
+    """(d) all-to-all over all `devs`: copy engine first (the baseline of the kernel rows at the same
+    size), then TMA store and register store. Pairs without peer access skip the kernel rows (said
+    once, with the pairs); a point that raises is kept as a failed row."""
+    if len(devs) > 8:
+        print(f"\npk_jax.bench transfer: a2a rows use the first 8 of {len(devs)} GPUs", flush=True)
+        devs = devs[:8]
+    g = len(devs)
+    missing = [tuple(p) for p in ext.mb_missing_peer_access(devs)]
+    no_peer = ""
+    if missing:
+        no_peer = "no peer access between " + ", ".join(f"GPU {a} -> GPU {b}" for a, b in missing)
+        print(f"\npk_jax.bench transfer: {no_peer}; skipping the a2a kernel rows (a2a_tma_store, a2a_reg_store)",
+              flush=True)
+    rows: list[dict] = []
+    for size in sizes:
+        ce_ms = None
+        for mech in A2A_MECHANISMS:
+            if mech != "copy_engine" and no_peer:
+                rows.append(_a2a_failed_row(mech, g, size, sms, no_peer, skipped=True))
+            else:
+                try:
+                    ms, gpu_ms = ext.mb_all_to_all(mech, devs, size, sms, reps)
+                    if mech == "copy_engine":
+                        ce_ms = ms
+                    rows.append(_a2a_row(mech, g, size, ms, list(gpu_ms), sms, ce_ms))
+                except RuntimeError as e:
+                    print(f"\npk_jax.bench transfer: a2a_{mech} ({g} GPUs, {size} B per peer) FAILED: {e}", flush=True)
+                    rows.append(_a2a_failed_row(mech, g, size, sms, str(e)))
+            if bar is not None:
+                bar.step(f"a2a {mech} {size} B")
+    return rows
+
+
 def run_transfer(quick: bool, reps: int, out_dir: str) -> list[dict]:
     ext = _ext.ext
     devs = require_gpus()
@@ -56,7 +121,9 @@ def run_transfer(quick: bool, reps: int, out_dir: str) -> list[dict]:
     _, ce_gbps, _ = ext.mb_transfer("copy_engine", src, dst, total, 256 << 20 if total >= 256 << 20 else total,
                                     all_sms, reps)
     mechs = ext.mb_mechanisms()
-    bar = Progress(len(sizes) * len(mechs) + len(sms_list) * len(DEVICE_MECHANISMS) + 3, "transfer")
+    a2a_sizes = A2A_SIZES_QUICK if quick else A2A_SIZES
+    bar = Progress(len(sizes) * len(mechs) + len(sms_list) * len(DEVICE_MECHANISMS) + 3
+                   + len(a2a_sizes) * len(A2A_MECHANISMS), "transfer")
     for mech in mechs:  # (a) message size, all SMs
         for msg in sizes:
             try:
@@ -83,6 +150,7 @@ def run_transfer(quick: bool, reps: int, out_dir: str) -> list[dict]:
         row["group"] = len(devs)
         rows.append(row)
         bar.step(f"all pairs {mech}")
+    rows += run_all_to_all(ext, devs, a2a_sizes, all_sms, reps, bar)  # (d) all-to-all over every GPU
     _plots(rows, out_dir, ce_gbps)
     return rows
 

@@ -7,6 +7,8 @@ import pytest
 
 from pk_jax import _ext, runtime
 
+MIN_GPUS = 2
+
 
 def ordinals() -> list[int]:
     return [d.local_hardware_id for d in runtime.gpu_devices()]
@@ -43,3 +45,26 @@ def test_latency_probes():
     assert runtime.ensure_initialized() is None
     assert 100 < _ext.ext.mb_group_barrier_ns(2_000) < 200_000
     runtime.check()
+
+
+@pytest.mark.parametrize("mechanism", ["copy_engine", "tma_store", "reg_store"])
+def test_all_to_all_moves_the_bytes(mechanism):
+    """The smallest a2a size of the bench over every local GPU (up to 8); the C++ side checks every
+    received slot against the (src, dst, index) pattern and raises on a wrong word."""
+    from pk_jax.bench.microbench import A2A_SIZES
+
+    d = ordinals()[:8]
+    if mechanism != "copy_engine" and _ext.ext.mb_missing_peer_access(d):
+        pytest.skip(f"no peer access: {_ext.ext.mb_missing_peer_access(d)}")
+    ms, gpu_ms = _ext.ext.mb_all_to_all(mechanism, d, A2A_SIZES[0], 132, 2)
+    # ms: median over rounds of the slowest GPU, so no GPU's own median exceeds it.
+    assert ms > 0 and len(gpu_ms) == len(d) and 0 < max(gpu_ms) <= ms * 1.0001
+    assert (len(d) - 1) * A2A_SIZES[0] / (ms * 1e-3) / 1e9 < 2000  # per-GPU receive GB/s, sane
+
+
+def test_all_to_all_bad_arguments_raise():
+    d = ordinals()[:8]
+    with pytest.raises(RuntimeError, match="unknown all-to-all mechanism"):
+        _ext.ext.mb_all_to_all("tma_load", d, 1 << 20, 132, 1)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        _ext.ext.mb_all_to_all("tma_store", d, (32 << 10) + 16, 132, 1)
