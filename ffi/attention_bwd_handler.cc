@@ -87,10 +87,8 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   if (cudaError_t e = pk::attention_bwd::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention backward: configuring kernels: ") +
                                 cudaGetErrorString(e));
-  const int sms = pk::attention_bwd::num_sms(ordinal);
-  // reserve_sms: SMs left free for traffic on another stream (ring attention's K/V and dK/dV blocks).
-  const int compute_sms = reserve_sms > 0 && reserve_sms < sms ? sms - reserve_sms : sms;
-  return pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, compute_sms, stream); });
+  const int sms = pk::sms_after_reserve(pk::attention_bwd::num_sms(ordinal), reserve_sms);
+  return pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); });
 }
 
 }  // namespace

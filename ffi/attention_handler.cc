@@ -67,10 +67,8 @@ ffi::Error attention(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi
   p.variant = variant;
   if (cudaError_t e = pk::attention::configure_once(ordinal); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention: configuring kernels: ") + cudaGetErrorString(e));
-  const int sms = pk::attention::num_sms(ordinal);
-  // reserve_sms: SMs left free for traffic on another stream (ring attention's next K/V block).
-  const int compute_sms = reserve_sms > 0 && reserve_sms < sms ? sms - reserve_sms : sms;
-  return pk::launch_as_ffi_error([&] { pk::attention::launch(p, compute_sms, stream); });
+  const int sms = pk::sms_after_reserve(pk::attention::num_sms(ordinal), reserve_sms);
+  return pk::launch_as_ffi_error([&] { pk::attention::launch(p, sms, stream); });
 }
 
 }  // namespace

@@ -16,6 +16,10 @@ inline bool to_elem_type(xla::ffi::DataType t, ElemType& out) {
   }
 }
 
+// SMs a persistent kernel takes when `reserve` of the device's `sms` are left free for traffic on another
+// stream (ring attention's K/V blocks: the `reserve_sms` attribute); all of them when reserve is 0 or too big.
+inline int sms_after_reserve(int sms, int reserve) { return reserve > 0 && reserve < sms ? sms - reserve : sms; }
+
 // Runs a launch that reports bad arguments as std::invalid_argument and failures as other
 // exceptions, as the matching XLA FFI error.
 template <typename Launch>
