@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
-import statistics
-import tempfile
 import os
 import re
+import statistics
+import sys
+import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -119,20 +119,24 @@ def main() -> None:
                                          ops_per_call=1)
             per_op = {c: m * 1e3 / c for c, m in zip(CHAINS, ms)}
             slope = (ms[2] - ms[1]) * 1e3 / (CHAINS[2] - CHAINS[1])
-            row = {"tag": args.tag, "op": name, "bytes": nbytes, "group": g,
-                   "us_per_op": {str(c): round(u, 2) for c, u in per_op.items()}, "slope_us": round(slope, 2),
-                   "hlo_command_buffer_mentions": cmd, "hlo_custom_call_mentions": calls}
+            # A row of the collectives suite's latency sweep (results-format.md): ours_ms = the slope.
+            row = {"op": "all_reduce", "case": f"floor_{name}", "shape": [nbytes], "dtype": "bfloat16", "group": g,
+                   "ours_ms": round(slope / 1e3, 6), "baseline": None, "baseline_ms": None, "ratio": None,
+                   "extra": {"tag": args.tag, "slope_us": round(slope, 2),
+                             "us_per_op": {str(c): round(u, 2) for c, u in per_op.items()},
+                             "hlo_command_buffer_mentions": cmd, "hlo_custom_call_mentions": calls}}
             if args.profile and nbytes == args.bytes[0]:
                 for line in profile_summary(lambda p=progs[1]: jax.block_until_ready(p(x)), name):
                     print(line, flush=True)
-            row["env"] = {k: v for k, v in os.environ.items() if k.startswith("PK_JAX_SMALL")}
+            row["extra"]["env"] = {k: v for k, v in os.environ.items() if k.startswith(("PK_JAX_SMALL", "XLA_FLAGS"))}
             rows.append(row)
             print(f"  {name:<18} {nbytes:>8} B  per op (chain 16/64/256): "
                   + " / ".join(f"{per_op[c]:6.2f}" for c in CHAINS)
                   + f" us  slope {slope:6.2f} us  [command_buffer x{cmd}, custom-call x{calls}]", flush=True)
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": jax.devices()[0].device_kind, "group": g, "rows": rows}, f, indent=1)
+        from pk_jax.bench import results
+
+        results.write(args.out, "collectives", rows, command="python scripts/latency_floor.py " + " ".join(sys.argv[1:]))
 
 
 if __name__ == "__main__":

@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         from pk_jax.bench import latency
 
         if args.out is None:
-            out = out.replace("-collectives-", "-collectives-latency-")
+            out = out[:-len(".json")] + "-latency.json"  # a side run of the collectives suite: tag after the device
         rows = latency.run(reps=reps, variants=args.variants, quick=quick)
         return _report(out, args.suite, rows, latency.print_table)
     rows = collectives.run(quick=quick, reps=reps, only=args.op, variants=args.variants)

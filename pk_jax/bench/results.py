@@ -45,14 +45,15 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write(path: str, suite: str, rows: Sequence[dict], device: str | None = None) -> dict:
-    """`device`: as in device_description() (pass it where this process must not start a jax backend)."""
+def write(path: str, suite: str, rows: Sequence[dict], device: str | None = None, command: str | None = None) -> dict:
+    """`device`: as in device_description() (pass it where this process must not start a jax backend);
+    `command`: what produced the rows (default: this bench CLI's command line)."""
     doc = {
         "suite": suite,
         "device": device or device_description(),
         "commit": git_commit(),
         "date": datetime.date.today().isoformat(),
-        "command": "python -m pk_jax.bench " + " ".join(sys.argv[1:]),
+        "command": command or "python -m pk_jax.bench " + " ".join(sys.argv[1:]),
         "rows": list(rows),
     }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
