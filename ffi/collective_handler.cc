@@ -20,13 +20,16 @@ namespace {
 
 constexpr size_t kBoxFields = 15;
 // `variant` values of the small-message path (pk_jax/_primitive.py VARIANT_SMALL*): all_gather and
-// reduce_scatter take kVariantSmall, all_reduce kVariantSmall (one-shot) or kVariantSmallTwoShot.
+// reduce_scatter take kVariantSmall, all_reduce kVariantSmall (one-shot), kVariantSmallTwoShot or
+// kVariantSmallChunked (plain stores + chunk flags).
 constexpr int32_t kVariantSmall = 2;
 constexpr int32_t kVariantSmallTwoShot = 3;
+constexpr int32_t kVariantSmallChunked = 4;
 
 // The small path's op for (op, variant); false when the pair names none.
 bool small_op_for(int32_t op, int32_t variant, SmallOp& out) {
   if (variant == kVariantSmallTwoShot && op == kOpAllReduce) return out = SmallOp::kAllReduceTwoShot, true;
+  if (variant == kVariantSmallChunked && op == kOpAllReduce) return out = SmallOp::kAllReduceChunked, true;
   if (variant != kVariantSmall) return false;
   switch (op) {
     case kOpAllReduce: out = SmallOp::kAllReduceOneShot; return true;

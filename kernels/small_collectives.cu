@@ -27,6 +27,9 @@ constexpr int kWordsPerThread = 8;   // LL lines each thread has in flight per p
 // 128 CTAs (the first choice) 5.56 / 7.39 / 8.01 / 8.71 / 13.54.
 constexpr int kSmallLinesPerCta = 128;
 constexpr int kSmallMaxCtas = 1024;  // capped by the SM count at launch
+// Chunk-flag all_reduce: bytes per CTA (one store wave of 256 threads x 16 B), up to every SM; larger
+// messages get larger chunks. First guess, swept with PK_JAX_SMALL_CHUNK_BYTES.
+constexpr int64_t kSmallChunkBytes = 4096;
 
 // Grid geometry: lines per CTA (fewer: the sends spread over more SMs) and the grid's cap (at most the
 // SMs, so every CTA is resident and no receiver waits on a sender that cannot start). Defaults above;
@@ -35,6 +38,7 @@ constexpr int kSmallMaxCtas = 1024;  // capped by the SM count at launch
 struct SmallGeometry {
   int64_t lines_per_cta;
   int64_t max_ctas;
+  int64_t chunk_bytes;  // chunk-flag all_reduce: target bytes per CTA (PK_JAX_SMALL_CHUNK_BYTES)
 };
 
 int64_t env_or(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
@@ -48,7 +52,8 @@ const SmallGeometry& small_geometry() {
   static const SmallGeometry geo{
       env_or("PK_JAX_SMALL_LINES_PER_CTA", kSmallLinesPerCta, 32,
              int64_t(kSmallThreads) * kWordsPerThread * 64),
-      env_or("PK_JAX_SMALL_MAX_CTAS", kSmallMaxCtas, 1, 1024)};
+      env_or("PK_JAX_SMALL_MAX_CTAS", kSmallMaxCtas, 1, 1024),
+      env_or("PK_JAX_SMALL_CHUNK_BYTES", kSmallChunkBytes, 256, kChunkedBytes) / 16 * 16};
   return geo;
 }
 
@@ -319,6 +324,90 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_reduce_scatter(Group g
   st.finish();
 }
 
+// all_reduce, chunk-flag protocol ("small_chunked"): plain 16-byte stores into each peer's chunk_data
+// instead of LL lines (half the NVLink bytes), paid for with one fence and one flag per chunk. CTA c
+// stores bytes [c C, (c+1) C) of x into every peer, fences (its stores acknowledged: ~1 round trip),
+// sets chunk c's flag in each peer with release, then waits for chunk c's flag from every peer
+// (acquire) and sums the G chunks in rank order from x and its own chunk_data (through L2: peers wrote
+// them). Beats LL where the bytes, not the trip, dominate: docs/design-small-collectives.md.
+template <typename T>
+__global__ void __launch_bounds__(kSmallThreads, 1)
+    small_all_reduce_chunked(Group g, const char* x, char* y, int64_t n, int64_t chunk) {
+  PK_SMALL_PROLOGUE
+  constexpr int U = 4;  // 16-byte vectors per thread in flight
+  const int c = blockIdx.x;
+  const int64_t begin = c * chunk, end = begin + chunk < n ? begin + chunk : n;
+  const int64_t vb = begin / 16, ve = end / 16;  // chunk is a multiple of 16: only the last chunk has a tail
+  const int64_t tail_elems = (end - ve * 16) / int64_t(sizeof(T)), tail_first = ve * 16 / int64_t(sizeof(T));
+  const auto area = [&](int r) { return g.ctrl[r]->chunk_data[ll_parity(st.flag[r])][g.my_slot()]; };
+  // (1) Send the chunk to every peer.
+  for (int64_t v0 = vb + threadIdx.x; v0 < ve; v0 += U * blockDim.x) {
+    uint4 d[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (v0 + u * blockDim.x < ve) d[u] = reinterpret_cast<const uint4*>(x)[v0 + u * blockDim.x];
+    for (int p = 1; p < g.size; ++p) {
+      uint4* dst = reinterpret_cast<uint4*>(area((g.rank + p) % g.size));
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + u * blockDim.x < ve) dst[v0 + u * blockDim.x] = d[u];
+    }
+  }
+  if (threadIdx.x < tail_elems)
+    for (int p = 1; p < g.size; ++p)
+      reinterpret_cast<T*>(area((g.rank + p) % g.size))[tail_first + threadIdx.x] =
+          reinterpret_cast<const T*>(x)[tail_first + threadIdx.x];
+  // (2) Chunk c's flag to every peer once all of this CTA's stores were acknowledged.
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x < g.size && threadIdx.x != g.rank) {
+    const int r = threadIdx.x;
+    st_release_sys_u32(&g.ctrl[r]->chunk_flag[ll_parity(st.flag[r])][g.my_slot()][c], st.flag[r]);
+  }
+  // (3) Every peer's chunk c (acquire), then the rank-order float32 sum.
+  __shared__ int ok;
+  if (threadIdx.x == 0) ok = 1;
+  __syncthreads();
+  if (threadIdx.x < g.size && threadIdx.x != g.rank) {
+    const int r = threadIdx.x;
+    if (!chunk_flag_wait(&g.self()->chunk_flag[ll_parity(st.flag[r])][g.slot[r]][c], st.flag[r], g, r)) ok = 0;
+  }
+  __syncthreads();
+  const auto in = [&](int r) -> const char* {
+    return r == g.rank ? x : g.self()->chunk_data[ll_parity(st.flag[r])][g.slot[r]];
+  };
+  using L = lanes<T, 16>;
+  if (ok) {
+    for (int64_t v0 = vb + threadIdx.x; v0 < ve; v0 += U * blockDim.x) {
+      float acc[U][L::kCount] = {};
+#pragma unroll
+      for (int r = 0; r < kMaxGroup; ++r) {
+        if (r >= g.size) break;
+        const uint4* src = reinterpret_cast<const uint4*>(in(r));
+        uint4 d[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (v0 + u * blockDim.x < ve) d[u] = r == g.rank ? src[v0 + u * blockDim.x] : __ldcg(src + v0 + u * blockDim.x);
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (v0 + u * blockDim.x < ve) L::add(acc[u], d[u]);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + u * blockDim.x < ve) reinterpret_cast<uint4*>(y)[v0 + u * blockDim.x] = L::pack(acc[u]);
+    }
+    if (threadIdx.x < tail_elems) {
+      float acc = 0.f;
+      for (int r = 0; r < g.size; ++r) {
+        const T* src = reinterpret_cast<const T*>(in(r)) + tail_first + threadIdx.x;
+        acc += to_float(r == g.rank ? *src : ld_cg(src));
+      }
+      reinterpret_cast<T*>(y)[tail_first + threadIdx.x] = from_float<T>(acc);
+    }
+  }
+  st.finish();
+}
+
 #undef PK_SMALL_PROLOGUE
 
 template <typename T>
@@ -328,6 +417,7 @@ const void* small_kernel_for(SmallOp op) {
     case SmallOp::kAllReduceTwoShot: return reinterpret_cast<const void*>(&small_all_reduce_two_shot<T>);
     case SmallOp::kAllGather: return reinterpret_cast<const void*>(&small_all_gather);
     case SmallOp::kReduceScatter: return reinterpret_cast<const void*>(&small_reduce_scatter<T>);
+    case SmallOp::kAllReduceChunked: return reinterpret_cast<const void*>(&small_all_reduce_chunked<T>);
   }
   return nullptr;
 }
@@ -348,8 +438,29 @@ int64_t small_payload_words(SmallOp op, int64_t bytes) {
   return (bytes + 3) / 4;
 }
 
+// Chunk-flag all_reduce: chunks of ~chunk_bytes (a multiple of 16), one per CTA, at most one CTA per SM.
+cudaError_t launch_chunked(const Group& g, DType dtype, const void* x, void* y, int64_t bytes, const LaunchLimits& lim,
+                           cudaStream_t stream) {
+  if (bytes <= 0 || bytes > kChunkedBytes || g.size < 2) return cudaErrorInvalidValue;
+  if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) & 15) return cudaErrorMisalignedAddress;
+  const void* k = small_kernel(SmallOp::kAllReduceChunked, dtype);
+  if (!k) return cudaErrorInvalidValue;
+  const SmallGeometry& geo = small_geometry();
+  int64_t cap = lim.num_sms < geo.max_ctas ? lim.num_sms : geo.max_ctas;  // all CTAs co-resident
+  cap = cap < kChunkedMaxChunks ? cap : kChunkedMaxChunks;
+  int64_t grid = (bytes + geo.chunk_bytes - 1) / geo.chunk_bytes;
+  grid = grid < 1 ? 1 : (grid > cap ? cap : grid);
+  int64_t chunk = ((bytes + grid - 1) / grid + 15) / 16 * 16;
+  grid = (bytes + chunk - 1) / chunk;
+  const char* s = static_cast<const char*>(x);
+  char* d = static_cast<char*>(y);
+  void* args[] = {const_cast<Group*>(&g), &s, &d, &bytes, &chunk};
+  return cudaLaunchKernel(k, dim3(unsigned(grid)), dim3(kSmallThreads), args, 0, stream);
+}
+
 cudaError_t launch_small(const Group& g, SmallOp op, DType dtype, const void* x, void* y, int64_t bytes,
                          const LaunchLimits& lim, cudaStream_t stream) {
+  if (op == SmallOp::kAllReduceChunked) return launch_chunked(g, dtype, x, y, bytes, lim, stream);
   const int64_t words = small_payload_words(op, bytes);
   if (bytes <= 0 || words > kLLLines || g.size < 2) return cudaErrorInvalidValue;
   // Two-shot: every member must own a non-empty chunk, or some pair would exchange nothing in an op
@@ -371,7 +482,8 @@ cudaError_t launch_small(const Group& g, SmallOp op, DType dtype, const void* x,
 
 std::vector<const void*> small_collective_kernels() {
   std::vector<const void*> out;
-  for (SmallOp op : {SmallOp::kAllReduceOneShot, SmallOp::kAllReduceTwoShot, SmallOp::kReduceScatter}) {
+  for (SmallOp op : {SmallOp::kAllReduceOneShot, SmallOp::kAllReduceTwoShot, SmallOp::kReduceScatter,
+                     SmallOp::kAllReduceChunked}) {
     out.push_back(small_kernel_for<float>(op));
     out.push_back(small_kernel_for<__nv_bfloat16>(op));
     out.push_back(small_kernel_for<__half>(op));

@@ -1,9 +1,12 @@
-"""When collectives take the small-message (LL) path, decided at trace time.
+"""When collectives take the small-message path, decided at trace time.
 
-The small path (kernels/small_collectives.cu, docs/design-small-collectives.md) sends data as 8-byte
-LL lines (4 payload bytes + the op's epoch as flag) straight into each receiver's LL area in its
-control block: one cross-GPU trip per phase and no per-call handshakes, but 2x the bytes on NVLink.
-So it wins where latency dominates and the bulk path wins for large messages.
+The small path (kernels/small_collectives.cu, docs/design-small-collectives.md) writes straight into
+registered areas of each receiver's control block: no per-call handshakes. Two protocols:
+- LL lines (all_reduce one-/two-shot, all_gather, reduce_scatter): 8-byte lines of 4 payload bytes + the
+  op's epoch as flag. One cross-GPU trip per phase, no fence, but 2x the bytes on NVLink.
+- chunk flags (all_reduce "small_chunked"): plain 16-byte stores, then per chunk one fence (its stores
+  acknowledged, ~1 round trip) and one release flag. Full-rate bytes for one extra trip: it wins where the
+  bytes dominate, the LL lines where the trip does.
 """
 
 from __future__ import annotations
@@ -16,13 +19,18 @@ from typing import Literal
 # Payload bytes a sender may put in one receiver's LL area per op: kLLLines * 4 in
 # kernels/pk/control_block.h (tests/test_small_path_cpu.py checks that they agree).
 SMALL_MAX_BYTES = 1 << 20
-# `auto` takes the small path while the payload bytes each GPU sends per op stay within this
-# (one-shot all_reduce / all_gather / reduce_scatter: (G - 1) x the per-peer payload). The LL lines
-# double it on the wire: 2 MiB at ~350 GB/s is ~6 us, about where the bulk path's ~12 us floor
-# (two handshake round trips + launch) stops dominating. Initial value from the issue's numbers;
-# `python -m pk_jax.bench collectives --latency --variants` measures the crossover.
+# ... and in its chunk-flag area (kChunkedBytes).
+CHUNKED_MAX_BYTES = 8 << 20
+# `auto`'s LL limit for all_gather / reduce_scatter: the payload bytes each GPU sends per op ((G - 1) x
+# the per-peer payload). The LL lines double it on the wire: 2 MiB at ~350 GB/s is ~6 us, about where the
+# bulk path's ~12 us floor (two handshake round trips + launch) stops dominating.
 AUTO_SEND_BYTES = 1 << 20
-
+# `auto`'s all_reduce: LL one-shot while (G - 1) x n stays within LL_AUTO_SEND_BYTES, then chunk flags
+# while it stays within CHUNKED_AUTO_SEND_BYTES (and n within CHUNKED_MAX_BYTES), then the bulk path.
+# First guesses from the floor model (LL: 2 x bytes, no fence; chunked: 1 x bytes + ~2.5 us fence);
+# `python -m pk_jax.bench collectives --latency --variants` measures the crossovers.
+LL_AUTO_SEND_BYTES = 64 << 10
+CHUNKED_AUTO_SEND_BYTES = 8 << 20
 
 
 def auto_enabled() -> bool:
@@ -36,8 +44,11 @@ def auto_enabled() -> bool:
 # `variant` attribute values of the pk_collective custom call (ffi/collective_handler.cc).
 VARIANT_SMALL = 2           # all_gather, reduce_scatter, one-shot all_reduce
 VARIANT_SMALL_TWO_SHOT = 3  # two-shot all_reduce
+VARIANT_SMALL_CHUNKED = 4   # all_reduce, chunk-flag protocol
 
-SmallAllReduce = Literal["small_one_shot", "small_two_shot"]
+SmallAllReduce = Literal["small_one_shot", "small_two_shot", "small_chunked"]
+ALL_REDUCE_VARIANTS = {"small_one_shot": VARIANT_SMALL, "small_two_shot": VARIANT_SMALL_TWO_SHOT,
+                       "small_chunked": VARIANT_SMALL_CHUNKED}
 
 
 def words(nbytes: int) -> int:
@@ -53,20 +64,29 @@ def blocks_contiguous(shape: Sequence[int], axis: int) -> bool:
 def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | None:
     """The small-path all_reduce for an `nbytes` array over `group` members, or None where it has none.
 
-    One-shot (every member sends all of x to every peer: one trip, (G-1) x n bytes sent) while that
-    stays within AUTO_SEND_BYTES; above it two-shot (owners of 1/G chunks sum theirs and send it back:
-    two trips, 2 (G-1)/G x n bytes), which needs the words to split evenly over the members and only
-    pays at G > 2. auto=False (algorithm "small"): any size up to SMALL_MAX_BYTES, by the same rule."""
-    if nbytes <= 0 or nbytes > SMALL_MAX_BYTES:
+    In order: LL one-shot (every member sends all of x to every peer as LL lines: one trip, 2 (G-1) n bytes
+    on the wire) while (G-1) n <= LL_AUTO_SEND_BYTES; at G > 2, LL two-shot (owners of 1/G chunks sum theirs
+    and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
+    within AUTO_SEND_BYTES; then the chunk-flag one-shot (plain stores, (G-1) n bytes, one fence + flag per
+    chunk) while (G-1) n <= CHUNKED_AUTO_SEND_BYTES and n <= CHUNKED_MAX_BYTES; else None (the bulk path).
+    auto=False (algorithm "small"): the same without the chunk-flag path's send limit."""
+    if nbytes <= 0:
         return None
-    one_shot_send = (group - 1) * nbytes
-    two_shot_send = 2 * (group - 1) * nbytes // group
-    two_shot_ok = group > 2 and words(nbytes) % group == 0
-    if one_shot_send <= AUTO_SEND_BYTES:
+    send = (group - 1) * nbytes
+    if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:
         return "small_one_shot"
-    if two_shot_ok and (two_shot_send <= AUTO_SEND_BYTES or not auto):
+    two_shot_send = 2 * (group - 1) * nbytes // group
+    if (group > 2 and nbytes <= SMALL_MAX_BYTES and words(nbytes) % group == 0
+            and two_shot_send <= AUTO_SEND_BYTES):
         return "small_two_shot"
-    return None if auto else "small_one_shot"
+    if nbytes <= CHUNKED_MAX_BYTES and (send <= CHUNKED_AUTO_SEND_BYTES or not auto):
+        return "small_chunked"
+    return None
+
+
+def max_bytes(algorithm: str) -> int:
+    """The largest x (bytes) a forced small all_reduce algorithm serves."""
+    return CHUNKED_MAX_BYTES if algorithm in ("small", "small_chunked") else SMALL_MAX_BYTES
 
 
 def copy_fits(payload_bytes: int, group: int, auto: bool) -> bool:

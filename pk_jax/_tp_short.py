@@ -28,7 +28,8 @@ def payload_fits(op: str, m: int, n: int, k: int, g: int, itemsize: int, auto: b
         return _small_path.copy_fits(m * k * itemsize, g, auto)
     if op == "matmul_reduce_scatter":
         return m % g == 0 and _small_path.copy_fits(m // g * n * itemsize, g, auto)
-    return _small_path.all_reduce_choice(m * n * itemsize, g, auto) is not None
+    nbytes = m * n * itemsize  # the LL range only: the chunk-flag all_reduce is not measured under a GEMM
+    return nbytes <= _small_path.SMALL_MAX_BYTES and _small_path.all_reduce_choice(nbytes, g, auto) is not None
 
 
 def takes_small_path(op: str, schedule: str | None, m: int, n: int, k: int, g: int, itemsize: int) -> bool:

@@ -156,7 +156,8 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
                 (("scatter_dimension", dim), ("tiled", tiled)))
 
 
-AllReduceAlgorithm = Literal["auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot"]
+AllReduceAlgorithm = Literal["auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot",
+                             "small_chunked"]
 
 
 def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorithm = "auto") -> jax.Array:
@@ -166,12 +167,13 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
       x: any shape.
       axis_name: mesh axis name or tuple of names of the group (size G).
       algorithm: the bulk kernels "one_shot" (every member reads all G inputs) and "two_shot" (each
-        member reduces 1/G and broadcasts it: least traffic); the small-message path (LL lines
-        into the peers' control blocks, no handshakes; x at most _small_path.SMALL_MAX_BYTES)
-        "small_one_shot", "small_two_shot" (x's 4-byte words divisible by G) or "small"
-        (picks one of those by size and G: _small_path.all_reduce_choice); or "auto": the small
-        path where _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from TWO_SHOT_MIN_BYTES
-        up when the array splits into G whole 16-byte chunks, else one-shot.
+        member reduces 1/G and broadcasts it: least traffic); the small-message path (straight into the
+        peers' control blocks, no handshakes): "small_one_shot" / "small_two_shot" (LL lines, x at most
+        _small_path.SMALL_MAX_BYTES; two-shot: x's 4-byte words divisible by G), "small_chunked" (plain
+        stores + one flag per chunk, x at most _small_path.CHUNKED_MAX_BYTES) or "small" (picks one of
+        those by size and G: _small_path.all_reduce_choice); or "auto": the small path where
+        _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from
+        TWO_SHOT_MIN_BYTES up when the array splits into G whole 16-byte chunks, else one-shot.
 
     Returns:
       The sum, bitwise identical on every member and across algorithms (float32 accumulation in
@@ -179,20 +181,19 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
     """
     x = _check_array("all_reduce", x)
     g = group_size(axis_name)
-    choices = ("auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot")
+    choices = ("auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot", "small_chunked")
     if algorithm not in choices:
         raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r}; use one of {', '.join(map(repr, choices))}")
     nbytes = x.size * x.dtype.itemsize
     if algorithm == "small" or (algorithm == "auto" and _small_path.auto_enabled()):
         small = _small_path.all_reduce_choice(nbytes, g, auto=algorithm == "auto")
         if small is None and algorithm == "small":
-            raise ValueError(f"pk_jax.all_reduce: algorithm='small' serves 1..{_small_path.SMALL_MAX_BYTES} bytes; "
-                             f"x has {nbytes}. Use 'auto'.")
+            raise ValueError(f"pk_jax.all_reduce: algorithm='small' serves 1..{_small_path.CHUNKED_MAX_BYTES} "
+                             f"bytes; x has {nbytes}. Use 'auto'.")
         algorithm = small or algorithm
     if algorithm.startswith("small_"):
         _check_small_all_reduce(algorithm, nbytes, g)
-        variant = (_small_path.VARIANT_SMALL if algorithm == "small_one_shot"
-                   else _small_path.VARIANT_SMALL_TWO_SHOT)
+        variant = _small_path.ALL_REDUCE_VARIANTS[algorithm]
         out, box = _layout.all_reduce_box(x.shape, g, x.dtype.itemsize, two_shot=False)
         return _run("all_reduce", x, axis_name, out, box, variant, ())
     out, two = _layout.all_reduce_box(x.shape, g, x.dtype.itemsize, two_shot=True)
@@ -206,9 +207,10 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
 
 
 def _check_small_all_reduce(algorithm: str, nbytes: int, g: int) -> None:
-    if not 0 < nbytes <= _small_path.SMALL_MAX_BYTES:
-        raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r} serves 1..{_small_path.SMALL_MAX_BYTES} "
-                         f"bytes; x has {nbytes}. Use 'auto'.")
+    cap = _small_path.max_bytes(algorithm)
+    if not 0 < nbytes <= cap:
+        raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r} serves 1..{cap} bytes; x has {nbytes}. "
+                         f"Use 'auto'.")
     if algorithm == "small_two_shot" and _small_path.words(nbytes) % g:
         raise ValueError(f"pk_jax.all_reduce: algorithm='small_two_shot' needs x's {_small_path.words(nbytes)} "
                          f"4-byte words divisible by the group size {g}; use 'small_one_shot' or 'small'.")

@@ -35,6 +35,8 @@
 #   groupedvariants grouped GEMM schedule variants (PK_JAX_GROUPED_VARIANT): every variant's first test, then timing ~4 min
 #   context     (2 GPUs+) python -m pk_jax.bench context                                  ~4 min
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
+#   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
+#               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -154,6 +156,17 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                      fi ;;
     context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
     moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
+    chunked) stage chunked-first 60 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
+               -m gpu -x -q -rs -k "test_all_reduce_sizes and small_chunked and 4096-"
+             if grep -q " passed" "$OUT/chunked-first.log" && ! grep -q "failed" "$OUT/chunked-first.log"; then
+               stage chunked-tests 200 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -x -q -rs
+               stage chunked-floor 150 python3 scripts/latency_floor.py --tag chunked --ops pk_small_one_shot pk_small_chunked \
+                 pk_auto psum --bytes 4096 16384 65536 262144 1048576 2097152 8388608 --out "$OUT/$day-floor-chunked.json"
+               for cb in ${CHUNKS:-2048 8192 16384}; do
+                 stage chunked-cb$cb 45 env PK_JAX_SMALL_CHUNK_BYTES=$cb python3 scripts/latency_floor.py --tag "cb$cb" \
+                   --ops pk_small_chunked --bytes 65536 262144 1048576 8388608 --out "$OUT/$day-floor-chunked-cb$cb.json"
+               done
+             fi ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

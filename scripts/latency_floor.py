@@ -96,6 +96,7 @@ def main() -> None:
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     ops = {"pk_small_one_shot": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_one_shot"),
+           "pk_small_chunked": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_chunked"),
            "pk_auto": lambda v: pk_jax.all_reduce(v, AX),
            "psum": lambda v: jax.lax.psum(v, AX),
            "xla_elementwise": xla_step}

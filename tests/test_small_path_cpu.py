@@ -103,14 +103,18 @@ def test_small_max_bytes_matches_control_block():
 
 @pytest.mark.parametrize("nbytes,g,want", [
     (4, 2, "small_one_shot"),
-    (256 << 10, 2, "small_one_shot"),
-    (1 << 20, 2, "small_one_shot"),
-    ((1 << 20) + 4, 2, None),          # above the LL area
-    (64 << 10, 8, "small_one_shot"),   # 7 x 64 KiB sent
-    (256 << 10, 8, "small_two_shot"),  # 7 x 256 KiB too much for one-shot; 2 x 7/8 x 256 KiB fits
-    (1 << 20, 8, None),                # two-shot would send 1.75 MiB: the bulk path
-    ((256 << 10) + 4, 8, None),        # words not divisible by 8: no two-shot
-    (6, 4, "small_one_shot"),          # 2 words (3 bf16): one-shot only
+    (64 << 10, 2, "small_one_shot"),
+    ((64 << 10) + 4, 2, "small_chunked"),  # past the LL limit: plain stores + chunk flags
+    (1 << 20, 2, "small_chunked"),
+    ((1 << 20) + 4, 2, "small_chunked"),   # above the LL area, inside the chunk-flag one
+    (8 << 20, 2, "small_chunked"),
+    ((8 << 20) + 16, 2, None),             # above the chunk-flag area: bulk
+    (8 << 10, 8, "small_one_shot"),        # 7 x 8 KiB sent
+    (256 << 10, 8, "small_two_shot"),      # 7 x 256 KiB too much for one-shot; 2 x 7/8 x 256 KiB fits
+    (1 << 20, 8, "small_chunked"),         # two-shot would send 1.75 MiB; 7 MiB by chunk flags
+    ((256 << 10) + 4, 8, "small_chunked"),  # words not divisible by 8: no two-shot
+    (2 << 20, 8, None),                    # 14 MiB to send: bulk
+    (6, 4, "small_one_shot"),              # 2 words (3 bf16): one-shot only
 ])
 def test_auto_all_reduce_choice(nbytes, g, want):
     assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
@@ -152,6 +156,9 @@ def test_api_picks_small_path_by_size(monkeypatch):
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == small            # 8 KiB
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 128, 1024)) == two            # 256 KiB
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 1024, 1024)) == 1             # 2 MiB: bulk two-shot
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 512, 1024)) == _small_path.VARIANT_SMALL_CHUNKED  # 1 MiB
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_chunked"), (8 * 4, 1024)) == \
+        _small_path.VARIANT_SMALL_CHUNKED
     assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="one_shot"), (8 * 4, 1024)) == bulk
     assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True), (8 * 4, 64)) == small
     assert _variant(lambda v: pk_jax.all_gather(v, "x", axis=1, tiled=True), (8 * 4, 64)) == bulk  # not contiguous
@@ -162,7 +169,9 @@ def test_api_picks_small_path_by_size(monkeypatch):
 
 def test_small_path_errors_name_the_fix():
     with pytest.raises(ValueError, match="algorithm='small' serves"):
-        _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 2048, 1024))
+        _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 8192, 1024))  # 16 MiB
+    with pytest.raises(ValueError, match="algorithm='small_one_shot' serves 1..1048576 bytes"):
+        _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_one_shot"), (8 * 1024, 1024))  # 2 MiB
     with pytest.raises(ValueError, match="divisible by the group size 8"):
         _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_two_shot"), (8, 3))
     with pytest.raises(ValueError, match="not contiguous"):
@@ -179,8 +188,9 @@ def test_small_algorithms_keep_fallback_semantics():
                                                 check_vma=False))(x).astype(jnp.float32))
 
     x = jax.random.normal(jax.random.key(3), (8 * 5, 3), jnp.float32).astype(jnp.bfloat16)
-    np.testing.assert_allclose(run(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), x, P()),
-                               run(lambda v: jax.lax.psum(v, "x"), x, P()), rtol=1e-2, atol=1e-2)
+    for algorithm in ("small", "small_chunked"):
+        np.testing.assert_allclose(run(lambda v: pk_jax.all_reduce(v, "x", algorithm=algorithm), x, P()),
+                                   run(lambda v: jax.lax.psum(v, "x"), x, P()), rtol=1e-2, atol=1e-2)
     np.testing.assert_array_equal(run(lambda v: pk_jax.all_gather(v, "x", tiled=True, algorithm="small"), x, P()),
                                   run(lambda v: jax.lax.all_gather(v, "x", tiled=True), x, P()))
     x = jax.random.normal(jax.random.key(4), (8 * 8, 3), jnp.float32).astype(jnp.float16)  # 8 rows per device

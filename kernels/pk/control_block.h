@@ -14,6 +14,11 @@ constexpr int kMaxChunks = 4096;   // pushers on every SM: AG row chunks of x, s
 // 4 payload bytes, so a sender's payload per op is capped at kLLLines * 4 = 1 MiB; the LL area is
 // 2 x kMaxSlots x kLLLines x 8 B = 32 MiB per device (pk_jax/collectives.py SMALL_MAX_BYTES matches).
 constexpr int kLLLines = 1 << 18;
+// Small-message path, chunk-flag protocol (kernels/small_collectives.cu, all_reduce "small_chunked"):
+// payload bytes a sender may put in one receiver's area per op, and the chunks (CTAs) that carry it,
+// each with one release flag. 2 x kMaxSlots x 8 MiB = 128 MiB per device.
+constexpr int64_t kChunkedBytes = int64_t(8) << 20;
+constexpr int kChunkedMaxChunks = 1024;
 // Fused MoE dispatch (kernels/moe_dispatch.cu): experts whose per-sender counts a member can publish.
 constexpr int kMoeMaxExperts = 1024;
 
@@ -73,6 +78,12 @@ struct alignas(128) ControlBlock {
   // reset: src writes the next dispatch's counts only after this member reported done for this one,
   // i.e. after it read them (docs/design-moe.md).
   alignas(128) int32_t moe_counts[kMaxSlots][kMoeMaxExperts];
+  // Small-message path, chunk-flag protocol: chunk_data[parity][src] holds src's plain payload for
+  // the running op of that parity; chunk_flag[parity][src][c] = the op's LL flag (ll_flag: epoch and
+  // code), stored with release after chunk c's bytes were acknowledged (fence), read with acquire.
+  // Same small-op epochs (ll_seq) and parity argument as the LL lines; stale flags carry older epochs.
+  alignas(128) uint32_t chunk_flag[2][kMaxSlots][kChunkedMaxChunks];
+  alignas(128) char chunk_data[2][kMaxSlots][kChunkedBytes];
 };
 
 }  // namespace pk

@@ -94,4 +94,41 @@ __device__ inline bool ll_receive_each(const uint64_t* const (&line)[U], const u
   return ok;
 }
 
+// Chunk-flag protocol (small_chunked): a chunk's flag, stored with release after its bytes were
+// acknowledged, and the receiver's wait for it (acquire), with the LL lines' op-code check.
+__device__ __forceinline__ void st_release_sys_u32(uint32_t* p, uint32_t v) {
+  asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+
+__device__ inline bool chunk_flag_wait(const uint32_t* f, uint32_t flag, const Group& g, int peer_rank) {
+  uint32_t got = 0;
+  const bool ok = wait_until(
+      [&] {
+        asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(got) : "l"(f) : "memory");
+        return got == flag || (got >> 4) == (flag >> 4);
+      },
+      g, peer_rank, kTimeoutSmall);
+  if (ok && got != flag) {
+    record_error(g, kOpMismatch, peer_rank, int32_t(got & 0xFu));
+    return false;
+  }
+  return ok;
+}
+
+// A 16-bit or 32-bit element a peer wrote into this device's memory: read through L2 (not L1).
+template <typename T>
+__device__ __forceinline__ T ld_cg(const T* p) {
+  if constexpr (sizeof(T) == 4) {
+    const uint32_t v = __ldcg(reinterpret_cast<const unsigned int*>(p));
+    T t;
+    memcpy(&t, &v, 4);
+    return t;
+  } else {
+    const unsigned short v = __ldcg(reinterpret_cast<const unsigned short*>(p));
+    T t;
+    memcpy(&t, &v, 2);
+    return t;
+  }
+}
+
 }  // namespace pk

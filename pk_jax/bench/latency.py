@@ -27,7 +27,7 @@ SWEEP_BYTES = [4 << 10, 16 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 <
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 HIDDEN = 8192
 # Forced algorithms timed with --variants (the crossovers of pk_jax._small_path come from these).
-VARIANTS = ("small_one_shot", "small_two_shot", "one_shot", "two_shot")
+VARIANTS = ("small_one_shot", "small_two_shot", "small_chunked", "one_shot", "two_shot")
 
 
 def _program(mesh: Mesh, op: Callable, chain: int) -> Callable:
@@ -48,7 +48,7 @@ def _allowed(algorithm: str, local_shape: tuple[int, ...], g: int) -> bool:
 
     nbytes = int(np.prod(local_shape)) * 2
     if algorithm.startswith("small"):
-        if nbytes > _small_path.SMALL_MAX_BYTES:
+        if nbytes > _small_path.max_bytes(algorithm):
             return False
         return algorithm != "small_two_shot" or _small_path.words(nbytes) % g == 0
     return algorithm != "two_shot" or int(np.prod(local_shape)) % g == 0

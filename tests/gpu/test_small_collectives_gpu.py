@@ -1,4 +1,4 @@
-"""The small-message path (LL lines, no handshakes) on GPUs: every size from 2 bytes to 8 MiB (odd
+"""The small-message path (LL lines or chunk flags, no handshakes) on GPUs: every size from 2 bytes to 8 MiB (odd
 sizes, 16-bit halves at 2 (mod 4) offsets), f32/bf16/f16, 1-3-D shapes, against a NumPy float32
 rank-order reference bit for bit (the kernels sum in float32 in rank order and round once), the same
 bits as the bulk path, interleaving with bulk ops and across groups, and 1,000 command-buffer replays."""
@@ -77,12 +77,12 @@ def _elems(nbytes: int, dtype) -> int | None:
 @pytest.mark.parametrize("g", group_sizes())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nbytes", SIZES)
-@pytest.mark.parametrize("algorithm", ["auto", "small", "small_one_shot", "small_two_shot"])
+@pytest.mark.parametrize("algorithm", ["auto", "small", "small_one_shot", "small_two_shot", "small_chunked"])
 def test_all_reduce_sizes(g, dtype, nbytes, algorithm):
     n = _elems(nbytes, dtype)
     if n is None:
         pytest.skip("size not a whole number of elements")
-    if algorithm != "auto" and nbytes > _small_path.SMALL_MAX_BYTES:
+    if algorithm != "auto" and nbytes > _small_path.max_bytes(algorithm):
         pytest.skip("above the small path's cap (auto covers it)")
     if algorithm == "small_two_shot" and _small_path.words(nbytes) % g:
         pytest.skip("two-shot needs the words divisible by G")
@@ -165,9 +165,10 @@ def test_small_and_bulk_ops_interleave_over_many_calls():
             b = pk_jax.all_reduce(a * 0.25, "x", algorithm="one_shot")
             c = pk_jax.all_gather(b, "x", tiled=True, algorithm=s)
             d = pk_jax.reduce_scatter(c, "x", tiled=True, algorithm=s)
-            return a, b, c, d
+            e = pk_jax.all_reduce(d * 0.5, "x", algorithm="small_chunked" if small else "one_shot")
+            return a, b, c, d, e
 
-        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 4, check_vma=False))
+        return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 5, check_vma=False))
 
     f, ref = prog(True), prog(False)
     xs = [random_global((g * 64, 96), jnp.bfloat16, mesh, P("x")) for _ in range(3)]
@@ -175,7 +176,7 @@ def test_small_and_bulk_ops_interleave_over_many_calls():
     for i in range(300):
         outs = f(xs[i % 3])
         if i % 10 == 0:
-            for name, o, w in zip("abcd", outs, want[i % 3]):
+            for name, o, w in zip("abcde", outs, want[i % 3]):
                 assert_bits(np.asarray(o), w, f"call {i} output {name}")
     pk_jax.runtime.check()
 

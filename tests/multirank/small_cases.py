@@ -4,8 +4,9 @@ lower to), and how a program is checked to hold those variants (its jaxpr: the A
 too; its compiled HLO: the custom calls a GPU runs).
 
 Sizes are each op's message per member: all_reduce and all_gather x, reduce_scatter one block (x holds
-G of them). The small path serves 1..SMALL_MAX_BYTES (1 MiB); small_two_shot also needs x's 4-byte
-words divisible by G.
+G of them). The LL lines serve 1..SMALL_MAX_BYTES (1 MiB), small_two_shot also needs x's 4-byte words
+divisible by G; the chunk-flag all_reduce (small_chunked, and "small" above the LL range) serves
+1..CHUNKED_MAX_BYTES (8 MiB).
 """
 
 from __future__ import annotations
@@ -67,21 +68,22 @@ def _sum(blocks: Sequence[np.ndarray]) -> np.ndarray:
 
 def _expect(op: str, algorithm: str, nbytes: int, payload: int, g: int) -> tuple[int, str]:
     """(variant, refusal the API must give or "") by the issue's limits, independent of the API's code
-    path: the small path takes 1..SMALL_MAX_BYTES of payload, two-shot words divisible by G; auto follows
-    _small_path's rule (PK_JAX_SMALL_PATH=1)."""
-    cap = _small_path.SMALL_MAX_BYTES
+    path: the LL lines take 1..SMALL_MAX_BYTES of payload (two-shot: words divisible by G), the chunk-flag
+    all_reduce 1..CHUNKED_MAX_BYTES; auto follows _small_path's rule (PK_JAX_SMALL_PATH=1)."""
     if algorithm != "auto":
+        cap = _small_path.max_bytes(algorithm) if op == "all_reduce" else _small_path.SMALL_MAX_BYTES
         if payload > cap:
             return BULK, f"payload {payload} B > {cap} B"
         if algorithm == "small_two_shot" and _small_path.words(nbytes) % g:
             return BULK, f"{_small_path.words(nbytes)} words not divisible by {g}"
-        if op == "all_reduce" and algorithm == "small":  # the API's pick by size and G
+        if op != "all_reduce":
+            return _small_path.VARIANT_SMALL, ""
+        if algorithm == "small":  # the API's pick by size and G
             algorithm = _small_path.all_reduce_choice(nbytes, g, auto=False)
-        return (_small_path.VARIANT_SMALL_TWO_SHOT if algorithm == "small_two_shot" else _small_path.VARIANT_SMALL), ""
+        return _small_path.ALL_REDUCE_VARIANTS[algorithm], ""
     if op == "all_reduce":
         choice = _small_path.all_reduce_choice(nbytes, g, auto=True)
-        return {None: BULK, "small_one_shot": _small_path.VARIANT_SMALL,
-                "small_two_shot": _small_path.VARIANT_SMALL_TWO_SHOT}[choice], ""
+        return (BULK if choice is None else _small_path.ALL_REDUCE_VARIANTS[choice]), ""
     return (_small_path.VARIANT_SMALL if _small_path.copy_fits(payload, g, auto=True) else BULK), ""
 
 
@@ -93,6 +95,7 @@ def _ops_spec(g: int, n: int) -> list[tuple]:
         ("all_reduce", "small_one_shot", factor_shape(n, 3), "reduce", ar, lambda b, p: _sum(b), n),
         ("all_reduce", "small_two_shot", factor_shape(n, 2), "reduce", ar, lambda b, p: _sum(b), n),
         ("all_reduce", "small", (n,), "reduce", ar, lambda b, p: _sum(b), n),
+        ("all_reduce", "small_chunked", factor_shape(n, 2), "reduce", ar, lambda b, p: _sum(b), n),
         ("all_gather", "axis0_tiled", factor_shape(n, 2), "exact",
          lambda ax, x, a: pk_jax.all_gather(x, ax, axis=0, tiled=True, algorithm=a),
          lambda b, p: np.concatenate([np.asarray(v, F32) for v in b], 0), n),
