@@ -27,9 +27,10 @@ constexpr int kWordsPerThread = 8;   // LL lines each thread has in flight per p
 // 128 CTAs (the first choice) 5.56 / 7.39 / 8.01 / 8.71 / 13.54.
 constexpr int kSmallLinesPerCta = 128;
 constexpr int kSmallMaxCtas = 1024;  // capped by the SM count at launch
-// Chunk-flag all_reduce: bytes per CTA (one store wave of 256 threads x 16 B), up to every SM; larger
-// messages get larger chunks. First guess, swept with PK_JAX_SMALL_CHUNK_BYTES.
-constexpr int64_t kSmallChunkBytes = 4096;
+// Chunk-flag all_reduce: bytes per CTA, up to every SM; larger messages get larger chunks. Swept on 2x H200
+// (2026-11-23, PK_JAX_SMALL_CHUNK_BYTES, slopes in us at 64 KiB / 256 KiB / 1 MiB / 8 MiB): 2048 7.8 / 9.7 /
+// 12.1 / 37.4; 4096 8.0 / 8.3 / 10.9 / -; 8192 7.3 / 8.0 / 11.2 / 37.1; 16384 7.5 / 9.2 / 11.8 / 37.1.
+constexpr int64_t kSmallChunkBytes = 8192;
 
 // Grid geometry: lines per CTA (fewer: the sends spread over more SMs) and the grid's cap (at most the
 // SMs, so every CTA is resident and no receiver waits on a sender that cannot start). Defaults above;

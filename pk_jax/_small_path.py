@@ -27,9 +27,10 @@ CHUNKED_MAX_BYTES = 8 << 20
 AUTO_SEND_BYTES = 1 << 20
 # `auto`'s all_reduce: LL one-shot while (G - 1) x n stays within LL_AUTO_SEND_BYTES, then chunk flags
 # while it stays within CHUNKED_AUTO_SEND_BYTES (and n within CHUNKED_MAX_BYTES), then the bulk path.
-# First guesses from the floor model (LL: 2 x bytes, no fence; chunked: 1 x bytes + ~2.5 us fence);
-# `python -m pk_jax.bench collectives --latency --variants` measures the crossovers.
-LL_AUTO_SEND_BYTES = 64 << 10
+# Measured on 2x H200 (2026-11-23, scripts/latency_floor.py slopes, us per op, LL / chunk flags): 4 KiB 5.5 /
+# 5.7, 16 KiB 4.3 / 6.9, 64 KiB 4.5 / 8.0, 256 KiB 6.9 / 8.3, 1 MiB 13.9 / 10.9: the fence + flag cost ~2.5-3.5 us
+# more than the LL trip, which the halved bytes repay only from ~0.5-1 MiB. 8 MiB by chunk flags: 37 us (bulk 49).
+LL_AUTO_SEND_BYTES = 512 << 10
 CHUNKED_AUTO_SEND_BYTES = 8 << 20
 
 

@@ -103,13 +103,13 @@ def test_small_max_bytes_matches_control_block():
 
 @pytest.mark.parametrize("nbytes,g,want", [
     (4, 2, "small_one_shot"),
-    (64 << 10, 2, "small_one_shot"),
-    ((64 << 10) + 4, 2, "small_chunked"),  # past the LL limit: plain stores + chunk flags
+    (512 << 10, 2, "small_one_shot"),
+    ((512 << 10) + 4, 2, "small_chunked"),  # past the LL limit: plain stores + chunk flags
     (1 << 20, 2, "small_chunked"),
     ((1 << 20) + 4, 2, "small_chunked"),   # above the LL area, inside the chunk-flag one
     (8 << 20, 2, "small_chunked"),
     ((8 << 20) + 16, 2, None),             # above the chunk-flag area: bulk
-    (8 << 10, 8, "small_one_shot"),        # 7 x 8 KiB sent
+    (64 << 10, 8, "small_one_shot"),       # 7 x 64 KiB sent
     (256 << 10, 8, "small_two_shot"),      # 7 x 256 KiB too much for one-shot; 2 x 7/8 x 256 KiB fits
     (1 << 20, 8, "small_chunked"),         # two-shot would send 1.75 MiB; 7 MiB by chunk flags
     ((256 << 10) + 4, 8, "small_chunked"),  # words not divisible by 8: no two-shot
