@@ -33,6 +33,8 @@ extern "C" XLA_FFI_Error* PkAttentionBwd(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeDispatch(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeSend(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeCombine(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkRingShiftStart(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkRingShiftDone(XLA_FFI_CallFrame*);
 
 namespace {
 
@@ -108,6 +110,8 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_moe_dispatch"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatch));
     d["pk_moe_send"] = handler_capsule(reinterpret_cast<void*>(&PkMoeSend));
     d["pk_moe_combine"] = handler_capsule(reinterpret_cast<void*>(&PkMoeCombine));
+    d["pk_ring_shift_start"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftStart));
+    d["pk_ring_shift_done"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftDone));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {

@@ -44,6 +44,7 @@ const char* op_name(int32_t op) {
     case kOpMoeDispatch: return "moe dispatch";
     case kOpMoeCombine: return "moe combine";
     case kOpMoeSend: return "moe send";
+    case kOpRingShift: return "ring shift";
   }
   return "unknown op";
 }

@@ -20,13 +20,23 @@ bool inside(const LocalDevice& d, uintptr_t p, size_t bytes) {
 
 uint64_t staged_buffers() { return staged.load(std::memory_order_relaxed); }
 
+BufferStaging::BufferStaging(const LocalDevice& device, cudaStream_t stream, StagingWindow window)
+    : d_(device), stream_(stream) {
+  const size_t side = d_.staging_bytes / 4 / 256 * 256;
+  begin_ = window == StagingWindow::kSide ? d_.staging_bytes - side : 0;
+  end_ = window == StagingWindow::kSide ? d_.staging_bytes : d_.staging_bytes - side;
+  used_ = begin_;
+}
+
 void* BufferStaging::reachable(void* p, size_t bytes, bool copy_in, bool copy_out) {
   if (!Runtime::get().multiprocess() || bytes == 0 || inside(d_, reinterpret_cast<uintptr_t>(p), bytes)) return p;
   const size_t at = (used_ + 255) / 256 * 256;
-  if (at + bytes > d_.staging_bytes)
+  if (at + bytes > end_)
     throw std::runtime_error("pk_jax: a buffer of " + std::to_string(bytes) +
                              " bytes lies outside the GPU memory the other processes mapped at pk_jax.initialize() "
-                             "and the staging heap (" + std::to_string(d_.staging_bytes >> 20) +
+                             "and the staging heap's window for this stream (" + std::to_string((end_ - begin_) >> 20) +
+                             " MiB: " + (begin_ ? "the top quarter, for the ring shift" : "three quarters") + " of " +
+                             std::to_string(d_.staging_bytes >> 20) +
                              " MiB) is too small for this call: raise PK_JAX_STAGING_MB (every buffer peers touch "
                              "in one op must fit; pk_jax.initialize() said why XLA's memory is not shared)");
   char* s = d_.staging + at;

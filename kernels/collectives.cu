@@ -4,6 +4,7 @@
 #include "collectives.cuh"
 #include "small_collectives.cuh"
 #include "moe_dispatch.cuh"
+#include "ring_shift.cuh"
 #include "pk/op_protocol.cuh"
 #include "pk/vec.cuh"
 
@@ -261,6 +262,7 @@ std::vector<const void*> collective_kernels() {
   out.push_back(reinterpret_cast<const void*>(&wait_for_peer_kernel));
   for (const void* k : small_collective_kernels()) out.push_back(k);
   for (const void* k : moe_kernels()) out.push_back(k);
+  for (const void* k : ring_shift_kernels()) out.push_back(k);
   return out;
 }
 

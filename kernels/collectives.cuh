@@ -19,6 +19,7 @@ enum OpCode : int32_t {
   kOpMoeDispatch = 9,  // kernels/moe_dispatch.cu: rows pushed to the experts' members (counts exchanged or known)
   kOpMoeCombine = 10,  // rows pulled back to their tokens' members and summed by weight (or gathered)
   kOpMoeSend = 11,     // rows pushed with the layout known (combine's backward)
+  kOpRingShift = 12,   // kernels/ring_shift.cu: ring attention's K/V (or dK/dV) one member on, side channel
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };

@@ -234,3 +234,13 @@ def test_faults_judge(mode):
     assert not faults.judge(mode, [(0, ok_out), dead, (None, "")])[0]  # a rank left running
     if mode == "kill":
         assert not faults.judge(mode, [(0, ok_out), (0, "")])[0]
+
+
+def test_ring_two_cpu_ranks(tmp_path):
+    """check_ring.py on the fallbacks across 2 processes: the ring shift (lax.ppermute there) moves blocks
+    exactly, with an all_reduce in flight, and ring attention's output and gradients match the float32
+    reference."""
+    proc, rows = _launch("check_ring.py", tmp_path)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert {r["op"] for r in rows} == {"ring_shift", "ring_attention"} and len(rows) == 3, rows
+    assert all(r["extra"]["ok"] for r in rows), rows

@@ -7,7 +7,7 @@ namespace pk {
 
 constexpr int kMaxGroup = 8;      // largest communication group (paper: 8 GPUs per NVLink domain)
 constexpr int kMaxSlots = 8;      // device slots with a control block (local devices in one process)
-constexpr int kMaxPublished = 2;  // buffer addresses a device publishes per op (input, output)
+constexpr int kMaxPublished = 4;  // buffer addresses a device publishes per op (input, output; a ring shift's outputs)
 constexpr int kMaxItems = 32768;  // fused ops: tiles / row chunks one device signals to another per op
 constexpr int kMaxChunks = 4096;   // pushers on every SM: AG row chunks of x, store-add output row blocks
 // Small-message path (kernels/small_collectives.cu): LL lines per (parity, sender). Each line carries
@@ -42,18 +42,31 @@ struct ErrorRecord {
   int32_t peer_op;      // kOpMismatch: the op the peer ran instead
 };
 
-// Peers write `ready`, `done` and `mailbox`; everything else is only touched by the owner.
-// Counters only grow (one step per op), so consecutive launches need no reset and CUDA graph
-// replays stay correct: the expected value comes from `seq`, kept in device memory.
-struct alignas(128) ControlBlock {
+// One handshake channel of the op protocol (kernels/pk/op_protocol.cuh). Peers write `ready`, `done`,
+// `mailbox` and `op_tag`; `seq` and `arrived` are only touched by the owner. Counters only grow (one step
+// per op), so consecutive launches need no reset and CUDA graph replays stay correct: the expected value
+// comes from `seq`, kept in device memory.
+struct alignas(128) ProtocolChannel {
   uint64_t ready[kMaxSlots];                   // ready[src]: ops for which src published its buffers
   uint64_t done[kMaxSlots];                    // done[src]: ops after which src stopped touching ours
   uint64_t mailbox[kMaxSlots][kMaxPublished];  // mailbox[src]: addresses src published for this op
   uint64_t op_tag[kMaxSlots];                  // op_tag[src]: the OpCode src published them for
-  uint64_t test_flag[kMaxSlots];               // self-test signals (never used by real ops)
   alignas(128) uint64_t seq[kMaxSlots];        // local: ops completed with each peer slot
   uint32_t arrived;                            // local: CTAs of the running launch that finished
-  uint32_t aborted;                            // local: set after a timeout, later waits fail fast
+};
+
+// Channels: ops on XLA's stream run one at a time per device and share kMainChannel. The ring shift
+// (kernels/ring_shift.cu) runs on a side stream *concurrently* with them, so it has its own counters:
+// on a shared channel, a shift and a collective in flight at once would take each other's epochs and
+// mailboxes (docs/design.md, "The asynchronous ring shift").
+constexpr int kMainChannel = 0;
+constexpr int kSideChannel = 1;
+constexpr int kNumChannels = 2;
+
+struct alignas(128) ControlBlock {
+  ProtocolChannel channel[kNumChannels];       // [kMainChannel] / [kSideChannel]
+  uint64_t test_flag[kMaxSlots];               // self-test signals (never used by real ops)
+  uint32_t aborted;                            // local: set after a timeout, later waits fail fast (any channel)
   uint32_t next_task;                          // local: fused kernels' task counter (task_queue.cuh)
   uint32_t next_piece;                         // local: pushers' piece counter (tp_gemm_kernel.cuh)
   // item_ready[src][i]: low 32 bits of the op epoch at which src finished item i for this device

@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="attention: only these cases (fwd, fwd_causal, fwd_gqa, fwd_causal_gqa and their fwd_bwd* "
                         "forms: forward + backward); context: case names (fwd_contiguous, fwd_causal_zigzag, ...); "
                         "moe: only these (uniform_fwd, skewed_fwd_bwd, ...)")
+    p.add_argument("--ring-transports", nargs="+", choices=["pk", "xla"], default=None,
+                   help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
+                        "default: $PK_JAX_RING_TRANSPORT, else pk), e.g. --ring-transports pk xla")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
     p.add_argument("--fwd-variants", nargs="*", default=None, metavar="VARIANT",
@@ -199,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
         kw = (dict(cases=args.cases, hidden=args.sizes, variants=args.variants) if args.suite == "moe"
-              else dict(names=args.cases, seqs=args.seqs))
+              else dict(names=args.cases, seqs=args.seqs, transports=args.ring_transports))
         rows = suite.run(small=small, reps=reps, only=args.op, **kw)
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:

@@ -9,12 +9,17 @@ Contenders per row, timed in turns in one run (one jitted call per op, median of
   jax.nn.dot_product_attention over the whole sequence for B/G sequences (same FLOPs per device).
 `case` = fwd | fwd_bwd, + _causal, + _zigzag | _contiguous (ring); `shape` = [B, S, N, D], S the whole
 sequence; extra.peak_bytes = temp + arguments + outputs of the compiled per-device program.
+Ring rows with `transports` (CLI --ring-transports pk xla): ours_ms is the first transport's
+(PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py), extra.transport_ms every transport's, timed in the
+same turns; extra.transport_check each later transport's difference from the first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +114,23 @@ def _peak_bytes(compiled) -> int | None:
     return int(m.temp_size_in_bytes + m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes)
 
 
+@contextlib.contextmanager
+def _transport(name: str | None) -> Iterator[None]:
+    """PK_JAX_RING_TRANSPORT while a program is traced and compiled (None: leave it as it is)."""
+    if name is None:
+        yield
+        return
+    old = os.environ.get("PK_JAX_RING_TRANSPORT")
+    os.environ["PK_JAX_RING_TRANSPORT"] = name
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("PK_JAX_RING_TRANSPORT", None)
+        else:
+            os.environ["PK_JAX_RING_TRANSPORT"] = old
+
+
 def _compile(jitted, args):
     """(callable, peak bytes, error): a contender that fails to compile (e.g. out of memory) is reported."""
     try:
@@ -146,9 +168,10 @@ def _attention_alone(c: Case, g: int, dtype):
 
 
 def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, names: list[str] | None = None,
-        seqs: list[int] | None = None) -> list[dict]:
+        seqs: list[int] | None = None, transports: list[str] | None = None) -> list[dict]:
     """Every case (or only op `only`, case names `names`, total lengths `seqs`): ours, the baseline and our
-    attention alone on one member's share, in the same turns."""
+    attention alone on one member's share, in the same turns. `transports`: the ring's transports to time
+    (the first is ours_ms); None: the environment's."""
     devices = jax.devices()
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
@@ -164,19 +187,31 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
         make = jax.jit(lambda key: jax.random.normal(key, (c.b, c.s, c.n, c.d), jnp.float32).astype(dtype),
                        out_shardings=sharding)
         args = [make(key) for key in keys]
-        ours, peak, err = _compile(_program(_ours(c), mesh, c.backward), args)
-        if ours is None:
-            raise RuntimeError(f"pk_jax.bench context: {c.op} {c.name} failed to compile: {err}")
+        ring_transports = (transports or [None]) if c.op == "ring_attention" else [None]
+        compiled = []
+        for t in ring_transports:
+            with _transport(t):
+                fn, fn_peak, err = _compile(_program(_ours(c), mesh, c.backward), args)
+            if fn is None:
+                raise RuntimeError(f"pk_jax.bench context: {c.op} {c.name} (transport {t}) failed to compile: {err}")
+            compiled.append((fn, fn_peak))
+        (ours, peak), others = compiled[0], [fn for fn, _ in compiled[1:]]
         base, base_peak, base_impl, base_err = _baseline(c, g, mesh, args)
         alone = _attention_alone(c, g, dtype)
         got = ours(args)
+        transport_check = {}
+        for t, fn in zip(ring_transports[1:], others):
+            d = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fn(args)), jax.tree.leaves(got)))
+            transport_check[t] = f"rel={d:.1e}"
         check = "no baseline"
         if base is not None:
             want = base(args)
             err_v = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             check = f"ok rel={err_v:.1e}" if err_v < 3e-2 else f"MISMATCH rel={err_v:.1e}"
-        fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else [])
+        fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else []) + others
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
+        other_ms = times[len(fns) - len(others):]
+        times = times[:len(fns) - len(others)]
         ours_ms = times[0]
         base_ms = times[1] if base else None
         alone_ms = times[-1] if alone else None
@@ -187,12 +222,16 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
             "ratio": None if base_ms is None else round(base_ms / ours_ms, 4),
             "extra": {"peak_bytes": peak, "baseline_peak_bytes": base_peak, "baseline_error": base_err,
                       "attention_alone_ms": None if alone_ms is None else round(alone_ms, 5),
-                      "reps": reps, "check": check},
+                      "reps": reps, "check": check,
+                      **({"transport_ms": {t: round(ms, 5) for t, ms in zip(ring_transports, [ours_ms, *other_ms])},
+                          "transport_check": transport_check} if others else {})},
         })
         print(f"  {c.op:<18}{c.name:<26}{str(rows[-1]['shape']):<24} ours {ours_ms:9.3f} ms  "
               f"base {'-' if base_ms is None else f'{base_ms:9.3f}'} ms  alone "
               f"{'-' if alone_ms is None else f'{alone_ms:9.3f}'} ms  peak {peak / 2**20 if peak else 0:8.1f} MiB  "
-              f"{check}{'' if base_err is None else '  baseline: ' + base_err}", flush=True)
+              f"{check}{'' if base_err is None else '  baseline: ' + base_err}"
+              + "".join(f"  [{t} {ms:.3f} ms]" for t, ms in zip(ring_transports, [ours_ms, *other_ms]) if others),
+              flush=True)
         del args
     return rows
 

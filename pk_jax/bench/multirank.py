@@ -113,6 +113,7 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("check_small", launch + [str(sdir / "check_small.py"), *extra]),
                 ("check_small_replay", launch + [str(sdir / "check_small_replay.py"), *extra]),
                 ("check_moe", launch + [str(sdir / "check_moe.py"), *extra]),
+                ("check_ring", launch + [str(sdir / "check_ring.py"), *extra]),
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),
             ] + [(f"faults_{m}", [py, str(sdir / "faults.py"), "--mode", m, "--ranks", str(n),
                                   "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip")]

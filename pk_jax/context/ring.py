@@ -1,16 +1,22 @@
 """Ring attention: the sequence sharded over a mesh axis, K/V shards passed around the ring.
 
 Inside `jax.shard_map`, every member keeps its query shard and its running (output, lse); the K/V
-shards travel one hop per step (`jax.lax.ppermute`, member r -> r+1), and each step attends the local
-queries to the visiting K/V (our attention kernel for bf16/f16 at head_dim 64/128, else the XLA
-`block_attention`) and merges by log-sum-exp. Only the local shard plus
-the visiting and the arriving K/V block are alive at any time: the steps run in a `lax.scan` whose
-carry holds one K/V block, and the next block's transfer is issued before the step's attention so
-XLA can overlap the two.
+shards travel one hop per step (member r -> r+1), and each step attends the local queries to the
+visiting K/V (our attention kernel for bf16/f16 at head_dim 64/128, else the XLA `block_attention`)
+and merges by log-sum-exp. Only the local shard plus the visiting and the arriving K/V block are alive
+at any time.
 
 The backward is a second ring (custom VJP, not autodiff of the forward loop, which would keep every
-step's K/V): dK/dV accumulators travel with the K/V blocks and arrive back at their owner after G
-hops, dQ stays local, and each pair recomputes its probabilities from the saved final lse.
+step's K/V): dK/dV accumulators travel around the ring back to the block's owner, dQ stays local, and
+each pair recomputes its probabilities from the saved final lse.
+
+Two transports ($PK_JAX_RING_TRANSPORT, read when traced; pk_jax/context/ring_shift.py):
+  "pk" (default): our asynchronous ring shift, started before a step's attention and finished after it,
+       running on a few SMs the attention leaves free (pk_jax/context/ring_overlap.py has the schedules:
+       G-1 K/V hops forward, G-1 accumulator hops backward, all under compute). On CPU and wherever the
+       kernel cannot serve it, the same schedule with lax.ppermute.
+  "xla": the steps in a lax.scan with lax.ppermute between them (G hops each way; XLA does not run the
+       permute under our kernel, measured on 2x H200: 2026-11-23).
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
-from pk_jax.context.ring_schedule import BlockPair, Layout, step_pairs
+from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs
+from pk_jax.context.ring_shift import shift_ctas, transport
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 
@@ -128,12 +136,12 @@ RESERVE_SMS_VAR = "PK_JAX_RING_RESERVE_SMS"
 
 
 def reserve_sms() -> int:
-    """SMs the ring's attention kernels leave free, so that the next step's K/V transfer (XLA's async
-    collective-permute: an NCCL kernel on another stream) runs under the attention instead of waiting for
-    every SM to come free after it: $PK_JAX_RING_RESERVE_SMS, read when the ring is traced. Default 0 (every
-    SM to the kernel): on 2x H200 (2026-11-23, S 12288) leaving 8 SMs free did not hide the transfer
-    (forward 20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9), so XLA does not run the permute under the kernel."""
-    value = os.environ.get(RESERVE_SMS_VAR, "0")
+    """SMs the ring's attention kernels leave free for the block transfers running beside them:
+    $PK_JAX_RING_RESERVE_SMS, read when the ring is traced. Default: with the "pk" transport the ring
+    shift's CTA count ($PK_JAX_RING_SHIFT_CTAS, 8), so its kernel gets SMs while the attention runs;
+    with "xla" 0 (on 2x H200, 2026-11-23, S 12288, leaving 8 SMs free did not hide XLA's permute: forward
+    20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9; XLA does not run it under our kernel)."""
+    value = os.environ.get(RESERVE_SMS_VAR) or str(shift_ctas() if transport() == "pk" else 0)
     try:
         n = int(value)
     except ValueError:
@@ -180,7 +188,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
     out = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
     lse = full_varying(q.shape[:3], -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
 
-    def pair_fwd(p: BlockPair, kv, state):
+    def pair_fwd(p: BlockPair, kv, state, q):
         def run(state):
             out, lse = state
             o_b, l_b = _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
@@ -189,12 +197,15 @@ def _forward(q, k, v, axes, causal, layout, scale):
             return _update(out, o_new, p.q_start), _update(lse, l_new, p.q_start)
         return _when(p.active, run, state)
 
-    def compute(step, kv, state):
+    def compute(step, kv, state, q=q):
         for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
-            state = pair_fwd(p, kv, state)
+            state = pair_fwd(p, kv, state, q)
         return state
 
-    out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
+    if transport() == "xla":
+        out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
+    else:
+        out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
     return out.astype(q.dtype), lse
 
 
@@ -211,9 +222,11 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)  # (B, T, N)
     like = (q, k, v, do)
     dq = full_varying(q.shape, 0.0, jnp.float32, like=like, axes=axes)
-    dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2
+    dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
-    def pair_bwd(p: BlockPair, kv, state):
+    def pair_bwd(p: BlockPair, kv, state, local):
+        q, do, lse, delta = local
+
         def run(state):
             dq, (dk, dv) = state
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
@@ -224,14 +237,26 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                     (_update(dk, sl_kv(dk) + dk_b, p.kv_start), _update(dv, sl_kv(dv) + dv_b, p.kv_start)))
         return _when(p.active, run, state)
 
-    def compute(step, kv, state):
-        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
-            state = pair_bwd(p, kv, state)
+    def run(pairs, kv, state, local=(q, do, lse, delta)):
+        for p in pairs:
+            state = pair_bwd(p, kv, state, local)
         return state
 
-    # dK/dV of the visiting block travel with it; after G hops each accumulator is back at its owner.
-    send_dkv = lambda state, send: (state[0], send(state[1]))
-    dq, (dk, dv) = _ring_steps(axes, g, (dq, dkv), (k, v), compute, send_after=send_dkv)
+    pairs_at = lambda step: step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step)
+    if transport() == "xla":
+        # dK/dV of the visiting block travel with it; after G hops each accumulator is back at its owner.
+        send_dkv = lambda state, send: (state[0], send(state[1]))
+        dq, (dk, dv) = _ring_steps(axes, g, (dq, dkv), (k, v), lambda step, kv, st: run(pairs_at(step), kv, st),
+                                   send_after=send_dkv)
+    else:
+        first, last = own_pairs_split(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank)
+        zeros = lambda: tuple(full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes) for _ in range(2))
+        dq, (dk, dv) = ring_overlap.backward_steps(
+            axes, g, dq, (k, v), (q, do, lse, delta),
+            own_first=lambda kv, dq, local: run(first, kv, (dq, zeros()), local),
+            own_last=lambda kv, dq, own, local: run(last, kv, (dq, own), local),
+            visiting=lambda step, kv, dq, local: run(pairs_at(step), kv, (dq, zeros()), local),
+            final_dtype=k.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

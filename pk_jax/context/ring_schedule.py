@@ -66,3 +66,21 @@ def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.
     h = jnp.where(src < rank, 0, 1)
     return [BlockPair(c, c, 0, c, off(rank, 1), off(src, 0)),
             BlockPair(h * c, c, h * c, c, off(rank, h), off(src, h))]
+
+
+def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array) -> tuple[list[BlockPair],
+                                                                                                      list[BlockPair]]:
+    """Step 0's pairs in two parts (first, last) for the overlapped backward (pk_jax/context/ring_overlap.py):
+    `first` runs while the K/V block leaves for the next member, `last` after the final dK/dV accumulator
+    left for its owner, so that hop runs under local work too. Zigzag causal: first the full (q1, k0) block,
+    last the two diagonal blocks (about the same work). Otherwise the one pair is cut into two halves of
+    query rows (when the length is even; else all of it goes first)."""
+    pairs = step_pairs(layout=layout, causal=causal, g=g, t_local=t_local, rank=rank, step=0)
+    if len(pairs) == 3:
+        return [pairs[1]], [pairs[0], pairs[2]]
+    if len(pairs) != 1 or t_local % 2:
+        return pairs, []
+    p, half = pairs[0], t_local // 2
+    top = dataclasses.replace(p, q_len=half)
+    bottom = dataclasses.replace(p, q_start=p.q_start + half, q_len=half, q_offset=p.q_offset + half)
+    return [top], [bottom]

@@ -1,0 +1,131 @@
+// XLA FFI handlers of the asynchronous ring shift (kernels/ring_shift.cuh, docs/design.md):
+//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token      [attrs ctas, mesh_ids, mesh_shape, group_axes]
+//       Records an event on XLA's stream, makes the device's side stream wait for it (everything XLA
+//       issued before, including the writes of x, is done), and launches the shift kernel on the side
+//       stream with `ctas` CTAs; returns at once. y_i receives the predecessor's x_i. The token is never
+//       written: it only carries the dependency that keeps XLA from moving the step's attention before
+//       this call (pk_jax/context/ring_shift.py).
+//   pk_ring_shift_done: y_0..y_{n-1}, token, keep-alive and after operands... -> y_0..y_{n-1} (aliased)
+//       Makes XLA's stream wait for every side-stream launch issued so far on this device (one event
+//       recorded now; right with several shifts in flight too, they run in order on the side stream).
+//       The extra operands are not read: they keep x alive (XLA would reuse its memory otherwise while
+//       the side kernel still reads it) and place the wait after the step's compute.
+// Ranks come from the device ordinal at run time (build_group). The handlers keep host state (the
+// side stream and its events), so they are NOT command-buffer compatible.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "../kernels/ring_shift.cuh"
+#include "group_builder.h"
+#include "runtime.h"
+#include "side_stream.h"
+#include "staging.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace pk {
+namespace {
+
+using Ids = ffi::Span<const int64_t>;
+
+ffi::Error cuda_error(const char* what, cudaError_t e) {
+  return ffi::Error::Internal(std::string("pk_jax ring shift: ") + what + ": " + cudaGetErrorString(e));
+}
+
+ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t ctas,
+                 Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+  const size_t n = args.size();
+  if (n < 1 || n > size_t(kMaxShiftBuffers) || rets.size() != n + 1)
+    return ffi::Error::InvalidArgument("pk_jax ring shift: 1.." + std::to_string(kMaxShiftBuffers) +
+                                       " buffers in, as many plus a token out");
+  if (ctas < 1) return ffi::Error::InvalidArgument("pk_jax ring shift: ctas must be >= 1");
+  Group g;
+  const LocalDevice* me = nullptr;
+  bool invalid = false;
+  const std::string error = build_group(ordinal, kOpRingShift, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
+                                        mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
+  if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+  ShiftBuffers b{};
+  b.n = int32_t(n);
+  for (size_t i = 0; i < n; ++i) {
+    auto x = args.get<ffi::AnyBuffer>(i);
+    auto y = rets.get<ffi::AnyBuffer>(i);
+    if (x.has_error()) return x.error();
+    if (y.has_error()) return y.error();
+    if (x->size_bytes() != (*y)->size_bytes())
+      return ffi::Error::InvalidArgument("pk_jax ring shift: output " + std::to_string(i) + " differs from its input");
+    b.x[i] = static_cast<const char*>(x->untyped_data());
+    b.y[i] = static_cast<char*>((*y)->untyped_data());
+    b.bytes[i] = int64_t(x->size_bytes());
+    if (reinterpret_cast<uintptr_t>(b.x[i]) % 16 || reinterpret_cast<uintptr_t>(b.y[i]) % 16)
+      return ffi::Error::Internal("pk_jax ring shift: buffers must be 16-byte aligned");
+  }
+  try {
+    SideStream& side = side_stream(ordinal);
+    std::lock_guard<std::mutex> lock(side.mutex);
+    if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
+    if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
+      return cuda_error("side stream wait", e);
+    // Multi-process: an output the predecessor cannot reach goes through the staging heap's side window,
+    // copied back on the side stream (so before `done`'s event).
+    BufferStaging staging(*me, side.stream, StagingWindow::kSide);
+    for (int i = 0; i < b.n; ++i)
+      b.y[i] = static_cast<char*>(staging.reachable(b.y[i], size_t(b.bytes[i]), /*copy_in=*/false, /*copy_out=*/true));
+    cudaError_t e = launch_ring_shift(g, b, ctas, side.stream);
+    if (e == cudaSuccess) e = staging.copy_back();
+    if (e != cudaSuccess) return cuda_error("launch", e);
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(ex.what());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error done(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
+  const size_t n = rets.size();
+  if (n < 1 || args.size() < n + 1)
+    return ffi::Error::InvalidArgument("pk_jax ring shift done: the shifted buffers and the token, then any others");
+  if (SideStream* side = existing_side_stream(ordinal)) {
+    std::lock_guard<std::mutex> lock(side->mutex);
+    if (cudaError_t e = cudaEventRecord(side->side_done, side->stream); e != cudaSuccess) return cuda_error("event", e);
+    if (cudaError_t e = cudaStreamWaitEvent(stream, side->side_done, 0); e != cudaSuccess)
+      return cuda_error("stream wait", e);
+  }
+  // The outputs alias the inputs (operand_output_aliases); copy only if XLA chose otherwise.
+  for (size_t i = 0; i < n; ++i) {
+    auto y = args.get<ffi::AnyBuffer>(i);
+    auto out = rets.get<ffi::AnyBuffer>(i);
+    if (y.has_error()) return y.error();
+    if (out.has_error()) return out.error();
+    if ((*out)->untyped_data() == y->untyped_data()) continue;
+    if (cudaError_t e = cudaMemcpyAsync((*out)->untyped_data(), y->untyped_data(), y->size_bytes(),
+                                        cudaMemcpyDeviceToDevice, stream);
+        e != cudaSuccess)
+      return cuda_error("copy", e);
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace pk
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingShiftStart, pk::start,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<int32_t>("ctas")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_ids")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<ffi::Span<const int64_t>>("group_axes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingShiftDone, pk::done,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets());

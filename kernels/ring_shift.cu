@@ -1,0 +1,64 @@
+// The ring shift kernel (kernels/ring_shift.cuh). Every member runs it with the same buffer count
+// and sizes; it follows the op protocol on the side channel:
+//   publish: CTA 0 writes this member's y_i (as each peer maps them) into every peer's side mailbox
+//            and signals ready. Every member publishes to every peer (not just the predecessor), so the
+//            op-tag check catches a member whose side-channel op sequence diverged, as on the main channel.
+//   acquire: every CTA waits for every peer's ready (bounded) and takes the successor's y_i.
+//   push:    the CTAs stride over x's 16-byte vectors and store them into the successor's y (remote
+//            16-byte stores: ~43-45 GB/s per SM, so 8 CTAs on 8 SMs reach the NVLink rate).
+//   finish:  the last CTA fences at system scope, signals done to every peer and waits for every
+//            peer's done: when the kernel ends, the predecessor's stores into our y have landed.
+#include "ring_shift.cuh"
+#include "pk/op_protocol.cuh"
+
+namespace pk {
+namespace {
+
+constexpr int kUnroll = 4;
+static_assert(kMaxShiftBuffers <= kMaxPublished, "a shift publishes every output in one mailbox");
+
+__global__ void __launch_bounds__(kShiftThreads) ring_shift_kernel(Group g, ShiftBuffers b) {
+  OpProtocolOn<kSideChannel> op(g);
+  void* local[kMaxShiftBuffers];
+#pragma unroll
+  for (int i = 0; i < kMaxShiftBuffers; ++i) local[i] = i < b.n ? b.y[i] : nullptr;
+  op.publish(local, b.n);
+  pgl<char> ys[kMaxShiftBuffers];
+  if (op.acquire(local, ys)) {
+    const int succ = (g.rank + 1) % g.size;
+    const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+    const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
+    for (int i = 0; i < b.n; ++i) {
+      const uint4* src = reinterpret_cast<const uint4*>(b.x[i]);
+      uint4* dst = reinterpret_cast<uint4*>(ys[i][succ]);
+      const int64_t vecs = b.bytes[i] / 16;
+      // kUnroll loads in flight before their stores: the remote stores are posted, so a thread's
+      // throughput is bounded by how many loads it keeps outstanding.
+      int64_t v = tid;
+      for (; v + (kUnroll - 1) * nthreads < vecs; v += kUnroll * nthreads) {
+        uint4 r[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) r[u] = __ldcs(src + v + u * nthreads);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) dst[v + u * nthreads] = r[u];
+      }
+      for (; v < vecs; v += nthreads) dst[v] = __ldcs(src + v);
+      // A tail of < 16 bytes (sizes the handler let through that are not whole vectors).
+      const int64_t tail = vecs * 16;
+      for (int64_t t = tail + tid; t < b.bytes[i]; t += nthreads) ys[i][succ][t] = b.x[i][t];
+    }
+  }
+  op.finish();
+}
+
+}  // namespace
+
+cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, cudaStream_t stream) {
+  if (b.n < 1 || b.n > kMaxShiftBuffers || ctas < 1) return cudaErrorInvalidValue;
+  ring_shift_kernel<<<ctas, kShiftThreads, 0, stream>>>(g, b);
+  return cudaGetLastError();
+}
+
+std::vector<const void*> ring_shift_kernels() { return {reinterpret_cast<const void*>(&ring_shift_kernel)}; }
+
+}  // namespace pk

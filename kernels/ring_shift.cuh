@@ -1,0 +1,32 @@
+// The asynchronous ring shift: member r's buffers x_i land in member (r+1) mod G's buffers y_i, on a
+// side stream while XLA's stream runs the ring's attention (ffi/ring_shift_handler.cc). Handshakes on
+// the control block's side channel (OpProtocolOn<kSideChannel>), never the main one.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "collectives.cuh"
+#include "pk/group.cuh"
+
+namespace pk {
+
+constexpr int kMaxShiftBuffers = 4;     // K, V (forward) or dK, dV (backward): at most kMaxPublished
+constexpr int kShiftThreads = 512;
+
+struct ShiftBuffers {
+  const char* x[kMaxShiftBuffers];  // this member's inputs (read locally)
+  char* y[kMaxShiftBuffers];        // this member's outputs, reachable by the predecessor (published)
+  int64_t bytes[kMaxShiftBuffers];  // x_i and y_i are `bytes[i]` long, 16-byte aligned
+  int32_t n;
+};
+
+// Launches the shift kernel on `stream` with `ctas` CTAs. When it ends, every y_i holds the
+// predecessor's x_i and no peer touches this member's buffers any more.
+cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, cudaStream_t stream);
+
+// The kernel(s) of this file, preloaded by the runtime with every other kernel (collectives.cu).
+std::vector<const void*> ring_shift_kernels();
+
+}  // namespace pk
