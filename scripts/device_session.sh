@@ -37,6 +37,8 @@
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
+#   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
+#               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -167,6 +169,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --ops pk_small_chunked --bytes 65536 262144 1048576 8388608 --out "$OUT/$day-floor-chunked-cb$cb.json"
                done
              fi ;;
+    ringshift) stage ringshift-first 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs \
+                 "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[2]"
+               if grep -q " passed" "$OUT/ringshift-first.log" && ! grep -q "failed" "$OUT/ringshift-first.log"; then
+                 stage ringshift-tests 240 python3 -m pytest -x -q -rs tests/gpu/test_ring_shift_gpu.py tests/gpu/test_context_gpu.py
+                 stage ringshift-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                   fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk xla --reps 10 \
+                   --out "$OUT/$day-context-ring-transports.json"
+               fi ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
