@@ -34,7 +34,7 @@ from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
-from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs
+from pk_jax.context.ring_schedule import BlockPair, Layout, forward_pairs, own_pairs_split, step_pairs
 from pk_jax.context.ring_shift import shift_ctas, transport
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
@@ -188,18 +188,26 @@ def _forward(q, k, v, axes, causal, layout, scale):
     out = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
     lse = full_varying(q.shape[:3], -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
 
-    def pair_fwd(p: BlockPair, kv, state, q):
+    def pair_fwd(p: BlockPair, kv, state, q, fresh: bool):
+        """fresh: no earlier pair wrote these query rows (known at trace time), so the block's result is
+        written as is instead of merged with the initial (0, -inf): one float32 pass saved per pair."""
         def run(state):
             out, lse = state
             o_b, l_b = _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
                                       _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset, p.kv_offset)
-            o_new, l_new = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), o_b, l_b)
-            return _update(out, o_new, p.q_start), _update(lse, l_new, p.q_start)
+            if not fresh:
+                o_b, l_b = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), o_b, l_b)
+            return _update(out, o_b, p.q_start), _update(lse, l_b, p.q_start)
         return _when(p.active, run, state)
 
     def compute(step, kv, state, q=q):
-        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
-            state = pair_fwd(p, kv, state, q)
+        written: list[tuple[int, int]] = []  # step 0's static query ranges written so far
+        for p in forward_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
+            fresh = (isinstance(step, int) and step == 0 and p.active is True and isinstance(p.q_start, int)
+                     and all(p.q_start + p.q_len <= a or b <= p.q_start for a, b in written))
+            if isinstance(p.q_start, int):
+                written.append((p.q_start, p.q_start + p.q_len))
+            state = pair_fwd(p, kv, state, q, fresh)
         return state
 
     if transport() == "xla":
@@ -224,8 +232,19 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     dq = full_varying(q.shape, 0.0, jnp.float32, like=like, axes=axes)
     dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
+    zero_kv = lambda: full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes)
+
     def pair_bwd(p: BlockPair, kv, state, local):
         q, do, lse, delta = local
+
+        def add_kv(acc, part):
+            """acc + part at the pair's key rows; acc None: a fresh (zero) accumulator, so a pair covering
+            every key row is taken as is (no zeros written and read back)."""
+            if acc is None:
+                if isinstance(p.kv_start, int) and p.kv_start == 0 and p.kv_len == k.shape[1]:
+                    return part
+                acc = zero_kv()
+            return _update(acc, _slice(acc, p.kv_start, p.kv_len) + part, p.kv_start)
 
         def run(state):
             dq, (dk, dv) = state
@@ -233,14 +252,17 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
                                                sl_q(delta), scale, causal, p.q_offset, p.kv_offset)
-            return (_update(dq, sl_q(dq) + dq_b, p.q_start),
-                    (_update(dk, sl_kv(dk) + dk_b, p.kv_start), _update(dv, sl_kv(dv) + dv_b, p.kv_start)))
+            return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
+        if p.active is not True:  # lax.cond needs arrays on both sides
+            dq, (dk, dv) = state
+            state = (dq, tuple(zero_kv() if a is None else a for a in (dk, dv)))
         return _when(p.active, run, state)
 
     def run(pairs, kv, state, local=(q, do, lse, delta)):
         for p in pairs:
             state = pair_bwd(p, kv, state, local)
-        return state
+        dq, (dk, dv) = state
+        return dq, tuple(zero_kv() if a is None else a for a in (dk, dv))  # a step without pairs
 
     pairs_at = lambda step: step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step)
     if transport() == "xla":
@@ -250,12 +272,11 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                                    send_after=send_dkv)
     else:
         first, last = own_pairs_split(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank)
-        zeros = lambda: tuple(full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes) for _ in range(2))
         dq, (dk, dv) = ring_overlap.backward_steps(
             axes, g, dq, (k, v), (q, do, lse, delta),
-            own_first=lambda kv, dq, local: run(first, kv, (dq, zeros()), local),
+            own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
             own_last=lambda kv, dq, own, local: run(last, kv, (dq, own), local),
-            visiting=lambda step, kv, dq, local: run(pairs_at(step), kv, (dq, zeros()), local),
+            visiting=lambda step, kv, dq, local: run(pairs_at(step), kv, (dq, (None, None)), local),
             final_dtype=k.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 

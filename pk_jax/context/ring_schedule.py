@@ -68,6 +68,19 @@ def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.
             BlockPair(h * c, c, h * c, c, off(rank, h), off(src, h))]
 
 
+def forward_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array,
+                  step: Index) -> list[BlockPair]:
+    """step_pairs for the forward, with zigzag's step-0 pairs (q1, k0) and (q1, k1) fused into one call
+    (q1 against the whole local shard): keys of chunk r all precede chunk 2G-1-r's queries, so placing them
+    right before chunk 2G-1-r (kv_offset = its position - C) leaves them unmasked and masks chunk 2G-1-r
+    causally, as two calls would. Every query row then has one pair at step 0: no merge there."""
+    pairs = step_pairs(layout=layout, causal=causal, g=g, t_local=t_local, rank=rank, step=step)
+    if len(pairs) != 3:
+        return pairs
+    diag, low, high = pairs  # (q0, k0), (q1, k0), (q1, k1)
+    return [diag, BlockPair(low.q_start, low.q_len, 0, 2 * low.kv_len, high.q_offset, high.kv_offset - low.kv_len)]
+
+
 def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array) -> tuple[list[BlockPair],
                                                                                                       list[BlockPair]]:
     """Step 0's pairs in two parts (first, last) for the overlapped backward (pk_jax/context/ring_overlap.py):
