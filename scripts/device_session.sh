@@ -102,8 +102,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     latency) stage latency 200 env PK_JAX_SMALL_PATH=1 python3 -m pk_jax.bench collectives --latency --variants \
                --out "$OUT/$day-collectives-latency.json" ;;
     latdefault) stage latency-default 120 python3 -m pk_jax.bench collectives --latency --out "$OUT/$day-collectives-latency.json"
-                stage floor-default 60 python3 scripts/latency_floor.py --tag default --ops pk_small_one_shot pk_auto psum \
-                  --bytes 4096 16384 65536 262144 1048576 --out "$OUT/$day-floor-default.json" ;;
+                stage floor-default 120 python3 scripts/latency_floor.py --tag default --ops pk_auto psum \
+                  --bytes 4096 16384 65536 262144 524288 1048576 2097152 8388608 --out "$OUT/$day-floor-default.json" ;;
     collectives) stage collectives 150 python3 -m pk_jax.bench collectives --out "$OUT/$day-collectives.json" ;;
     smallfused) stage smallfused 200 python3 -m pk_jax.bench multirank --ranks ${RANKS:-2} --steps check_ops check_small \
                   --out "$OUT/$day-multirank-small-fused.json" ;;
