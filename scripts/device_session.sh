@@ -39,6 +39,7 @@
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
+#   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -177,6 +178,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk xla --reps 10 \
                    --out "$OUT/$day-context-ring-transports.json"
                fi ;;
+    ringprofile) for t in pk xla; do
+                   stage ringprofile-$t 100 env PK_JAX_RING_TRANSPORT=$t python3 scripts/ring_timeline.py \
+                     --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_causal_zigzag
+                 done ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
