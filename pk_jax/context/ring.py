@@ -34,7 +34,7 @@ from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
-from pk_jax.context.ring_schedule import BlockPair, Layout, forward_pairs, own_pairs_split, step_pairs
+from pk_jax.context.ring_schedule import BlockPair, Layout, zigzag_offset, own_pairs_split, step_pairs
 from pk_jax.context.ring_shift import shift_ctas, transport
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
@@ -200,9 +200,38 @@ def _forward(q, k, v, axes, causal, layout, scale):
             return _update(out, o_b, p.q_start), _update(lse, l_b, p.q_start)
         return _when(p.active, run, state)
 
+    def zigzag_causal(step, kv, state, q):
+        """Zigzag, causal: one or two calls per step on whole chunks, so few slices are copied and few
+        results merged. Step 0 (own shard): (q0, K/V) and (q1, K/V), K/V whole: chunk 2G-1-r's keys follow
+        chunk r's queries, so the kernel skips them (fully masked) for q0; for q1 the keys of chunk r are
+        placed right before chunk 2G-1-r (kv_offset = its position - C), unmasked, and chunk 2G-1-r is
+        masked causally. Every query row gets one result: written, not merged. Step s >= 1 (shard of
+        src): src < r: every query sees all of chunk src (q, k0) and nothing of chunk 2G-1-src; src > r:
+        only q1 sees keys, both chunks entirely (q1, K/V). Either is one unmasked T x C block: balanced."""
+        c = q.shape[1] // 2
+        at = lambda member, piece: zigzag_offset(member, piece, g, c)
+        if isinstance(step, int) and step == 0:
+            o0, l0 = _block_forward(q[:, :c], kv[0], kv[1], scale, True, at(rank, 0), at(rank, 0))
+            o1, l1 = _block_forward(q[:, c:], kv[0], kv[1], scale, True, at(rank, 1), at(rank, 1) - c)
+            return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([l0, l1], axis=1)
+        src = (rank - step) % g
+
+        def low(state):
+            o_b, l_b = _block_forward(q, kv[0][:, :c], kv[1][:, :c], scale, False, 0, 0)
+            return merge(*state, o_b, l_b)
+
+        def high(state):
+            out, lse = state
+            o_b, l_b = _block_forward(q[:, c:], kv[0], kv[1], scale, False, 0, 0)
+            o_new, l_new = merge(out[:, c:], lse[:, c:], o_b, l_b)
+            return out.at[:, c:].set(o_new), lse.at[:, c:].set(l_new)
+        return lax.cond(src < rank, low, high, state)
+
     def compute(step, kv, state, q=q):
+        if causal and layout == "zigzag":
+            return zigzag_causal(step, kv, state, q)
         written: list[tuple[int, int]] = []  # step 0's static query ranges written so far
-        for p in forward_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
+        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
             fresh = (isinstance(step, int) and step == 0 and p.active is True and isinstance(p.q_start, int)
                      and all(p.q_start + p.q_len <= a or b <= p.q_start for a, b in written))
             if isinstance(p.q_start, int):

@@ -42,7 +42,7 @@ class BlockPair:
     active: bool | jax.Array = True   # False/traced: the pair is fully masked on some members
 
 
-def _zigzag_offset(member: Index, piece: Index, g: int, chunk: int) -> Index:
+def zigzag_offset(member: Index, piece: Index, g: int, chunk: int) -> Index:
     """Global position of piece 0 (chunk `member`) or piece 1 (chunk 2G-1-member) of a member."""
     return jnp.where(piece == 0, member * chunk, (2 * g - 1 - member) * chunk)
 
@@ -58,7 +58,7 @@ def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.
             return [BlockPair(0, t_local, 0, t_local, rank * t_local, rank * t_local)]
         return [BlockPair(0, t_local, 0, t_local, rank * t_local, src * t_local, active=src < rank)]
     c = t_local // 2
-    off = lambda member, piece: _zigzag_offset(member, piece, g, c)
+    off = lambda member, piece: zigzag_offset(member, piece, g, c)
     if first:
         return [BlockPair(0, c, 0, c, off(rank, 0), off(rank, 0)),
                 BlockPair(c, c, 0, c, off(rank, 1), off(rank, 0)),
@@ -66,19 +66,6 @@ def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.
     h = jnp.where(src < rank, 0, 1)
     return [BlockPair(c, c, 0, c, off(rank, 1), off(src, 0)),
             BlockPair(h * c, c, h * c, c, off(rank, h), off(src, h))]
-
-
-def forward_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array,
-                  step: Index) -> list[BlockPair]:
-    """step_pairs for the forward, with zigzag's step-0 pairs (q1, k0) and (q1, k1) fused into one call
-    (q1 against the whole local shard): keys of chunk r all precede chunk 2G-1-r's queries, so placing them
-    right before chunk 2G-1-r (kv_offset = its position - C) leaves them unmasked and masks chunk 2G-1-r
-    causally, as two calls would. Every query row then has one pair at step 0: no merge there."""
-    pairs = step_pairs(layout=layout, causal=causal, g=g, t_local=t_local, rank=rank, step=step)
-    if len(pairs) != 3:
-        return pairs
-    diag, low, high = pairs  # (q0, k0), (q1, k0), (q1, k1)
-    return [diag, BlockPair(low.q_start, low.q_len, 0, 2 * low.kv_len, high.q_offset, high.kv_offset - low.kv_len)]
 
 
 def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array) -> tuple[list[BlockPair],
