@@ -151,22 +151,30 @@ def reserve_sms() -> int:
     return n
 
 
-def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset):
+def _reserve(shift_in_flight: bool) -> int:
+    """SMs a block's kernel leaves free: reserve_sms() while a ring shift may run beside it (or with the "xla"
+    transport, whose permutes are XLA's), else none (the forward's last step, a backward step with nothing in
+    flight): no transfer needs them then."""
+    return reserve_sms() if shift_in_flight or transport() == "xla" else 0
+
+
+def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, reserve: int):
     """One block pair's attention and its LSE: (out (B, Tq, N, H) float32, lse (B, Tq, N) float32). Our
     attention kernel where it takes the call (bf16/f16, head_dim 64/128; the offsets are traced, read by
     the kernel from device memory; where no kernel is built its primitive lowers to the XLA block path),
-    else the XLA block path. The kernel's output is in q's dtype, so each block rounds once before the
-    float32 merge, as in FlashAttention's ring implementations."""
+    else the XLA block path. The kernel's output stays in q's dtype (each block rounds once before the
+    float32 merge, as in FlashAttention's ring implementations): a block written without a merge is not
+    converted, and the merge reads it as it is."""
     from pk_jax.attention import _bind, _kernel_refusal  # pk_jax.attention imports this package
 
     if _kernel_refusal(q, k, scale) is not None:
         return block_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    out, lse = _bind(q, k, v, offsets, scale, causal, True, reserve_sms())
-    return out.astype(jnp.float32), jnp.swapaxes(lse, 1, 2)
+    out, lse = _bind(q, k, v, offsets, scale, causal, True, reserve)
+    return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset):
+def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset, reserve: int):
     """One block pair's (dq, dk, dv) float32 from the final lse and delta (B, Tq, N): our backward kernel
     where the forward kernel takes the call and the backward kernel is on (pk_jax.attention.
     backward_kernel_enabled; its primitive lowers to the XLA block path off CUDA), else the XLA block path
@@ -178,7 +186,7 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
                                    kv_offset=kv_offset)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
-                                         scale=scale, causal=causal, reserve_sms=reserve_sms())
+                                         scale=scale, causal=causal, reserve_sms=reserve)
     return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
@@ -188,19 +196,25 @@ def _forward(q, k, v, axes, causal, layout, scale):
     out = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
     lse = full_varying(q.shape[:3], -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
 
-    def pair_fwd(p: BlockPair, kv, state, q, fresh: bool):
+    f32 = lambda state: tuple(x.astype(jnp.float32) for x in state)
+
+    def pair_fwd(p: BlockPair, kv, state, q, fresh: bool, reserve: int):
         """fresh: no earlier pair wrote these query rows (known at trace time), so the block's result is
-        written as is instead of merged with the initial (0, -inf): one float32 pass saved per pair."""
+        written as is instead of merged with the initial (0, -inf): one float32 pass saved per pair; a fresh
+        block covering every query row stays in the kernel's dtype until a merge reads it."""
         def run(state):
             out, lse = state
             o_b, l_b = _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
-                                      _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset, p.kv_offset)
+                                      _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset, p.kv_offset,
+                                      reserve)
+            if fresh and p.q_len == q.shape[1]:
+                return o_b, l_b
             if not fresh:
                 o_b, l_b = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), o_b, l_b)
-            return _update(out, o_b, p.q_start), _update(lse, l_b, p.q_start)
+            return _update(out, o_b.astype(out.dtype), p.q_start), _update(lse, l_b, p.q_start)
         return _when(p.active, run, state)
 
-    def zigzag_causal(step, kv, state, q):
+    def zigzag_causal(step, kv, state, q, reserve: int):
         """Zigzag, causal: one or two calls per step on whole chunks, so few slices are copied and few
         results merged. Step 0 (own shard): (q0, K/V) and (q1, K/V), K/V whole: chunk 2G-1-r's keys follow
         chunk r's queries, so the kernel skips them (fully masked) for q0; for q1 the keys of chunk r are
@@ -211,33 +225,39 @@ def _forward(q, k, v, axes, causal, layout, scale):
         c = q.shape[1] // 2
         at = lambda member, piece: zigzag_offset(member, piece, g, c)
         if isinstance(step, int) and step == 0:
-            o0, l0 = _block_forward(q[:, :c], kv[0], kv[1], scale, True, at(rank, 0), at(rank, 0))
-            o1, l1 = _block_forward(q[:, c:], kv[0], kv[1], scale, True, at(rank, 1), at(rank, 1) - c)
+            o0, l0 = _block_forward(q[:, :c], kv[0], kv[1], scale, True, at(rank, 0), at(rank, 0), reserve)
+            o1, l1 = _block_forward(q[:, c:], kv[0], kv[1], scale, True, at(rank, 1), at(rank, 1) - c, reserve)
             return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([l0, l1], axis=1)
         src = (rank - step) % g
 
         def low(state):
-            o_b, l_b = _block_forward(q, kv[0][:, :c], kv[1][:, :c], scale, False, 0, 0)
+            o_b, l_b = _block_forward(q, kv[0][:, :c], kv[1][:, :c], scale, False, 0, 0, reserve)
             return merge(*state, o_b, l_b)
 
         def high(state):
-            out, lse = state
-            o_b, l_b = _block_forward(q[:, c:], kv[0], kv[1], scale, False, 0, 0)
+            out, lse = f32(state)
+            o_b, l_b = _block_forward(q[:, c:], kv[0], kv[1], scale, False, 0, 0, reserve)
             o_new, l_new = merge(out[:, c:], lse[:, c:], o_b, l_b)
             return out.at[:, c:].set(o_new), lse.at[:, c:].set(l_new)
         return lax.cond(src < rank, low, high, state)
 
     def compute(step, kv, state, q=q):
+        first = isinstance(step, int) and step == 0
+        reserve = _reserve(not (isinstance(step, int) and step == g - 1))  # the last step sends nothing
         if causal and layout == "zigzag":
-            return zigzag_causal(step, kv, state, q)
-        written: list[tuple[int, int]] = []  # step 0's static query ranges written so far
-        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
-            fresh = (isinstance(step, int) and step == 0 and p.active is True and isinstance(p.q_start, int)
-                     and all(p.q_start + p.q_len <= a or b <= p.q_start for a, b in written))
-            if isinstance(p.q_start, int):
-                written.append((p.q_start, p.q_start + p.q_len))
-            state = pair_fwd(p, kv, state, q, fresh)
-        return state
+            state = zigzag_causal(step, kv, state, q, reserve)
+        else:
+            written: list[tuple[int, int]] = []  # step 0's static query ranges written so far
+            for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
+                fresh = (first and p.active is True and isinstance(p.q_start, int)
+                         and all(p.q_start + p.q_len <= a or b <= p.q_start for a, b in written))
+                if isinstance(p.q_start, int):
+                    written.append((p.q_start, p.q_start + p.q_len))
+                if not fresh:
+                    state = f32(state)
+                state = pair_fwd(p, kv, state, q, fresh, reserve)
+        # The "xla" transport's lax.scan carries float32; the unrolled "pk" steps take any dtype.
+        return f32(state) if transport() == "xla" else state
 
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
@@ -263,7 +283,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
 
     zero_kv = lambda: full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes)
 
-    def pair_bwd(p: BlockPair, kv, state, local):
+    def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
         q, do, lse, delta = local
 
         def add_kv(acc, part):
@@ -280,16 +300,18 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
-                                               sl_q(delta), scale, causal, p.q_offset, p.kv_offset)
+                                               sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve)
             return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
         if p.active is not True:  # lax.cond needs arrays on both sides
             dq, (dk, dv) = state
             state = (dq, tuple(zero_kv() if a is None else a for a in (dk, dv)))
         return _when(p.active, run, state)
 
-    def run(pairs, kv, state, local=(q, do, lse, delta)):
+    def run(pairs, kv, state, local=(q, do, lse, delta), in_flight: bool = True):
+        """The pairs' gradients added into state; in_flight: a ring shift may run beside them (SMs left free)."""
+        reserve = _reserve(in_flight)
         for p in pairs:
-            state = pair_bwd(p, kv, state, local)
+            state = pair_bwd(p, kv, state, local, reserve)
         dq, (dk, dv) = state
         return dq, tuple(zero_kv() if a is None else a for a in (dk, dv))  # a step without pairs
 
@@ -301,9 +323,11 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                                    send_after=send_dkv)
     else:
         first, last = own_pairs_split(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank)
-        visiting_pairs = lambda step, kv, dq, local: run(pairs_at(step), kv, (dq, (None, None)), local)
+        # Shifts beside a visiting step: the next K/V block (s < G-1), the previous step's accumulator (s >= 2).
+        busy = lambda step: step < g - 1 or step >= 2
+        visiting_pairs = lambda step, kv, dq, local: run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
         if causal and layout == "zigzag":
-            first, last, visiting_pairs = _zigzag_causal_backward_pairs(g, q.shape[1], rank, run)
+            first, last, visiting_pairs = _zigzag_causal_backward_pairs(g, q.shape[1], rank, run, busy)
         dq, (dk, dv) = ring_overlap.backward_steps(
             axes, g, dq, (k, v), (q, do, lse, delta),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
@@ -313,7 +337,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _zigzag_causal_backward_pairs(g: int, t_local: int, rank, run: Callable):
+def _zigzag_causal_backward_pairs(g: int, t_local: int, rank, run: Callable, busy: Callable):
     """The overlapped backward's pairs for zigzag causal, on whole chunks as the forward's (fewer slice copies
     and calls): own first (q1 against the whole shard, chunk r's keys placed before chunk 2G-1-r's: 1.5 C x C
     of work), own last (q0 against the whole shard: chunk 2G-1-r's keys fully masked, skipped; 0.5 C x C,
@@ -328,8 +352,8 @@ def _zigzag_causal_backward_pairs(g: int, t_local: int, rank, run: Callable):
 
     def visiting(step, kv, dq, local):
         src = (rank - step) % g
-        return lax.cond(src < rank, lambda dq: run([low], kv, (dq, (None, None)), local),
-                        lambda dq: run([high], kv, (dq, (None, None)), local), dq)
+        return lax.cond(src < rank, lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
+                        lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)), dq)
     return first, last, visiting
 
 
