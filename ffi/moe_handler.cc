@@ -1,6 +1,6 @@
 // XLA FFI handlers of the fused MoE exchange (kernels/moe_dispatch.cuh, docs/design-moe.md):
 //   pk_moe_dispatch: x (T, H), key (T*K,) s32, pos (T*K,) s32 -> recv (R, H), recv_counts (G, L) s32,
-//                    send_row (T*K,) s32                         [attr num_experts]
+//                    send_row (T*K,) s32, src_of (R,) s32 scratch  [attrs num_experts, dedup]
 //   pk_moe_send:     x (T, H), send_row (T*K,), scale (T*K,) f32, received () s32 -> recv (R, H)
 //                    [attrs top_k, scaled]
 //   pk_moe_combine:  y (R, H), send_row (T*K,), weights (T*K,) f32 -> out (T, H) or, gather, (T*K, H)
@@ -67,7 +67,7 @@ ffi::Error launched(const char* what, cudaError_t e) {
 ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> key,
                     ffi::Buffer<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> recv,
                     ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> send_row,
-                    int32_t num_experts, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> src_of, int32_t num_experts, int32_t dedup, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   Group g;
   const LocalDevice* me = nullptr;
   if (ffi::Error e = group_for(ordinal, kOpMoeDispatch, mesh_ids, mesh_shape, group_axes, g, me); e.failure())
@@ -75,8 +75,10 @@ ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
   const auto dx = x.dimensions(), dr = recv->dimensions();
   const int64_t n = key.element_count();
   if (dx.size() != 2 || dr.size() != 2 || dr[1] != dx[1] || dx[0] <= 0 || n % dx[0] != 0 ||
-      pos.element_count() != n || send_row->element_count() != n || x.element_type() != recv->element_type())
-    return ffi::Error::InvalidArgument("pk_jax moe dispatch: x (T, H), key/pos/send_row (T*K,), recv (R, H)");
+      pos.element_count() != n || send_row->element_count() != n || x.element_type() != recv->element_type() ||
+      src_of->element_count() != dr[0])
+    return ffi::Error::InvalidArgument(
+        "pk_jax moe dispatch: x (T, H), key/pos/send_row (T*K,), recv (R, H), src_of (R,)");
   if (num_experts < g.size || num_experts % g.size != 0 || num_experts > kMoeMaxExperts ||
       recv_counts->element_count() != int64_t(num_experts))
     return ffi::Error::InvalidArgument(
@@ -85,17 +87,19 @@ ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
   const int64_t row_bytes = int64_t(x.size_bytes()) / dx[0];
   BufferStaging staging(*me, stream);  // multi-process: a receive buffer the peers cannot reach (rare)
   void* out = nullptr;
+  void* scratch = nullptr;  // written by the peers, read by the fill launch: never copied back
   try {
     out = staging.reachable(recv->untyped_data(), recv->size_bytes(), /*copy_in=*/false, /*copy_out=*/true);
+    scratch = staging.reachable(src_of->untyped_data(), src_of->size_bytes(), /*copy_in=*/false, /*copy_out=*/false);
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(ex.what());
   }
   const int vec = vector_bytes(row_bytes, {x.untyped_data(), out}, {16, 4, 2});
   if (vec == 0) return ffi::Error::InvalidArgument("pk_jax moe dispatch: rows must be a multiple of 2 bytes");
   const MoeDims d{dx[0], int32_t(n / dx[0]), num_experts, dr[0], row_bytes / vec};
-  cudaError_t e = launch_moe_dispatch(g, d, vec, x.untyped_data(), key.typed_data(), pos.typed_data(), out,
-                                      recv_counts->typed_data(), send_row->typed_data(),
-                                      Runtime::get().limits(*me), stream);
+  cudaError_t e = launch_moe_dispatch(g, d, vec, dedup != 0, x.untyped_data(), key.typed_data(), pos.typed_data(),
+                                      out, static_cast<int32_t*>(scratch), recv_counts->typed_data(),
+                                      send_row->typed_data(), Runtime::get().limits(*me), stream);
   if (e == cudaSuccess) e = staging.copy_back();
   return launched("dispatch", e);
 }
@@ -176,7 +180,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk::dispatch,
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("num_experts")
+                                  .Attr<int32_t>("dedup")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")
                                   .Attr<ffi::Span<const int64_t>>("group_axes"),

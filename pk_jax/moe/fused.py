@@ -34,6 +34,9 @@ from pk_jax import _ext, runtime
 from pk_jax.moe.routing import RoutingSizes
 
 ENV = "PK_JAX_MOE_DISPATCH"
+# "0": the kernels before deduplication (every choice's row crosses NVLink; combine pulls every choice's
+# row): a same-run baseline for pk_jax.bench moe. Read at trace time.
+DEDUP_ENV = "PK_JAX_MOE_DEDUP"
 IMPLEMENTATIONS = ("auto", "fused", "reference")
 # kMoeMaxExperts in kernels/pk/control_block.h: experts whose counts fit a member's publication area.
 MAX_EXPERTS = 1024
@@ -64,6 +67,28 @@ def implementation() -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"pk_jax.moe: {ENV}={impl!r}; use one of {', '.join(IMPLEMENTATIONS)}")
     return impl
+
+
+_dedup_override: list[bool] = []
+
+
+@contextlib.contextmanager
+def override_dedup(flag: bool):
+    """Within the block, trace the fused kernels deduplicated (True) or as before (False), whatever
+    PK_JAX_MOE_DEDUP says (same-run comparisons)."""
+    _dedup_override.append(bool(flag))
+    try:
+        yield
+    finally:
+        _dedup_override.pop()
+
+
+def dedup() -> bool:
+    """Whether the fused kernels traced now deduplicate rows per destination member: override_dedup(), else
+    PK_JAX_MOE_DEDUP (default 1). Results are the same either way (combine up to float32 reassociation)."""
+    if _dedup_override:
+        return _dedup_override[-1]
+    return os.environ.get(DEDUP_ENV, "1") not in ("0", "false", "off")
 
 
 def supported(sizes: RoutingSizes, hidden: int, dtype) -> bool:
@@ -219,8 +244,13 @@ def _mesh_attrs(table) -> dict:
 def _dispatch_cuda(ctx, x, key, pos, *, axis_name, sizes):
     if (table := _group(ctx, "moe dispatch", axis_name)) is None:
         return _dispatch_lax(ctx, x, key, pos, axis_name=axis_name, sizes=sizes)
-    return jax.ffi.ffi_lowering("pk_moe_dispatch")(ctx, x, key, pos, num_experts=np.int32(sizes.num_experts),
-                                                   **_mesh_attrs(table))
+    # One more result than the primitive: src_of (R int32), the scratch the peers fill with each received
+    # row's primary (deduplicated rows); dropped here.
+    scratch = core.ShapedArray((sizes.recv_rows,), jnp.int32)
+    outs = jax.ffi.ffi_lowering("pk_moe_dispatch")(ctx.replace(avals_out=[*ctx.avals_out, scratch]), x, key, pos,
+                                                   num_experts=np.int32(sizes.num_experts),
+                                                   dedup=np.int32(dedup()), **_mesh_attrs(table))
+    return outs[:3]
 
 
 def _send_cuda(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
