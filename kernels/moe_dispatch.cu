@@ -441,6 +441,7 @@ std::vector<const void*> moe_kernels() {
       for (bool combine : {false, true})
         for (bool flag : {false, true}) out.push_back(typed_kernel(t, combine, v, flag));
   }
+  for (const void* k : moe_partial_kernels()) out.push_back(k);
   return out;
 }
 

@@ -48,7 +48,16 @@ cudaError_t launch_moe_combine(const Group& g, const MoeDims& d, int vec_bytes, 
                                const int32_t* send_row, const float* weights, void* out, const LaunchLimits& lim,
                                cudaStream_t stream);
 
-// Every kernel of the file, for the up-front loading (collective_kernels()).
+// Combine (not gather) by pushed partials (kernels/moe_partials.cu): each member pushes, per (peer home,
+// token) with kept choices here, the float32 sum of w * y over them (choice order) into the home's `partial`
+// ((G - 1) slots of T x H' floats, published like recv; slot moe_partial_slot); a second, local launch adds
+// the members' partials in rank order (its own from its y) and rounds once into out (T, H').
+cudaError_t launch_moe_combine_partials(const Group& g, const MoeDims& d, int vec_bytes, DType dtype, const void* y,
+                                        const int32_t* send_row, const float* weights, float* partial, void* out,
+                                        const LaunchLimits& lim, cudaStream_t stream);
+
+// Every kernel of moe_dispatch.cu and moe_partials.cu, for the up-front loading (collective_kernels()).
 std::vector<const void*> moe_kernels();
+std::vector<const void*> moe_partial_kernels();
 
 }  // namespace pk

@@ -235,3 +235,32 @@ def test_dedup_setting(monkeypatch):
     assert not fused.dedup()
     with fused.override_dedup(True):
         assert fused.dedup()
+
+
+@pytest.mark.parametrize("dedup,k,want", [(True, 4, 1), (False, 4, 0), (True, 1, 0)])
+def test_cuda_lowering_of_combine(monkeypatch, dedup, k, want):
+    """Combine lowered for CUDA (stand-in group table): pushed partials where they pay (G = 2, top-4: yes; top-1:
+    no) and dedup is on, with a (G - 1) * T * H float32 scratch; else the pull kernel with a 1-float one."""
+    from pk_jax import _ext, runtime
+
+    if not _ext.available():
+        pytest.skip("the CUDA lowering is registered only with the extension")
+    table = type("Table", (), {"mesh_ids": (0, 1), "mesh_shape": (2,), "group_axes": (0,)})
+    monkeypatch.setattr(runtime, "lowering_group", lambda ctx, axis: (table, None))
+    monkeypatch.setenv(fused.ENV, "fused")
+    g, e, h = 2, 8, 16
+
+    def member(x, ids, w):
+        recv, _, hd = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e)
+        return pk_jax.moe.combine(recv, w, hd)
+
+    f = jax.jit(jax.shard_map(member, mesh=Mesh(np.array(jax.devices()[:g]), ("ep",)), in_specs=P("ep"),
+                              out_specs=P("ep"), check_vma=False))
+    with fused.override_dedup(dedup):
+        text = f.trace(jax.ShapeDtypeStruct((g * TOKENS, h), jnp.bfloat16), jax.ShapeDtypeStruct((g * TOKENS, k), jnp.int32),
+                       jax.ShapeDtypeStruct((g * TOKENS, k), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "@pk_moe_combine(" in line)
+    assert f"partials = {want} : i32" in call, call
+    scratch = (g - 1) * TOKENS * h if want else 1
+    assert f"tensor<{scratch}xf32>)" in call.split("->")[-1], call
+    assert fused.partials_pay(2, 8, 2) and not fused.partials_pay(8, 8, 2) and fused.partials_pay(2, 8, 4)
