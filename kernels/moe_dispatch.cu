@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kMoeThreads)
   for (int64_t it = w.warp; it < items; it += w.nwarps) {
     const int64_t row = it / segs, seg = it % segs;
     const int64_t from = src_of[row];
-    if (from == row) continue;
+    if (from == row || from < 0 || from >= received) continue;  // out of range only after a recorded timeout
     copy_segment<VEC>(recv, from * d.row_vecs + seg * kSegVecs, recv, row * d.row_vecs + seg * kSegVecs,
                       d.row_vecs - seg * kSegVecs, w.lane);
   }

@@ -42,18 +42,20 @@ __device__ __forceinline__ void add_floats(float (&acc)[N], const float* src) {
   }
 }
 
-// acc += sum over token t's kept choices on member `on`, in choice order, of w * y[row] (segment seg of the
+// Returns whether t has a kept choice on `on`; acc += sum over token t's kept choices on member `on`, in choice order, of w * y[row] (segment seg of the
 // row; send_row / weights of t's home, maybe remote). A warp; every lane reads one choice's entries.
 template <typename T, int VEC>
-__device__ __forceinline__ void choices_here(const MoeDims& d, const char* y, const int32_t* send_row,
+__device__ __forceinline__ bool choices_here(const MoeDims& d, const char* y, const int32_t* send_row,
                                              const float* weights, int64_t t, int on, int64_t seg, int lane,
                                              float (&acc)[kMoeUnroll][lanes<T, VEC>::kCount]) {
   const int64_t left = d.row_vecs - seg * kSegVecs;
+  bool any = false;
   for (int k0 = 0; k0 < d.top_k; k0 += 32) {
     const int k = k0 + lane;
     const int32_t to = k < d.top_k ? send_row[t * d.top_k + k] : -1;
     const float w = k < d.top_k ? weights[t * d.top_k + k] : 0.f;
     uint32_t mine = __ballot_sync(0xffffffffu, to >= 0 && to / d.recv_rows == on);
+    any |= mine != 0;
     while (mine) {
       const int src = __ffs(mine) - 1;
       mine &= mine - 1;
@@ -70,6 +72,7 @@ __device__ __forceinline__ void choices_here(const MoeDims& d, const char* y, co
       }
     }
   }
+  return any;
 }
 
 // Whether token t has a kept choice on member `on` (a warp-uniform answer).
@@ -101,10 +104,10 @@ __global__ void __launch_bounds__(kMoeThreads)
       const int peer = int(it / per_home);
       const int home = peer < g.rank ? peer : peer + 1;  // the peers in rank order, skipping this member
       const int64_t t = (it % per_home) / segs, seg = it % segs;
-      const int32_t* rows = reinterpret_cast<const int32_t*>(bufs[0][home]);
-      if (!has_choice(d, rows, t, g.rank, w.lane)) continue;
       float acc[kMoeUnroll][Lanes::kCount] = {};
-      choices_here<T, VEC>(d, y, rows, reinterpret_cast<const float*>(bufs[1][home]), t, g.rank, seg, w.lane, acc);
+      if (!choices_here<T, VEC>(d, y, reinterpret_cast<const int32_t*>(bufs[0][home]),
+                                reinterpret_cast<const float*>(bufs[1][home]), t, g.rank, seg, w.lane, acc))
+        continue;  // no choice of t here: its home reads nothing from this slot
       float* out = reinterpret_cast<float*>(bufs[2][home]) +
                    (int64_t(moe_partial_slot(g.rank, home)) * d.tokens + t) * width;
 #pragma unroll
