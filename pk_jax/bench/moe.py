@@ -242,7 +242,9 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
     dedup_in = max(sum(pairs[s][d] for s in range(g) if s != d) for d in range(g))
     pairs_back = max(sum(pairs[s][m] for m in range(g) if m != s) for s in range(g))
     itemsize = jnp.dtype(dtype).itemsize
-    partials = fused.dedup() and fused.partials_pay(g, c.k, itemsize) and not c.backward
+    dedup = fused.dedup() and not c.backward and fused.use_fused(routing.routing_sizes(g, c.e, c.t, c.k, None, None),
+                                                                 c.h, dtype)  # the reference path moves rows
+    partials = dedup and fused.partials_pay(g, c.k, itemsize)
     if c.op == "dispatch":
         ours = _program(lambda x, ids: disp(x, ids)[0], mesh, P(AX), c.backward, (0,))
         args = [x, ids]
@@ -254,7 +256,7 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
             bases.append(("lax.ragged_all_to_all", _program(lambda x, ids: _ragged_a2a_dispatch(x, ids, c.e), mesh,
                                                              P(AX), False, (0,))))
         moved = busiest * row_bytes
-        remote = (dedup_in * row_bytes + remote_in * 4 if fused.dedup() and not c.backward else remote_in * row_bytes)
+        remote = (dedup_in * row_bytes + remote_in * 4 if dedup else remote_in * row_bytes)
     elif c.op == "combine":
         def combine_program(rebuild):
             return _program(lambda y, wts, *leaves: pk_jax.moe.combine(y, wts, rebuild(leaves)), mesh, P(AX),
