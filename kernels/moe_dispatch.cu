@@ -10,63 +10,65 @@
 // Docs: docs/design-moe.md.
 #include "moe_dispatch.cuh"
 #include "pk/op_protocol.cuh"
+#include "moe_layout.cuh"
+#include "moe_rows.cuh"
 #include "pk/vec.cuh"
 
 namespace pk {
 namespace {
 
-constexpr int kMoeThreads = 512;
-constexpr int kMoeUnroll = 4;                      // vectors per lane per row segment
-constexpr int64_t kSegVecs = 32 * kMoeUnroll;      // vectors of one warp item
-
-struct Warps {
-  int64_t warp, nwarps;
-  int lane;
-  __device__ Warps()
-      : warp((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5),
-        nwarps((int64_t(gridDim.x) * blockDim.x) >> 5),
-        lane(threadIdx.x & 31) {}
-};
-
-__device__ __forceinline__ int64_t segments(const MoeDims& d) { return (d.row_vecs + kSegVecs - 1) / kSegVecs; }
+__device__ __forceinline__ int64_t segments(const MoeDims& d) { return moe_segments(d.row_vecs); }
 
 __device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
   return *reinterpret_cast<const volatile int32_t*>(p);
 }
 
-// Zeroes vectors [from_row * row_vecs, rows * row_vecs) of this member's buffer, grid-strided.
-template <int VEC>
-__device__ __forceinline__ void zero_rows(char* buf, int64_t from_row, int64_t rows, int64_t row_vecs) {
-  const int64_t threads = int64_t(gridDim.x) * blockDim.x;
-  vec_t<VEC> z;
-  memset(&z, 0, sizeof(z));
-  for (int64_t i = from_row * row_vecs + int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < rows * row_vecs;
-       i += threads)
-    store_vec<VEC>(buf, i, z);
-}
+// Deduplicated rows (DEDUP): warp item = (token, row segment). The segment is loaded once and stored
+// to the own member at every kept choice (local stores) and to each peer once, at the row of the token's
+// first kept choice there (its primary; MoeRoute::primary). Each kept choice's src_of entry tells the
+// destination where its data is; moe_fill_kernel copies the peers' non-primary rows after finish.
+// One warp in kZeroEvery zeroes the unused tail meanwhile (local HBM, overlapping the NVLink stores).
+constexpr int kZeroEvery = 4;
 
-// One warp item: vectors [seg * kSegVecs, +kSegVecs) of a row, src row -> dst row.
 template <int VEC>
-__device__ __forceinline__ void copy_segment(const char* src, int64_t src_vec, char* dst, int64_t dst_vec, int64_t left,
-                                             int lane) {
-  vec_t<VEC> v[kMoeUnroll];
-#pragma unroll
-  for (int u = 0; u < kMoeUnroll; ++u) {
-    const int64_t i = u * 32 + lane;
-    if (i < left) v[u] = load_vec<VEC>(src, src_vec + i);
+__device__ __forceinline__ void dedup_rows(const MoeRoute& route, const MoeDims& d, const char* x,
+                                           const pgl<char>& recv, int64_t arrived, char* own_recv) {
+  const Warps w;
+  const int64_t segs = segments(d), items = d.tokens * segs;
+  const int64_t zero_from = (arrived < d.recv_rows ? arrived : d.recv_rows) * d.row_vecs;
+  const bool zeroes = w.warp % kZeroEvery == kZeroEvery - 1 && w.nwarps >= kZeroEvery;
+  if (zeroes) {
+    const int64_t zw = w.nwarps / kZeroEvery, me = w.warp / kZeroEvery;
+    if (me < zw) zero_vecs<VEC>(own_recv, zero_from, d.recv_rows * d.row_vecs, me * 32 + w.lane, zw * 32);
+    return;
   }
-#pragma unroll
-  for (int u = 0; u < kMoeUnroll; ++u) {
-    const int64_t i = u * 32 + lane;
-    if (i < left) store_vec<VEC>(dst, dst_vec + i, v[u]);
+  const int64_t rw = w.nwarps >= kZeroEvery ? w.nwarps - w.nwarps / kZeroEvery : w.nwarps;
+  const int64_t first = w.nwarps >= kZeroEvery ? w.warp - w.warp / kZeroEvery : w.warp;  // index among row warps
+  for (int64_t it = first; it < items; it += rw) {
+    const int64_t t = it / segs, seg = it % segs;
+    const int64_t left = d.row_vecs - seg * kSegVecs;
+    vec_t<VEC> v[kMoeUnroll];
+    load_segment<VEC>(x, t * d.row_vecs + seg * kSegVecs, left, w.lane, v);
+    uint32_t sent = 0;  // peers that already got this token (its primary there)
+    for (int k = 0; k < d.top_k; ++k) {
+      const int64_t a = t * d.top_k + k, row = route.row(a);
+      if (row < 0) continue;
+      const int m = route.dest(a);
+      if (m != route.rank) {
+        if (sent & (1u << m)) continue;
+        sent |= 1u << m;
+      }
+      store_segment<VEC>(recv[m], row * d.row_vecs + seg * kSegVecs, left, w.lane, v);
+    }
   }
+  if (w.nwarps < kZeroEvery) zero_rows<VEC>(own_recv, zero_from / d.row_vecs, d.recv_rows, d.row_vecs);
 }
 
 // Forward dispatch with the count exchange (see moe_dispatch.cuh).
-template <int VEC>
+template <int VEC, bool DEDUP>
 __global__ void __launch_bounds__(kMoeThreads)
     moe_dispatch_kernel(Group g, MoeDims d, const char* x, const int32_t* key, const int32_t* pos, char* recv,
-                        int32_t* recv_counts, int32_t* send_row) {
+                        int32_t* src_of, int32_t* recv_counts, int32_t* send_row) {
   __shared__ int32_t own[kMoeMaxExperts];   // this member's kept rows per global expert
   __shared__ int32_t base[kMoeMaxExperts];  // e = dest * L + l: row in dest of this member's first row of e
   __shared__ int32_t total[kMoeMaxExperts]; // rows of e from all sources
@@ -101,9 +103,9 @@ __global__ void __launch_bounds__(kMoeThreads)
     __threadfence_system();
     __syncthreads();
   }
-  void* const local[1] = {recv};
-  op.publish(local, 1);
-  pgl<char> bufs[1];
+  void* const local[2] = {recv, src_of};
+  op.publish(local, 2);
+  pgl<char> bufs[2];
   if (op.acquire(local, bufs)) {
     // (2) Offsets: every source's counts, prefix over sources in rank order, then over local experts.
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -130,28 +132,58 @@ __global__ void __launch_bounds__(kMoeThreads)
       arrived = sum;
     }
     __syncthreads();
-    // (3) Rows: warp item = (assignment, row segment), assignment-major (a token's K rows are read
-    // by neighbouring warps: x from L2 after the first).
-    const Warps w;
-    const int64_t segs = segments(d), items = n * segs;
-    for (int64_t it = w.warp; it < items; it += w.nwarps) {
-      const int64_t a = it / segs, seg = it % segs;
-      const int32_t k = key[a];
-      if (k < 0 || k >= E) continue;
-      const int64_t row = int64_t(base[k]) + pos[a];
-      if (row >= d.recv_rows) continue;
-      copy_segment<VEC>(x, (a / d.top_k) * d.row_vecs + seg * kSegVecs, bufs[0][k / L],
-                        row * d.row_vecs + seg * kSegVecs, d.row_vecs - seg * kSegVecs, w.lane);
+    const MoeRoute route{key, pos, base, E, L, d.top_k, g.rank, d.recv_rows};
+    if constexpr (DEDUP) {
+      dedup_rows<VEC>(route, d, x, bufs[0], arrived, recv);
+    } else {
+      // (3) Rows: warp item = (assignment, row segment), assignment-major (a token's K rows are read
+      // by neighbouring warps: x from L2 after the first).
+      const Warps w;
+      const int64_t segs = segments(d), items = n * segs;
+      for (int64_t it = w.warp; it < items; it += w.nwarps) {
+        const int64_t a = it / segs, seg = it % segs;
+        const int64_t row = route.row(a);
+        if (row < 0) continue;
+        copy_segment<VEC>(x, (a / d.top_k) * d.row_vecs + seg * kSegVecs, bufs[0][route.dest(a)],
+                          row * d.row_vecs + seg * kSegVecs, d.row_vecs - seg * kSegVecs, w.lane);
+      }
     }
-    // The layout for combine and the backward passes (grid-strided: every CTA has the offsets).
+    // The layout for combine and the backward passes, and (DEDUP) each kept row's primary at its
+    // destination (grid-strided: every CTA has the offsets).
     for (int64_t a = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; a < n; a += int64_t(gridDim.x) * blockDim.x) {
-      const int32_t k = key[a];
-      const int64_t row = k >= 0 && k < E ? int64_t(base[k]) + pos[a] : d.recv_rows;
-      send_row[a] = row < d.recv_rows ? int32_t((k / L) * d.recv_rows + row) : -1;
+      const int64_t row = route.row(a);
+      send_row[a] = row >= 0 ? int32_t(route.dest(a) * d.recv_rows + row) : -1;
+      if (DEDUP && row >= 0)
+        reinterpret_cast<int32_t*>(bufs[1][route.dest(a)])[row] = int32_t(route.primary(a));
     }
-    zero_rows<VEC>(recv, arrived < d.recv_rows ? arrived : d.recv_rows, d.recv_rows, d.row_vecs);
+    if (!DEDUP) zero_rows<VEC>(recv, arrived < d.recv_rows ? arrived : d.recv_rows, d.recv_rows, d.row_vecs);
   }
   op.finish();
+}
+
+// After the dispatch's finish (every peer's rows and src_of entries landed): each received row whose
+// data came as another row (a peer's non-primary choice) is copied from it. Local only, no protocol.
+// Rows [received, R) stay as the dispatch zeroed them.
+template <int VEC>
+__global__ void __launch_bounds__(kMoeThreads)
+    moe_fill_kernel(MoeDims d, int counts, const int32_t* recv_counts, const int32_t* src_of, char* recv) {
+  __shared__ int64_t received;
+  if (threadIdx.x < 32) {
+    int64_t sum = 0;
+    for (int i = threadIdx.x; i < counts; i += 32) sum += recv_counts[i];
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+    if (threadIdx.x == 0) received = sum < d.recv_rows ? sum : d.recv_rows;
+  }
+  __syncthreads();
+  const Warps w;
+  const int64_t segs = segments(d), items = received * segs;
+  for (int64_t it = w.warp; it < items; it += w.nwarps) {
+    const int64_t row = it / segs, seg = it % segs;
+    const int64_t from = src_of[row];
+    if (from == row || from < 0 || from >= received) continue;  // out of range only after a recorded timeout
+    copy_segment<VEC>(recv, from * d.row_vecs + seg * kSegVecs, recv, row * d.row_vecs + seg * kSegVecs,
+                      d.row_vecs - seg * kSegVecs, w.lane);
+  }
 }
 
 // Elements of a vector times s, in float32, rounded to T (the reference's astype(f32) * s, astype(T)).
@@ -277,15 +309,25 @@ __global__ void __launch_bounds__(kMoeThreads)
 }
 
 template <int VEC>
-const void* dispatch_kernel_for() {
-  return reinterpret_cast<const void*>(&moe_dispatch_kernel<VEC>);
+const void* dispatch_kernel_for(bool dedup) {
+  return dedup ? reinterpret_cast<const void*>(&moe_dispatch_kernel<VEC, true>)
+               : reinterpret_cast<const void*>(&moe_dispatch_kernel<VEC, false>);
 }
 
-const void* dispatch_kernel(int vec_bytes) {
+const void* dispatch_kernel(int vec_bytes, bool dedup) {
   switch (vec_bytes) {
-    case 16: return dispatch_kernel_for<16>();
-    case 4: return dispatch_kernel_for<4>();
-    case 2: return dispatch_kernel_for<2>();
+    case 16: return dispatch_kernel_for<16>(dedup);
+    case 4: return dispatch_kernel_for<4>(dedup);
+    case 2: return dispatch_kernel_for<2>(dedup);
+  }
+  return nullptr;
+}
+
+const void* fill_kernel(int vec_bytes) {
+  switch (vec_bytes) {
+    case 16: return reinterpret_cast<const void*>(&moe_fill_kernel<16>);
+    case 4: return reinterpret_cast<const void*>(&moe_fill_kernel<4>);
+    case 2: return reinterpret_cast<const void*>(&moe_fill_kernel<2>);
   }
   return nullptr;
 }
@@ -328,18 +370,18 @@ bool dims_ok(const MoeDims& d, int vec_bytes) {
          d.recv_rows * kMaxGroup < (int64_t(1) << 31);  // send_row holds dest * R + row in int32
 }
 
-int64_t warp_items(int64_t rows, const MoeDims& d) {
-  const int64_t segs = (d.row_vecs + kSegVecs - 1) / kSegVecs;
-  return rows * segs > 1 ? rows * segs : 1;
-}
+int64_t warp_items(int64_t rows, const MoeDims& d) { return moe_warp_items(rows, d.row_vecs); }
 
 }  // namespace
 
-cudaError_t launch_moe_dispatch(const Group& g, const MoeDims& d, int vec_bytes, const void* x, const int32_t* key,
-                                const int32_t* pos, void* recv, int32_t* recv_counts, int32_t* send_row,
-                                const LaunchLimits& lim, cudaStream_t stream) {
-  const void* k = dispatch_kernel(vec_bytes);
-  if (!k || !dims_ok(d, vec_bytes) || d.experts < g.size || d.experts > kMoeMaxExperts || d.experts % g.size != 0)
+cudaError_t launch_moe_dispatch(const Group& g, const MoeDims& d, int vec_bytes, bool dedup, const void* x,
+                                const int32_t* key, const int32_t* pos, void* recv, int32_t* src_of,
+                                int32_t* recv_counts, int32_t* send_row, const LaunchLimits& lim,
+                                cudaStream_t stream) {
+  const void* k = dispatch_kernel(vec_bytes, dedup);
+  const void* fill = fill_kernel(vec_bytes);
+  if (!k || !fill || !dims_ok(d, vec_bytes) || d.experts < g.size || d.experts > kMoeMaxExperts ||
+      d.experts % g.size != 0)
     return cudaErrorInvalidValue;
   // Enough CTAs for the rows and for zeroing the whole buffer when little arrives.
   const int64_t items = warp_items(d.tokens * d.top_k, d);
@@ -348,8 +390,17 @@ cudaError_t launch_moe_dispatch(const Group& g, const MoeDims& d, int vec_bytes,
   MoeDims dims = d;
   const char* xs = static_cast<const char*>(x);
   char* out = static_cast<char*>(recv);
-  void* args[] = {const_cast<Group*>(&g), &dims, &xs, &key, &pos, &out, &recv_counts, &send_row};
-  return cudaLaunchKernel(k, grid, kMoeThreads, args, 0, stream);
+  void* args[] = {const_cast<Group*>(&g), &dims, &xs, &key, &pos, &out, &src_of, &recv_counts, &send_row};
+  cudaError_t e = cudaLaunchKernel(k, grid, kMoeThreads, args, 0, stream);
+  if (e != cudaSuccess || !dedup) return e;
+  // Stream order: the fill starts after every CTA of the dispatch returned, i.e. after its last CTA saw
+  // every peer's done (all rows and src_of entries here).
+  int counts = g.size * (d.experts / g.size);
+  const int32_t* rc = recv_counts;
+  const int32_t* so = src_of;
+  void* fill_args[] = {&dims, &counts, &rc, &so, &out};
+  const int fill_grid = resident_grid(fill, warp_items(d.recv_rows, d), kMoeThreads, lim);
+  return cudaLaunchKernel(fill, fill_grid, kMoeThreads, fill_args, 0, stream);
 }
 
 cudaError_t launch_moe_send(const Group& g, const MoeDims& d, int vec_bytes, DType dtype, bool scaled, const void* x,
@@ -382,13 +433,15 @@ cudaError_t launch_moe_combine(const Group& g, const MoeDims& d, int vec_bytes, 
 
 std::vector<const void*> moe_kernels() {
   std::vector<const void*> out;
-  for (int v : {16, 4, 2}) out.push_back(dispatch_kernel(v));
+  for (int v : {16, 4, 2})
+    for (const void* k : {dispatch_kernel(v, true), dispatch_kernel(v, false), fill_kernel(v)}) out.push_back(k);
   for (DType t : {DType::kF32, DType::kBF16, DType::kF16}) {
     const int one = t == DType::kF32 ? 4 : 2;
     for (int v : {16, one})
       for (bool combine : {false, true})
         for (bool flag : {false, true}) out.push_back(typed_kernel(t, combine, v, flag));
   }
+  for (const void* k : moe_partial_kernels()) out.push_back(k);
   return out;
 }
 

@@ -25,9 +25,14 @@ struct MoeDims {
 // assignment to row base(dest, expert) + pos[a] of its destination's `recv` (rows at or past R drop).
 // Outputs: recv (R rows; zero after the rows that arrived), recv_counts (G, L) rows of each local
 // expert from each source, send_row (T * K) dest * R + row of each assignment or -1 if dropped.
-cudaError_t launch_moe_dispatch(const Group& g, const MoeDims& d, int vec_bytes, const void* x, const int32_t* key,
-                                const int32_t* pos, void* recv, int32_t* recv_counts, int32_t* send_row,
-                                const LaunchLimits& lim, cudaStream_t stream);
+// dedup: a token's row crosses to each peer once (at its primary row, MoeRoute::primary); src_of (R
+// int32, scratch published with recv) gets each received row's primary, and a second, local launch
+// copies the non-primary rows from their primaries. dedup = false: every kept choice's row is stored
+// (src_of unused).
+cudaError_t launch_moe_dispatch(const Group& g, const MoeDims& d, int vec_bytes, bool dedup, const void* x,
+                                const int32_t* key, const int32_t* pos, void* recv, int32_t* src_of,
+                                int32_t* recv_counts, int32_t* send_row, const LaunchLimits& lim,
+                                cudaStream_t stream);
 
 // Dispatch with the layout known (the backward of combine): row x[a / K] (times scale[a] in float32
 // when `scaled`) to row send_row[a] % R of member send_row[a] / R; rows of `recv` from
@@ -43,7 +48,16 @@ cudaError_t launch_moe_combine(const Group& g, const MoeDims& d, int vec_bytes, 
                                const int32_t* send_row, const float* weights, void* out, const LaunchLimits& lim,
                                cudaStream_t stream);
 
-// Every kernel of the file, for the up-front loading (collective_kernels()).
+// Combine (not gather) by pushed partials (kernels/moe_partials.cu): each member pushes, per (peer home,
+// token) with kept choices here, the float32 sum of w * y over them (choice order) into the home's `partial`
+// ((G - 1) slots of T x H' floats, published like recv; slot moe_partial_slot); a second, local launch adds
+// the members' partials in rank order (its own from its y) and rounds once into out (T, H').
+cudaError_t launch_moe_combine_partials(const Group& g, const MoeDims& d, int vec_bytes, DType dtype, const void* y,
+                                        const int32_t* send_row, const float* weights, float* partial, void* out,
+                                        const LaunchLimits& lim, cudaStream_t stream);
+
+// Every kernel of moe_dispatch.cu and moe_partials.cu, for the up-front loading (collective_kernels()).
 std::vector<const void*> moe_kernels();
+std::vector<const void*> moe_partial_kernels();
 
 }  // namespace pk

@@ -197,3 +197,70 @@ def test_fused_16bit_rows_equal_reference(monkeypatch, dtype):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out_r, np.float32), rtol=1e-2, atol=1e-2)
     for a, b in zip(grads, grads_r):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_cuda_lowering_of_dispatch(monkeypatch, dedup):
+    """The fused path lowered for CUDA (a stand-in group table: no GPU here): pk_moe_dispatch has one more
+    result than the primitive, the src_of scratch (R int32) the deduplicated kernels need, and the dedup
+    attribute follows fused.override_dedup (PK_JAX_MOE_DEDUP)."""
+    from pk_jax import _ext, runtime
+
+    if not _ext.available():
+        pytest.skip("the CUDA lowering is registered only with the extension")
+    table = type("Table", (), {"mesh_ids": (0, 1), "mesh_shape": (2,), "group_axes": (0,)})
+    monkeypatch.setattr(runtime, "lowering_group", lambda ctx, axis: (table, None))
+    monkeypatch.setenv(fused.ENV, "fused")
+    g, e, k = 2, 8, 2
+    sizes = routing.routing_sizes(g, e, TOKENS, k, None, None)
+
+    def member(x, ids):
+        recv, counts, h = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e)
+        return recv, counts, h.send_row
+
+    f = jax.jit(jax.shard_map(member, mesh=Mesh(np.array(jax.devices()[:g]), ("ep",)), in_specs=P("ep"),
+                              out_specs=P("ep"), check_vma=False))
+    with fused.override_dedup(dedup):
+        text = f.trace(jax.ShapeDtypeStruct((g * TOKENS, 8), jnp.float32),
+                       jax.ShapeDtypeStruct((g * TOKENS, k), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "@pk_moe_dispatch(" in line)
+    assert f"dedup = {int(dedup)} : i32" in call, call
+    assert f"tensor<{sizes.recv_rows}xi32>)" in call.split("->")[-1], call  # the scratch: the last result
+
+
+def test_dedup_setting(monkeypatch):
+    monkeypatch.delenv(fused.DEDUP_ENV, raising=False)
+    assert fused.dedup()
+    monkeypatch.setenv(fused.DEDUP_ENV, "0")
+    assert not fused.dedup()
+    with fused.override_dedup(True):
+        assert fused.dedup()
+
+
+@pytest.mark.parametrize("dedup,k,want", [(True, 4, 1), (False, 4, 0), (True, 1, 0)])
+def test_cuda_lowering_of_combine(monkeypatch, dedup, k, want):
+    """Combine lowered for CUDA (stand-in group table): pushed partials where they pay (G = 2, top-4: yes; top-1:
+    no) and dedup is on, with a (G - 1) * T * H float32 scratch; else the pull kernel with a 1-float one."""
+    from pk_jax import _ext, runtime
+
+    if not _ext.available():
+        pytest.skip("the CUDA lowering is registered only with the extension")
+    table = type("Table", (), {"mesh_ids": (0, 1), "mesh_shape": (2,), "group_axes": (0,)})
+    monkeypatch.setattr(runtime, "lowering_group", lambda ctx, axis: (table, None))
+    monkeypatch.setenv(fused.ENV, "fused")
+    g, e, h = 2, 8, 16
+
+    def member(x, ids, w):
+        recv, _, hd = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e)
+        return pk_jax.moe.combine(recv, w, hd)
+
+    f = jax.jit(jax.shard_map(member, mesh=Mesh(np.array(jax.devices()[:g]), ("ep",)), in_specs=P("ep"),
+                              out_specs=P("ep"), check_vma=False))
+    with fused.override_dedup(dedup):
+        text = f.trace(jax.ShapeDtypeStruct((g * TOKENS, h), jnp.bfloat16), jax.ShapeDtypeStruct((g * TOKENS, k), jnp.int32),
+                       jax.ShapeDtypeStruct((g * TOKENS, k), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+    call = next(line for line in text.splitlines() if "@pk_moe_combine(" in line)
+    assert f"partials = {want} : i32" in call, call
+    scratch = (g - 1) * TOKENS * h if want else 1
+    assert f"tensor<{scratch}xf32>)" in call.split("->")[-1], call
+    assert fused.partials_pay(2, 8, 2) and not fused.partials_pay(8, 8, 2) and fused.partials_pay(2, 8, 4)

@@ -3,12 +3,15 @@
 Rows: op = dispatch | combine | grouped_matmul | moe_mlp; shape = [T, hidden, experts, top_k] (T tokens per
 member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
 receiver (dispatch: its rows; combine: the rows back at the busiest home member; moe_mlp: both) / time;
-extra.remote_gbps counts only the rows that cross from another member (NVLink). extra.path: "fused" (the
+extra.remote_gbps counts the bytes the kernels move over NVLink to that receiver (forward cases): deduplicated
+dispatch one row per (token, member) plus 4-byte src_of entries, combine by partials one float32 row per
+(token, peer member) (fused.partials_pay), else every remote choice's row; backward cases count rows. extra.path: "fused" (the
 kernels of pk_jax/moe/fused.py) or "reference" (the padded all_to_all exchange), as PK_JAX_MOE_DISPATCH picks.
 dispatch and combine also run at the DeepSeek-V3 per-GPU shape (T 4096, H 7168, E 256, top-8, uniform).
 combine is timed alone: the routing handle and the rows come from a dispatch run once beforehand.
 Baselines, timed in turns in the same run:
-- dispatch and combine: the reference exchange (PK_JAX_MOE_DISPATCH=reference: padded pk_jax.all_to_all plus
+- dispatch and combine: the fused kernels before deduplication (PK_JAX_MOE_DEDUP=0: every choice's row
+  crosses, combine pulls), the reference exchange (PK_JAX_MOE_DISPATCH=reference: padded pk_jax.all_to_all plus
   gathers) and, forward (GPU only: XLA:CPU lacks it), jax.lax.ragged_all_to_all of the sender-sorted rows,
   which leaves rows source-major (not regrouped by expert) and, for combine, sends them back the same way;
 - grouped_matmul (on GPUs our grouped GEMM kernel): jnp.dot of the same FLOPs (the used rows times one
@@ -142,15 +145,16 @@ def _ragged_a2a_combine(y, ids, wts, e: int):
                       wts.astype(jnp.float32)).astype(y.dtype)
 
 
-class _Traced:
-    """A jitted program lowered with pk_jax.moe's path `impl` (fused.override): the reference exchange as a
-    baseline in the same run as the default path."""
+class _TracedPath:
+    """A jitted program lowered with pk_jax.moe's path `impl` (fused.override) and the fused kernels deduplicated
+    or not (fused.override_dedup): the reference exchange and the fused kernels before dedup as baselines in
+    the same run as the default path. (Named apart from _Traced, the grouped GEMM variants' wrapper.)"""
 
-    def __init__(self, impl: str, jitted):
-        self.impl, self.jitted = impl, jitted
+    def __init__(self, impl: str, jitted, dedup: bool = True):
+        self.impl, self.jitted, self.dedup = impl, jitted, dedup
 
     def lower(self, *args):
-        with fused.override(self.impl):
+        with fused.override(self.impl), fused.override_dedup(self.dedup):
             return self.jitted.lower(*args)
 
 
@@ -230,15 +234,29 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
     ids_np = _ids(c, g, 0).reshape(g, c.t * c.k) // local  # destination member of each assignment
     remote_in = max(int(np.sum((ids_np == d) & (np.arange(g)[:, None] != d))) for d in range(g))
     remote_back = max(int(np.sum(ids_np[s] != s)) for s in range(g))
+    # NVLink bytes the kernels actually move (nothing drops here: no capacity, R the worst case). Deduplicated
+    # dispatch: one row per (token, peer member) it has choices on, plus a 4-byte src_of entry per remote choice;
+    # combine by partials: one float32 row per (token, peer member) it has choices on, into the token's home.
+    per_token = ids_np.reshape(g, c.t, c.k)
+    pairs = [[int(np.sum((per_token[s] == m).any(axis=1))) for m in range(g)] for s in range(g)]  # pairs[s][m]
+    dedup_in = max(sum(pairs[s][d] for s in range(g) if s != d) for d in range(g))
+    pairs_back = max(sum(pairs[s][m] for m in range(g) if m != s) for s in range(g))
+    itemsize = jnp.dtype(dtype).itemsize
+    dedup = fused.dedup() and not c.backward and fused.use_fused(routing.routing_sizes(g, c.e, c.t, c.k, None, None),
+                                                                 c.h, dtype)  # the reference path moves rows
+    partials = dedup and fused.partials_pay(g, c.k, itemsize)
     if c.op == "dispatch":
         ours = _program(lambda x, ids: disp(x, ids)[0], mesh, P(AX), c.backward, (0,))
         args = [x, ids]
-        bases.append(("reference exchange", _Traced("reference", _program(lambda x, ids: disp(x, ids)[0], mesh,
-                                                                          P(AX), c.backward, (0,)))))
+        bases.append(("reference exchange", _TracedPath("reference", _program(lambda x, ids: disp(x, ids)[0], mesh,
+                                                                              P(AX), c.backward, (0,)))))
+        bases.append(("fused before dedup", _TracedPath("fused", _program(lambda x, ids: disp(x, ids)[0], mesh, P(AX),
+                                                                          c.backward, (0,)), dedup=False)))
         if not c.backward:
             bases.append(("lax.ragged_all_to_all", _program(lambda x, ids: _ragged_a2a_dispatch(x, ids, c.e), mesh,
                                                              P(AX), False, (0,))))
-        moved, remote = busiest * row_bytes, remote_in * row_bytes
+        moved = busiest * row_bytes
+        remote = (dedup_in * row_bytes + remote_in * 4 if dedup else remote_in * row_bytes)
     elif c.op == "combine":
         def combine_program(rebuild):
             return _program(lambda y, wts, *leaves: pk_jax.moe.combine(y, wts, rebuild(leaves)), mesh, P(AX),
@@ -247,8 +265,9 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
         ours = combine_program(rebuild)
         args = [recv, wts, *leaves]
         recv_r, leaves_r, rebuild_r = _routed_inputs(mesh, disp, "reference", x, ids)
-        bases.append(("reference exchange", _Traced("reference", combine_program(rebuild_r)),
+        bases.append(("reference exchange", _TracedPath("reference", combine_program(rebuild_r)),
                       [recv_r, wts, *leaves_r]))
+        bases.append(("fused before dedup", _TracedPath("fused", combine_program(rebuild), dedup=False)))
         if not c.backward and jax.devices()[0].platform == "gpu":
             try:
                 y_lax = _program(lambda x, ids: _ragged_a2a_dispatch(x, ids, c.e), mesh, P(AX), False, (0,))(x, ids)
@@ -258,7 +277,8 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
             except Exception as e:  # noqa: BLE001 - optional baseline
                 print(f"  (lax.ragged_all_to_all combine baseline unavailable: {type(e).__name__})", flush=True)
         # rows that arrive back at the busiest home member (every kept choice's row)
-        moved, remote = c.t * c.k * row_bytes, remote_back * row_bytes
+        moved = c.t * c.k * row_bytes
+        remote = pairs_back * c.h * 4 if partials else remote_back * row_bytes
     elif c.op == "grouped_matmul":
         rows = routing.worst_case_recv_rows(g, c.t, c.k)
         counts = np.asarray(info[1]).reshape(g, local)[int(np.argmax(info[0]))]

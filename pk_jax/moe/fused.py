@@ -34,6 +34,9 @@ from pk_jax import _ext, runtime
 from pk_jax.moe.routing import RoutingSizes
 
 ENV = "PK_JAX_MOE_DISPATCH"
+# "0": the kernels before deduplication (every choice's row crosses NVLink; combine pulls every choice's
+# row): a same-run baseline for pk_jax.bench moe. Read at trace time.
+DEDUP_ENV = "PK_JAX_MOE_DEDUP"
 IMPLEMENTATIONS = ("auto", "fused", "reference")
 # kMoeMaxExperts in kernels/pk/control_block.h: experts whose counts fit a member's publication area.
 MAX_EXPERTS = 1024
@@ -64,6 +67,28 @@ def implementation() -> str:
     if impl not in IMPLEMENTATIONS:
         raise ValueError(f"pk_jax.moe: {ENV}={impl!r}; use one of {', '.join(IMPLEMENTATIONS)}")
     return impl
+
+
+_dedup_override: list[bool] = []
+
+
+@contextlib.contextmanager
+def override_dedup(flag: bool):
+    """Within the block, trace the fused kernels deduplicated (True) or as before (False), whatever
+    PK_JAX_MOE_DEDUP says (same-run comparisons)."""
+    _dedup_override.append(bool(flag))
+    try:
+        yield
+    finally:
+        _dedup_override.pop()
+
+
+def dedup() -> bool:
+    """Whether the fused kernels traced now deduplicate rows per destination member: override_dedup(), else
+    PK_JAX_MOE_DEDUP (default 1). Results are the same either way (combine up to float32 reassociation)."""
+    if _dedup_override:
+        return _dedup_override[-1]
+    return os.environ.get(DEDUP_ENV, "1") not in ("0", "false", "off")
 
 
 def supported(sizes: RoutingSizes, hidden: int, dtype) -> bool:
@@ -140,7 +165,8 @@ def _dispatch_emulation(x, key, pos, *, axis_name, sizes: RoutingSizes):
     return recv, recv_counts, send_row
 
 
-def _combine_emulation(y, send_row, weights, *, axis_name, top_k, gather):
+def _combine_emulation(y, send_row, weights, *, axis_name, top_k, gather, partials=0):
+    """partials: 0 (each token's choices summed in choice order) or G (combine by pushed partials)."""
     r, n = y.shape[0], send_row.shape[0]
     ys = jax.lax.all_gather(y, _name(axis_name))  # (G, R, H)
     ok = send_row >= 0
@@ -149,7 +175,15 @@ def _combine_emulation(y, send_row, weights, *, axis_name, top_k, gather):
     if gather:
         return rows
     per = rows.reshape(n // top_k, top_k, -1).astype(jnp.float32)
-    return jnp.einsum("tkh,tk->th", per, weights.reshape(n // top_k, top_k).astype(jnp.float32)).astype(y.dtype)
+    w = weights.reshape(n // top_k, top_k).astype(jnp.float32)
+    if not partials:
+        return jnp.einsum("tkh,tk->th", per, w).astype(y.dtype)
+    # Pushed partials: each member's choices summed in float32, then the members' partials in rank order.
+    member = jnp.where(ok, send_row // r, -1).reshape(n // top_k, top_k)
+    out = jnp.zeros(per.shape[::2], jnp.float32)
+    for m in range(partials):
+        out = out + jnp.einsum("tkh,tk->th", per, jnp.where(member == m, w, 0.0))
+    return out.astype(y.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -171,7 +205,7 @@ def _send_abstract(x, send_row, scale, received, *, axis_name, recv_rows, g, sca
     return _varying(x, axis_name, (recv_rows, x.shape[1]), x.dtype, send_row, scale, received)
 
 
-def _combine_abstract(y, send_row, weights, *, axis_name, top_k, gather):
+def _combine_abstract(y, send_row, weights, *, axis_name, top_k, gather, partials):
     rows = send_row.shape[0] if gather else send_row.shape[0] // top_k
     return _varying(y, axis_name, (rows, y.shape[1]), y.dtype, send_row, weights)
 
@@ -192,8 +226,8 @@ def _send_lax(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, sca
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, send_row, scale, received)
 
 
-def _combine_lax(ctx, y, send_row, weights, *, axis_name, top_k, gather):
-    fn = functools.partial(_combine_emulation, axis_name=axis_name, top_k=top_k, gather=gather)
+def _combine_lax(ctx, y, send_row, weights, *, axis_name, top_k, gather, partials):
+    fn = functools.partial(_combine_emulation, axis_name=axis_name, top_k=top_k, gather=gather, partials=partials)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, y, send_row, weights)
 
 
@@ -219,8 +253,13 @@ def _mesh_attrs(table) -> dict:
 def _dispatch_cuda(ctx, x, key, pos, *, axis_name, sizes):
     if (table := _group(ctx, "moe dispatch", axis_name)) is None:
         return _dispatch_lax(ctx, x, key, pos, axis_name=axis_name, sizes=sizes)
-    return jax.ffi.ffi_lowering("pk_moe_dispatch")(ctx, x, key, pos, num_experts=np.int32(sizes.num_experts),
-                                                   **_mesh_attrs(table))
+    # One more result than the primitive: src_of (R int32), the scratch the peers fill with each received
+    # row's primary (deduplicated rows); dropped here.
+    scratch = core.ShapedArray((sizes.recv_rows,), jnp.int32)
+    outs = jax.ffi.ffi_lowering("pk_moe_dispatch")(ctx.replace(avals_out=[*ctx.avals_out, scratch]), x, key, pos,
+                                                   num_experts=np.int32(sizes.num_experts),
+                                                   dedup=np.int32(dedup()), **_mesh_attrs(table))
+    return outs[:3]
 
 
 def _send_cuda(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
@@ -232,11 +271,18 @@ def _send_cuda(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, sc
                                                scaled=np.int32(scaled), **_mesh_attrs(table))
 
 
-def _combine_cuda(ctx, y, send_row, weights, *, axis_name, top_k, gather):
+def _combine_cuda(ctx, y, send_row, weights, *, axis_name, top_k, gather, partials):
     if (table := _group(ctx, "moe combine", axis_name)) is None:
-        return _combine_lax(ctx, y, send_row, weights, axis_name=axis_name, top_k=top_k, gather=gather)
-    return jax.ffi.ffi_lowering("pk_moe_combine")(ctx, y, send_row, weights, top_k=np.int32(top_k),
-                                                  gather=np.int32(gather), **_mesh_attrs(table))
+        return _combine_lax(ctx, y, send_row, weights, axis_name=axis_name, top_k=top_k, gather=gather,
+                            partials=partials)
+    # One more result than the primitive: the float32 scratch the peers push their partials into ((G - 1)
+    # slots of T x H'), one unused float without partials; dropped here.
+    tokens, hidden = ctx.avals_in[1].shape[0] // top_k, ctx.avals_in[0].shape[1]
+    scratch = core.ShapedArray(((partials - 1) * tokens * hidden if partials else 1,), jnp.float32)
+    outs = jax.ffi.ffi_lowering("pk_moe_combine")(ctx.replace(avals_out=[*ctx.avals_out, scratch]), y, send_row,
+                                                  weights, top_k=np.int32(top_k), gather=np.int32(gather),
+                                                  partials=np.int32(partials != 0), **_mesh_attrs(table))
+    return outs[:1]
 
 
 mlir.register_lowering(moe_dispatch_p, _dispatch_lax)
@@ -260,10 +306,22 @@ def send(x, send_row, scale, received, axis_name, sizes: RoutingSizes):
                  axis_name=axis_name, recv_rows=sizes.recv_rows, g=sizes.g, scaled=scaled)
 
 
-def pull(y, send_row, weights, axis_name, top_k: int, gather: bool):
-    """(R, H) expert rows -> (T, H) weighted sums (gather: (T * K, H), one row per assignment)."""
+def partials_pay(g: int, top_k: int, itemsize: int) -> bool:
+    """Whether combine by pushed float32 partials moves fewer NVLink bytes than pulling every remote choice's
+    row, uniform routing (docs/design-moe.md's cost table): per member and token, (G - 1) * p partials of 4 h
+    bytes (h elements; p = 1 - (1 - 1/G)^K, a token has a choice on a given member) against (G - 1) / G * K rows
+    of itemsize * h. bf16, G = 2, K = 8: 8 h against 16 h bytes; G = 8, K = 8: no."""
+    p = 1.0 - (1.0 - 1.0 / g) ** top_k
+    return 4 * g * p < top_k * itemsize
+
+
+def pull(y, send_row, weights, axis_name, top_k: int, gather: bool, g: int):
+    """(R, H) expert rows -> (T, H) weighted sums (gather: (T * K, H), one row per assignment). Combined by
+    pushed partials (summed per member, then over members in rank order) where that pays (fused.dedup())."""
     w = jnp.ones(send_row.shape, jnp.float32) if weights is None else weights.reshape(-1).astype(jnp.float32)
-    return _bind(moe_combine_p, y, send_row, w, axis_name=axis_name, top_k=top_k, gather=gather)
+    on = not gather and dedup() and partials_pay(g, top_k, jnp.dtype(y.dtype).itemsize)
+    return _bind(moe_combine_p, y, send_row, w, axis_name=axis_name, top_k=top_k, gather=gather,
+                 partials=g if on else 0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -279,7 +337,7 @@ def _dispatch_fwd(x, key, pos, axis_name, sizes):
 
 def _dispatch_bwd(axis_name, sizes, send_row, cts):
     d_recv = cts[0]
-    return pull(d_recv, send_row, None, axis_name, sizes.top_k, gather=False), None, None
+    return pull(d_recv, send_row, None, axis_name, sizes.top_k, gather=False, g=sizes.g), None, None
 
 
 dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
@@ -288,7 +346,7 @@ dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def combine_rows(y, weights, send_row, received, axis_name, sizes: RoutingSizes):
     """y (R, H') expert rows, weights (T, K) -> (T, H'): each token's choices summed by weight in float32."""
-    return pull(y, send_row, weights, axis_name, sizes.top_k, gather=False)
+    return pull(y, send_row, weights, axis_name, sizes.top_k, gather=False, g=sizes.g)
 
 
 def _combine_fwd(y, weights, send_row, received, axis_name, sizes):
@@ -298,7 +356,7 @@ def _combine_fwd(y, weights, send_row, received, axis_name, sizes):
 def _combine_bwd(axis_name, sizes, res, d_out):
     y, weights, send_row, received = res
     dy = send(d_out, send_row, weights, received, axis_name, sizes)
-    per_choice = pull(y, send_row, None, axis_name, sizes.top_k, gather=True)
+    per_choice = pull(y, send_row, None, axis_name, sizes.top_k, gather=True, g=sizes.g)
     per_choice = per_choice.reshape(sizes.tokens, sizes.top_k, -1)
     dw = jnp.einsum("tkh,th->tk", per_choice.astype(jnp.float32), d_out.astype(jnp.float32))
     return dy, dw.astype(weights.dtype), None, None

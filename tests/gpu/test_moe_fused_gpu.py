@@ -85,6 +85,87 @@ def _compare(mesh, axis, g, e, k, kind, dtype, *, tokens=12, hidden=8, capacity=
     return got
 
 
+def _dispatch_only(g, e, k, kind, capacity, recv_rows, dtype, tokens, hidden, seed):
+    """recv, counts and send_row of one dispatch with the deduplicated kernels, the kernels before dedup and
+    the reference exchange (host float32 / int arrays)."""
+    mesh = Mesh(np.array(gpus()[:g]), ("ep",))
+    rng = np.random.default_rng(seed)
+    ids = jnp.asarray(moe_model.random_routing(rng, g, tokens, k, e, kind).reshape(g * tokens, k))
+    x = jnp.asarray(rng.standard_normal((g * tokens, hidden)), dtype)
+
+    def member(x, ids):
+        recv, counts, h = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e, capacity=capacity, recv_rows=recv_rows)
+        return recv, counts, h.received[None]
+
+    out = {}
+    for name, impl, dedup in (("dedup", "fused", True), ("old", "fused", False), ("reference", "reference", True)):
+        with fused.override(impl), fused.override_dedup(dedup):
+            f = jax.jit(jax.shard_map(member, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+            out[name] = [np.asarray(o.astype(jnp.float32) if o.dtype == dtype else o) for o in f(x, ids)]
+    pk_jax.runtime.check()
+    return out
+
+
+def test_dedup_dispatch_first():
+    """The deduplicated dispatch (and its fill launch) alone, one small routing where tokens pick several experts
+    of one member: recv bit for bit as the kernels before dedup and the reference exchange. Run it first:
+    PK_JAX_TIMEOUT_MS=3000 timeout 120 python -m pytest -x -q \
+        tests/gpu/test_moe_fused_gpu.py::test_dedup_dispatch_first"""
+    out = _dispatch_only(2, 8, 4, "uniform", None, None, jnp.float32, 16, 64, 0)
+    for name in ("old", "reference"):
+        for i, (a, b) in enumerate(zip(out["dedup"], out[name])):
+            np.testing.assert_array_equal(a, b, err_msg=f"output {i} vs {name}")
+    print("PASS moe dedup dispatch first")
+
+
+DEDUP_CASES = [  # (experts per member, top_k, routing, capacity, recv_rows, tokens)
+    (4, 1, "uniform", None, None, 12), (4, 2, "skewed", None, None, 12), (8, 8, "empty_expert", None, None, 12),
+    (2, 3, "idle_member", None, None, 12), (4, 5, "repeats", None, None, 12), (4, 6, "uniform", None, None, 12),
+    (4, 7, "repeats", None, 30, 12), (4, 3, "skewed", 2, None, 12), (4, 4, "skewed", None, 10, 12),
+    (16, 8, "uniform", None, None, 300),
+]
+
+
+@pytest.mark.parametrize("g", group_sizes())
+@pytest.mark.parametrize("local,k,kind,capacity,recv_rows,tokens", DEDUP_CASES)
+def test_dedup_equals_old_kernels(g, local, k, kind, capacity, recv_rows, tokens):
+    """Every routing kind, top-k 1..8, drops by capacity and by the R bound (a token's primary at a member is then
+    not always its first choice there): the same rows, zeros, counts as before dedup and as the reference."""
+    out = _dispatch_only(g, local * g, k, kind, capacity, recv_rows, jnp.bfloat16, tokens, 72, g * 10 + k)
+    for name in ("old", "reference"):
+        for i, (a, b) in enumerate(zip(out["dedup"], out[name])):
+            np.testing.assert_array_equal(a, b, err_msg=f"output {i} vs {name}")
+
+
+def test_partials_combine_first():
+    """Combine by pushed partials (kernels/moe_partials.cu) alone, G = 2, top-4 bf16 rows (partials pay): equal to the
+    pull kernel (PK_JAX_MOE_DEDUP=0) up to float32 reassociation, and the same bits on a second run. Run it first:
+    PK_JAX_TIMEOUT_MS=3000 timeout 120 python -m pytest -x -q \
+        tests/gpu/test_moe_fused_gpu.py::test_partials_combine_first"""
+    g, e, k, t, h = 2, 8, 4, 16, 64
+    mesh = Mesh(np.array(gpus()[:g]), ("ep",))
+    rng = np.random.default_rng(4)
+    ids = jnp.asarray(moe_model.random_routing(rng, g, t, k, e, "uniform").reshape(g * t, k))
+    x = jnp.asarray(rng.standard_normal((g * t, h)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (g * t, k)), jnp.float32)
+
+    def member(x, ids, w):
+        recv, _, hd = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e)
+        return pk_jax.moe.combine(recv * jnp.asarray(1.5, recv.dtype), w, hd)
+
+    outs = {}
+    for dedup in (True, False):
+        with fused.override("fused"), fused.override_dedup(dedup):
+            f = jax.jit(jax.shard_map(member, mesh=mesh, in_specs=P("ep"), out_specs=P("ep")))
+            text = f.lower(x, ids, w).as_text()
+            assert f"partials = {int(dedup)}" in text, text[-2000:]
+            outs[dedup] = [np.asarray(f(x, ids, w), np.float32) for _ in range(2)]
+    pk_jax.runtime.check()
+    np.testing.assert_array_equal(outs[True][0], outs[True][1])  # deterministic
+    np.testing.assert_allclose(outs[True][0], outs[False][0], rtol=2e-2, atol=2e-2)
+    print("PASS moe partials combine first")
+
+
 CASES = [  # (experts per member, top_k, routing, capacity, recv_rows)
     (4, 1, "uniform", None, None), (4, 2, "skewed", None, None), (8, 8, "empty_expert", None, None),
     (2, 3, "idle_member", None, None), (8, 4, "repeats", None, None), (4, 2, "skewed", 2, None),

@@ -20,7 +20,8 @@ Run under the launcher, e.g. `python -m pk_jax.launch -n 4 --ranks-per-gpu 4 tes
 --quick (CPU CI): routings idle_member_k2 and skewed_k2_cap2; moe_mlp skewed_k2_cap<T/4> and skewed_k2@dp2.
 On GPUs every program runs pk_jax.moe's fused kernels (PK_JAX_MOE_DISPATCH=auto; each routing program is
 checked to hold their custom calls), and the quick routings run once more on the reference exchange (case
-suffix @reference). --smoke: routings uniform_k2 and skewed_k2_cap2 on the default path only (no moe_mlp): the
+suffix @reference) and on the fused kernels before deduplication (PK_JAX_MOE_DEDUP=0, suffix @nodedup).
+--smoke: routings uniform_k2 and skewed_k2_cap2 on the default path only (no moe_mlp): the
 first run of a new build, under a short timeout.
 """
 
@@ -43,6 +44,7 @@ def main() -> int:
     if job.on_gpu:  # the reference exchange stays covered (PK_JAX_MOE_DISPATCH=reference)
         for routing in moe_routing.routings(True):
             moe_routing.add_rows(rows, routing, args.seed, job.on_gpu, impl="reference")
+            moe_routing.add_rows(rows, routing, args.seed, job.on_gpu, dedup=False)  # the kernels before dedup
     dtypes = [d for d in args.dtypes if d in ("float32", "bfloat16")] or ["float32"]
     for case in moe_mlp_case.cases(args.quick, dtypes):
         moe_mlp_case.add_rows(rows, case, args.seed, job.on_gpu)

@@ -41,11 +41,14 @@ class Routing:
         return self.capacity is not None or self.recv_rows is not None
 
 
-# Every kind of moe_model.random_routing; top-k 1, 2, 3, 4, 8; drops by capacity and by the recv_rows bound
+# Every kind of moe_model.random_routing; top-k 1, 2, 3, 4, 6, 8; drops by capacity and by the recv_rows bound
 # (the skewed routing overflows both at T = 12 tokens per member).
 ROUTINGS = (Routing("uniform", 4, 1), Routing("uniform", 4, 2), Routing("skewed", 4, 2),
             Routing("empty_expert", 8, 4), Routing("idle_member", 2, 2), Routing("repeats", 4, 3),
-            Routing("uniform", 4, 8), Routing("skewed", 4, 2, capacity=2), Routing("skewed", 4, 2, recv_rows=10))
+            Routing("uniform", 4, 8), Routing("skewed", 4, 2, capacity=2), Routing("skewed", 4, 2, recv_rows=10),
+            # deduplicated rows: several choices per (token, member), some of them past the R bound (a token's
+            # primary at a member is its first kept choice there, not always its first choice)
+            Routing("repeats", 2, 6, recv_rows=40))
 QUICK = ("idle_member_k2", "skewed_k2_cap2")  # CPU CI: each program costs seconds to compile
 SMOKE = ("uniform_k2", "skewed_k2_cap2")  # --smoke: the first GPU run of a new build (no moe_mlp)
 FUSED_CALLS = ("pk_moe_dispatch", "pk_moe_combine", "pk_moe_send")  # custom-call targets of the fused path
@@ -81,11 +84,13 @@ def once(fn: Callable[[], object]) -> Callable[[], object]:
     return call
 
 
-def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool, impl: str = "auto") -> tuple[list[jax.Array], dict]:
+def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool, impl: str = "auto",
+                dedup: bool = True) -> tuple[list[jax.Array], dict]:
     """Runs moe_checks.routed_member on every member, traced with pk_jax.moe's path `impl` (auto: the fused
     kernels on GPUs): (stacked outputs in ROUTED_OUTPUTS order, the model's expectation). Raises if the
     program holds an XLA collective (GPU), if on GPU it does not (auto) or does (reference) hold the fused
-    custom calls, or if a drop case drops nothing."""
+    custom calls, or if a drop case drops nothing. dedup = False: the fused kernels before deduplication
+    (fused.override_dedup)."""
     g = mesh.devices.size
     e = r.local * g
     sizes = routing_sizes(g, e, moe_checks.TOKENS, r.top_k, r.capacity, r.recv_rows)
@@ -95,7 +100,7 @@ def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool, impl: str = "au
         raise AssertionError(f"{r.name}: the case must drop some assignments (the model drops none)")
     f = harness.members_program(mesh, moe_checks.routed_member("ep", e, r.capacity, r.recv_rows), 5)
     args = [harness.stacked_array(mesh, inputs[k]) for k in ("ids", "x", "weights", "cot", "d_recv")]
-    with fused.override(impl):
+    with fused.override(impl), fused.override_dedup(dedup):
         compiled = f.lower(*args).compile()
     text = compiled.as_text()
     if on_gpu and (lax := harness.xla_collectives(text)):
@@ -111,13 +116,14 @@ def run_routing(mesh: Mesh, r: Routing, seed: int, on_gpu: bool, impl: str = "au
     return list(outs), want
 
 
-def add_rows(rows: harness.Rows, r: Routing, seed: int, on_gpu: bool, impl: str = "auto") -> None:
+def add_rows(rows: harness.Rows, r: Routing, seed: int, on_gpu: bool, impl: str = "auto", dedup: bool = True) -> None:
     """The four rows of ROW_CHECKS for routing `r` over all devices of the job (impl "reference": case suffix
-    @reference)."""
+    @reference; dedup = False, the fused kernels before deduplication: @nodedup)."""
     mesh = Mesh(np.array(jax.devices()), ("ep",))
     g = mesh.devices.size
-    result = once(lambda: run_routing(mesh, r, (seed * 7919 + harness.hash_str(r.name)) % (1 << 32), on_gpu, impl))
-    suffix = "@reference" if impl == "reference" else ""
+    result = once(lambda: run_routing(mesh, r, (seed * 7919 + harness.hash_str(r.name)) % (1 << 32), on_gpu, impl,
+                                      dedup))
+    suffix = "@reference" if impl == "reference" else "" if dedup else "@nodedup"
     names = moe_checks.ROUTED_OUTPUTS
     for op, case, outputs, kind in ROW_CHECKS:
         def check(outputs=outputs, kind=kind) -> tuple[bool, float]:
