@@ -40,6 +40,9 @@
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
+#   moededup    (2 GPUs+) the deduplicated dispatch and the partials combine: first tests alone (waits bounded at 3 s),
+#               the MoE GPU tests, then dispatch/combine alone vs the kernels before dedup, the reference and lax ~5 min
+#   ringbench   (2 GPUs+) ring rows at S 12288 with both transports (no tests first)              ~1.5 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -182,6 +185,18 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    stage ringprofile-$t 100 env PK_JAX_RING_TRANSPORT=$t python3 scripts/ring_timeline.py \
                      --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_causal_zigzag
                  done ;;
+    moededup) stage moe-first 150 bash -c "PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest -x -q -rs \
+                tests/gpu/test_moe_fused_gpu.py::test_dedup_dispatch_first && PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest \
+                -x -q -rs tests/gpu/test_moe_fused_gpu.py::test_partials_combine_first"
+              if grep -q " passed" "$OUT/moe-first.log" && ! grep -qE "failed|Timeout|rror" "$OUT/moe-first.log"; then
+                stage moe-tests 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_fused_gpu.py \
+                  tests/gpu/test_moe_gpu.py
+                stage moe-exchange 150 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 7168 --cases uniform_fwd \
+                  uniform_fwd_bwd --out "$OUT/$day-moe-exchange-dedup.json"
+              fi ;;
+    ringbench) stage ringbench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                 fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk xla --reps 10 \
+                 --out "$OUT/$day-context-ring-transports.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
