@@ -43,6 +43,8 @@
 #   moededup    (2 GPUs+) the deduplicated dispatch and the partials combine: first tests alone (waits bounded at 3 s),
 #               the MoE GPU tests, then dispatch/combine alone vs the kernels before dedup, the reference and lax ~5 min
 #   ringbench   (2 GPUs+) ring rows at S 12288 with both transports (no tests first)              ~1.5 min
+#   sharedranks ranks sharing one GPU (MPS): check_small (incl. chunk flags), replays, check_moe (dedup/partials
+#               and the kernels before), check_ring, at 2 then 4 ranks                              ~8 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -197,6 +199,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ringbench) stage ringbench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
                  fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk xla --reps 10 \
                  --out "$OUT/$day-context-ring-transports.json" ;;
+    sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --ranks-per-gpu 4 --steps check_small \
+                   check_small_replay check_moe check_ring --out "$OUT/$day-multirank-shared.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
