@@ -199,7 +199,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ringbench) stage ringbench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
                  fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk xla --reps 10 \
                  --out "$OUT/$day-context-ring-transports.json" ;;
-    sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --ranks-per-gpu 4 --steps check_small \
+    sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --steps check_small \
                    check_small_replay check_moe check_ring --out "$OUT/$day-multirank-shared.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
