@@ -235,6 +235,11 @@ def test_dedup_setting(monkeypatch):
     assert not fused.dedup()
     with fused.override_dedup(True):
         assert fused.dedup()
+    monkeypatch.delenv(fused.DEDUP_ENV)  # auto: the measured rules
+    assert fused.dispatch_dedup(2, 8) and fused.dispatch_dedup(2, 4) and not fused.dispatch_dedup(2, 2)
+    assert not fused.combine_partials(2, 8, 2)  # partials only when forced
+    monkeypatch.setenv(fused.DEDUP_ENV, "1")
+    assert fused.dispatch_dedup(2, 2) and fused.combine_partials(2, 8, 2) and not fused.combine_partials(8, 8, 2)
 
 
 @pytest.mark.parametrize("dedup,k,want", [(True, 4, 1), (False, 4, 0), (True, 1, 0)])

@@ -242,9 +242,9 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
     dedup_in = max(sum(pairs[s][d] for s in range(g) if s != d) for d in range(g))
     pairs_back = max(sum(pairs[s][m] for m in range(g) if m != s) for s in range(g))
     itemsize = jnp.dtype(dtype).itemsize
-    dedup = fused.dedup() and not c.backward and fused.use_fused(routing.routing_sizes(g, c.e, c.t, c.k, None, None),
-                                                                 c.h, dtype)  # the reference path moves rows
-    partials = dedup and fused.partials_pay(g, c.k, itemsize)
+    fused_path = not c.backward and fused.use_fused(routing.routing_sizes(g, c.e, c.t, c.k, None, None), c.h, dtype)
+    dedup = fused_path and fused.dispatch_dedup(g, c.k)  # the reference path moves rows
+    partials = fused_path and fused.combine_partials(g, c.k, itemsize)
     if c.op == "dispatch":
         ours = _program(lambda x, ids: disp(x, ids)[0], mesh, P(AX), c.backward, (0,))
         args = [x, ids]
