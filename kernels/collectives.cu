@@ -7,6 +7,7 @@
 #include "ring_shift.cuh"
 #include "pk/op_protocol.cuh"
 #include "pk/vec.cuh"
+#include "pk/warp_work.cuh"
 
 #include <unordered_map>
 
@@ -17,15 +18,6 @@ constexpr int kCopyThreads = 512;
 constexpr int kCopyUnroll = 4;
 constexpr int kReduceThreads = 256;
 constexpr int kReduceUnroll = 4;
-
-struct WarpWork {
-  int64_t warp, nwarps;
-  int lane;
-  __device__ WarpWork()
-      : warp((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5),
-        nwarps((int64_t(gridDim.x) * blockDim.x) >> 5),
-        lane(threadIdx.x & 31) {}
-};
 
 // all_gather / all_to_all. Box origins are functions of (sender, receiver). PULL=false: this
 // device sends its box to every receiver (remote stores). PULL=true: it fetches every sender's box

@@ -1,10 +1,11 @@
-// Row movement shared by the fused MoE kernels (moe_dispatch.cu, moe_dedup.cu): warp items of one row
+// Row movement shared by the fused MoE kernels (moe_dispatch.cu, moe_partials.cu): warp items of one row
 // segment (kSegVecs vectors: 4 per lane), the zeroing of a buffer's tail. Docs: docs/design-moe.md.
 #pragma once
 #include <cstdint>
 #include <cstring>
 
 #include "pk/vec.cuh"
+#include "pk/warp_work.cuh"
 
 namespace pk {
 
@@ -12,14 +13,7 @@ constexpr int kMoeThreads = 512;
 constexpr int kMoeUnroll = 4;                  // vectors per lane per row segment
 constexpr int64_t kSegVecs = 32 * kMoeUnroll;  // vectors of one warp item
 
-struct Warps {
-  int64_t warp, nwarps;
-  int lane;
-  __device__ Warps()
-      : warp((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5),
-        nwarps((int64_t(gridDim.x) * blockDim.x) >> 5),
-        lane(threadIdx.x & 31) {}
-};
+using Warps = WarpWork;  // pk/warp_work.cuh
 
 __host__ __device__ __forceinline__ int64_t moe_segments(int64_t row_vecs) { return (row_vecs + kSegVecs - 1) / kSegVecs; }
 
