@@ -307,9 +307,10 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             state = (dq, tuple(zero_kv() if a is None else a for a in (dk, dv)))
         return _when(p.active, run, state)
 
-    def run(pairs, kv, state, local=(q, do, lse, delta), in_flight: bool = True):
-        """The pairs' gradients added into state; in_flight: a ring shift may run beside them (SMs left free)."""
-        reserve = _reserve(in_flight)
+    def run(pairs, kv, state, local=(q, do, lse, delta), in_flight: bool | None = None):
+        """The pairs' gradients added into state; in_flight: a ring shift may run beside them (SMs left free);
+        None: whenever there is a ring (G > 1)."""
+        reserve = _reserve(g > 1 if in_flight is None else in_flight)
         for p in pairs:
             state = pair_bwd(p, kv, state, local, reserve)
         dq, (dk, dv) = state
