@@ -46,22 +46,28 @@ def _step_inputs(kv, local, *tokens):
     return after_token((kv, local), *tokens)
 
 
+def _send_on(kv: KV, local, axes: tuple[Hashable, ...], send: bool, tokens: list):
+    """Starts kv's shift to the next member (when `send`) and reads (kv, local) through `tokens` and that
+    shift's token: (kv, local, pending) with pending = (ys, token, kv sent) for shift_done, or None."""
+    pending = None
+    if send:
+        ys, token = shift_start(kv, axes)
+        tokens = [*tokens, token]
+    kv, local = _step_inputs(kv, local, *tokens)
+    if send:
+        pending = (ys, token, kv)
+    return kv, local, pending
+
+
 def forward_steps(axes: tuple[Hashable, ...], g: int, carry, kv: KV, local, compute: Callable):
     """Runs compute(step, kv, carry, local) -> carry for steps 0..G-1 while `kv` moves one member per
     step; `local` (a pytree: the member's own inputs, e.g. q) is handed to every step."""
     pending = None
     for step in range(g):
-        tokens = []
         if pending is not None:
             ys, token, sent = pending
             kv = shift_done(ys, token, keep_alive=sent, after=carry)
-            pending = None
-        if step < g - 1:
-            ys, token = shift_start(kv, axes)
-            tokens.append(token)
-        kv_step, local_step = _step_inputs(kv, local, *tokens)
-        if step < g - 1:
-            pending = (ys, token, kv_step)
+        kv_step, local_step, pending = _send_on(kv, local, axes, step < g - 1, [])
         carry = compute(step, kv_step, carry, local_step)
     return carry
 
@@ -78,23 +84,15 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
         dq, own = own_first(kv, dq, local)
         return own_last(kv, dq, own, local)
     own_kv = kv
-    kv_ys, kv_token = shift_start(kv, axes)
-    kv, local_step = _step_inputs(kv, local, kv_token)
-    kv_pending = (kv_ys, kv_token, kv)
+    kv, local_step, kv_pending = _send_on(kv, local, axes, True, [])
     dq, own = own_first(kv, dq, local_step)
     acc_pending = None  # (ys, token, sent) of the accumulator in flight
     acc = None
     for step in range(1, g):
         ys, token, sent = kv_pending
         kv = shift_done(ys, token, keep_alive=sent, after=(dq, own, acc))
-        kv_pending = None
         tokens = [] if acc_pending is None else [acc_pending[1]]  # the accumulator's start before this compute
-        if step < g - 1:
-            kv_ys, kv_token = shift_start(kv, axes)
-            tokens.append(kv_token)
-        kv, local_step = _step_inputs(kv, local, *tokens)
-        if step < g - 1:
-            kv_pending = (kv_ys, kv_token, kv)
+        kv, local_step, kv_pending = _send_on(kv, local, axes, step < g - 1, tokens)
         dq, c = visiting(step, kv, dq, local_step)
         if acc_pending is not None:
             ys, token, sent = acc_pending
