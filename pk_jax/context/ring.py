@@ -34,7 +34,7 @@ from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
-from pk_jax.context.ring_schedule import BlockPair, Layout, zigzag_offset, own_pairs_split, step_pairs
+from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs, zigzag_whole_chunks
 from pk_jax.context.ring_shift import shift_ctas, transport
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
@@ -215,31 +215,23 @@ def _forward(q, k, v, axes, causal, layout, scale):
         return _when(p.active, run, state)
 
     def zigzag_causal(step, kv, state, q, reserve: int):
-        """Zigzag, causal: one or two calls per step on whole chunks, so few slices are copied and few
-        results merged. Step 0 (own shard): (q0, K/V) and (q1, K/V), K/V whole: chunk 2G-1-r's keys follow
-        chunk r's queries, so the kernel skips them (fully masked) for q0; for q1 the keys of chunk r are
-        placed right before chunk 2G-1-r (kv_offset = its position - C), unmasked, and chunk 2G-1-r is
-        masked causally. Every query row gets one result: written, not merged. Step s >= 1 (shard of
-        src): src < r: every query sees all of chunk src (q, k0) and nothing of chunk 2G-1-src; src > r:
-        only q1 sees keys, both chunks entirely (q1, K/V). Either is one unmasked T x C block: balanced."""
-        c = q.shape[1] // 2
-        at = lambda member, piece: zigzag_offset(member, piece, g, c)
+        """Zigzag, causal, on whole chunks (ring_schedule.zigzag_whole_chunks): step 0 two calls, each query row
+        written once (no merge); later steps one unmasked T x C block, picked by lax.cond."""
+        own, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
+        block = lambda p, causal: _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
+                                                 _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset,
+                                                 p.kv_offset, reserve)
         if isinstance(step, int) and step == 0:
-            o0, l0 = _block_forward(q[:, :c], kv[0], kv[1], scale, True, at(rank, 0), at(rank, 0), reserve)
-            o1, l1 = _block_forward(q[:, c:], kv[0], kv[1], scale, True, at(rank, 1), at(rank, 1) - c, reserve)
+            (o0, l0), (o1, l1) = (block(p, True) for p in own)
             return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([l0, l1], axis=1)
-        src = (rank - step) % g
 
-        def low(state):
-            o_b, l_b = _block_forward(q, kv[0][:, :c], kv[1][:, :c], scale, False, 0, 0, reserve)
-            return merge(*state, o_b, l_b)
-
-        def high(state):
-            out, lse = f32(state)
-            o_b, l_b = _block_forward(q[:, c:], kv[0], kv[1], scale, False, 0, 0, reserve)
-            o_new, l_new = merge(out[:, c:], lse[:, c:], o_b, l_b)
-            return out.at[:, c:].set(o_new), lse.at[:, c:].set(l_new)
-        return lax.cond(src < rank, low, high, state)
+        def merged(p):
+            def run(state):
+                out, lse = f32(state)
+                o_b, l_b = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), *block(p, False))
+                return _update(out, o_b, p.q_start), _update(lse, l_b, p.q_start)
+            return run
+        return lax.cond((rank - step) % g < rank, merged(low), merged(high), state)
 
     def compute(step, kv, state, q=q):
         first = isinstance(step, int) and step == 0
@@ -326,9 +318,13 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
         first, last = own_pairs_split(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank)
         # Shifts beside a visiting step: the next K/V block (s < G-1), the previous step's accumulator (s >= 2).
         busy = lambda step: step < g - 1 or step >= 2
-        visiting_pairs = lambda step, kv, dq, local: run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
-        if causal and layout == "zigzag":
-            first, last, visiting_pairs = _zigzag_causal_backward_pairs(g, q.shape[1], rank, run, busy)
+
+        def visiting_pairs(step, kv, dq, local):
+            if not (causal and layout == "zigzag"):
+                return run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
+            _, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
+            return lax.cond((rank - step) % g < rank, lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
+                            lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)), dq)
         dq, (dk, dv) = ring_overlap.backward_steps(
             axes, g, dq, (k, v), (q, do, lse, delta),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
@@ -336,26 +332,6 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             visiting=visiting_pairs,
             final_dtype=k.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
-
-
-def _zigzag_causal_backward_pairs(g: int, t_local: int, rank, run: Callable, busy: Callable):
-    """The overlapped backward's pairs for zigzag causal, on whole chunks as the forward's (fewer slice copies
-    and calls): own first (q1 against the whole shard, chunk r's keys placed before chunk 2G-1-r's: 1.5 C x C
-    of work), own last (q0 against the whole shard: chunk 2G-1-r's keys fully masked, skipped; 0.5 C x C,
-    under the final dK/dV hop), visiting step s: one unmasked T x C block, (q, k0) if src < r else (q1, K/V),
-    picked by lax.cond (offsets q = 2C, kv = 0 make every key visible to every query)."""
-    c = t_local // 2
-    at = lambda member, piece: zigzag_offset(member, piece, g, c)
-    first = [BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c)]
-    last = [BlockPair(0, c, 0, 2 * c, at(rank, 0), at(rank, 0))]
-    low = BlockPair(0, 2 * c, 0, c, 2 * c, 0)
-    high = BlockPair(c, c, 0, 2 * c, 2 * c, 0)
-
-    def visiting(step, kv, dq, local):
-        src = (rank - step) % g
-        return lax.cond(src < rank, lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
-                        lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)), dq)
-    return first, last, visiting
 
 
 _ring_attention.defvjp(_fwd_rule, _bwd_rule)

@@ -68,16 +68,38 @@ def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.
             BlockPair(h * c, c, h * c, c, off(rank, h), off(src, h))]
 
 
+def zigzag_whole_chunks(*, g: int, t_local: int, rank: jax.Array) -> tuple[tuple[BlockPair, BlockPair],
+                                                                               tuple[BlockPair, BlockPair]]:
+    """Zigzag causal on whole chunks (fewer calls, slice copies and merges than step_pairs' C x C blocks), as
+    ring attention's "pk" transport runs it: (own, visiting).
+
+    own (step 0, the member's shard): (q0, K/V) and (q1, K/V), K/V whole. Chunk 2G-1-r's keys follow chunk r's
+    queries, so for q0 they are fully masked (the kernel skips them); for q1 chunk r's keys are placed right
+    before chunk 2G-1-r (kv_offset = its position - C): unmasked, and chunk 2G-1-r masked causally. Each query
+    row is covered once.
+    visiting (step s >= 1, the shard of src): (low, high), exactly one applies: src < r: every query sees all of
+    chunk src and nothing of chunk 2G-1-src (low = (q, k0)); src > r: only q1 sees keys, both chunks entirely
+    (high = (q1, K/V)). Either is one T x C block: balanced. Their offsets (q = 2C, kv = 0) make every key
+    visible to every query, so they are right with or without the causal mask."""
+    c = t_local // 2
+    at = lambda member, piece: zigzag_offset(member, piece, g, c)
+    own = (BlockPair(0, c, 0, 2 * c, at(rank, 0), at(rank, 0)),
+           BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c))
+    visiting = (BlockPair(0, 2 * c, 0, c, 2 * c, 0), BlockPair(c, c, 0, 2 * c, 2 * c, 0))
+    return own, visiting
+
+
 def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array) -> tuple[list[BlockPair],
                                                                                                       list[BlockPair]]:
     """Step 0's pairs in two parts (first, last) for the overlapped backward (pk_jax/context/ring_overlap.py):
     `first` runs while the K/V block leaves for the next member, `last` after the final dK/dV accumulator
-    left for its owner, so that hop runs under local work too. Zigzag causal: first the full (q1, k0) block,
-    last the two diagonal blocks (about the same work). Otherwise the one pair is cut into two halves of
-    query rows (when the length is even; else all of it goes first)."""
+    left for its owner, so that hop runs under local work too. Zigzag causal (whole chunks,
+    zigzag_whole_chunks): first q1 against the whole shard (1.5 C x C of work), last q0 (0.5 C x C). Otherwise
+    the one pair is cut into two halves of query rows (when the length is even; else all of it goes first)."""
+    if causal and layout == "zigzag":
+        (q0, q1), _ = zigzag_whole_chunks(g=g, t_local=t_local, rank=rank)
+        return [q1], [q0]
     pairs = step_pairs(layout=layout, causal=causal, g=g, t_local=t_local, rank=rank, step=0)
-    if len(pairs) == 3:
-        return [pairs[1]], [pairs[0], pairs[2]]
     if len(pairs) != 1 or t_local % 2:
         return pairs, []
     p, half = pairs[0], t_local // 2
