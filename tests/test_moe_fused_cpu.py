@@ -199,11 +199,9 @@ def test_fused_16bit_rows_equal_reference(monkeypatch, dtype):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("dedup", [True, False])
-def test_cuda_lowering_of_dispatch(monkeypatch, dedup):
-    """The fused path lowered for CUDA (a stand-in group table: no GPU here): pk_moe_dispatch has one more
-    result than the primitive, the src_of scratch (R int32) the deduplicated kernels need, and the dedup
-    attribute follows fused.override_dedup (PK_JAX_MOE_DEDUP)."""
+def _lower_for_cuda_here(monkeypatch) -> None:
+    """The fused path lowerable for CUDA without a GPU: a stand-in group table of 2 devices (skips when the
+    extension, which registers the CUDA lowering, is not built)."""
     from pk_jax import _ext, runtime
 
     if not _ext.available():
@@ -211,6 +209,14 @@ def test_cuda_lowering_of_dispatch(monkeypatch, dedup):
     table = type("Table", (), {"mesh_ids": (0, 1), "mesh_shape": (2,), "group_axes": (0,)})
     monkeypatch.setattr(runtime, "lowering_group", lambda ctx, axis: (table, None))
     monkeypatch.setenv(fused.ENV, "fused")
+
+
+@pytest.mark.parametrize("dedup", [True, False])
+def test_cuda_lowering_of_dispatch(monkeypatch, dedup):
+    """The fused path lowered for CUDA (a stand-in group table: no GPU here): pk_moe_dispatch has one more
+    result than the primitive, the src_of scratch (R int32) the deduplicated kernels need, and the dedup
+    attribute follows fused.override_dedup (PK_JAX_MOE_DEDUP)."""
+    _lower_for_cuda_here(monkeypatch)
     g, e, k = 2, 8, 2
     sizes = routing.routing_sizes(g, e, TOKENS, k, None, None)
 
@@ -246,13 +252,7 @@ def test_dedup_setting(monkeypatch):
 def test_cuda_lowering_of_combine(monkeypatch, dedup, k, want):
     """Combine lowered for CUDA (stand-in group table): pushed partials where they pay (G = 2, top-4: yes; top-1:
     no) and dedup is on, with a (G - 1) * T * H float32 scratch; else the pull kernel with a 1-float one."""
-    from pk_jax import _ext, runtime
-
-    if not _ext.available():
-        pytest.skip("the CUDA lowering is registered only with the extension")
-    table = type("Table", (), {"mesh_ids": (0, 1), "mesh_shape": (2,), "group_axes": (0,)})
-    monkeypatch.setattr(runtime, "lowering_group", lambda ctx, axis: (table, None))
-    monkeypatch.setenv(fused.ENV, "fused")
+    _lower_for_cuda_here(monkeypatch)
     g, e, h = 2, 8, 16
 
     def member(x, ids, w):
