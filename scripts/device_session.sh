@@ -45,6 +45,9 @@
 #   ringbench   (2 GPUs+) ring rows at S 12288 with both transports (no tests first)              ~1.5 min
 #   sharedranks ranks sharing one GPU (MPS): check_small (incl. chunk flags), replays, check_moe (dedup/partials
 #               and the kernels before), check_ring, at 2 then 4 ranks                              ~8 min
+#   ringtimeline (2 GPUs+) scripts/ring_timeline.py, pk transport only: causal zigzag fwd, fwd+bwd both masks ~1.5 min
+#   attnncu     Nsight Compute counters of our attention forward/backward kernels beside cuDNN's (B4 S16384 N16
+#               D128): details page and the forward's SASS stall samples (Firecracker kinds only)   ~3 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -187,6 +190,16 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    stage ringprofile-$t 100 env PK_JAX_RING_TRANSPORT=$t python3 scripts/ring_timeline.py \
                      --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_causal_zigzag
                  done ;;
+    ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
+                    --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
+    attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+             stage attnncu 240 "$NCU" --clock-control none -f -o "$OUT/attn" -k 'regex:attention|sdpa|flash|fmha|cudnn' -c 6 \
+               --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+               --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
+               --section SourceCounters python3 scripts/attention_ncu.py
+             stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details
+             stage attnncu-src 120 bash -c "'$NCU' -i '$OUT/attn.ncu-rep' --page source --csv --print-source sass \
+               -k 'regex:attention::Kernel' -c 1 > '$OUT/attn-fwd-sass.csv'" ;;
     moededup) stage moe-first 150 bash -c "PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest -x -q -rs \
                 tests/gpu/test_moe_fused_gpu.py::test_dedup_dispatch_first && PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest \
                 -x -q -rs tests/gpu/test_moe_fused_gpu.py::test_partials_combine_first"
