@@ -40,6 +40,7 @@
 
 #include "pk/acc_store.cuh"
 #include "pk/debug_wait.cuh"
+#include "pk/fast_exp2.cuh"
 #include "pk/lcsc.cuh"
 #include "pk/pipeline.cuh"
 #include "pk/tma.cuh"
@@ -91,6 +92,14 @@ struct Work {
 // role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
 // becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
 // variant's waits are tma::mbar_wait, unchanged.
+// Variant 2's tasks are claimed at run time (lcsc's task counter), one counter pair per kernel: the next
+// task and the CTAs done; zero at module load, reset by each launch's last CTA (storer_finish), so graph
+// replays start from zero. Under a causal mask a key block's work shrinks with its position, and the static
+// round robin left CTAs ~10% apart (grid 132 = 4 mod 32 key blocks per head at S 4096); claimed in order,
+// the heaviest blocks of a head go first and a head's lightest ones end the launch.
+template <class K>
+__device__ uint32_t g_task_counter[2];
+
 template <typename T, int D_, int STAGES_, bool DEBUG_ = false, int VARIANT_ = 0>
 struct Kernel {
   using Globals = attention_bwd::Globals;
@@ -117,7 +126,7 @@ struct Kernel {
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kHasCommunicator = false;
-  static constexpr bool kTaskCounter = false;
+  static constexpr bool kTaskCounter = VARIANT_ >= 2;
   static constexpr bool kHasPusher = false;
   static constexpr uint32_t kTileBytes = uint32_t(BM * D) * sizeof(T);  // one Q (or dO) tile
   static constexpr uint32_t kKvBytes = uint32_t(BN * D) * sizeof(T);    // one K (or V) tile
@@ -383,6 +392,32 @@ struct Kernel {
     store_dkv(g, w, key_row, lane, dk, dv);
   }
 
+  // Pᵀ = exp2(Sᵀ scale log2e - lse2) in place. MASKED (a block the causal diagonal or the key sequence's end
+  // crosses) zeroes the pairs a query cannot see; most blocks need no mask, and skip its compare and select.
+  template <bool MASKED>
+  __device__ static void probabilities(const Globals& g, const Work& w, int m, int key_row, int lane, const Stage& in,
+                                       float (&sc)[BM / 2]) {
+    // Column (query in the block) from which each of the thread's two key rows is seen: the causal
+    // diagonal, INT_MAX for keys past Tk (kv_offset + key <= q_offset + q  <=>  q - m BM >= first).
+    int first[2] = {INT_MIN, INT_MIN};
+    if constexpr (MASKED) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int key = w.n0 + key_row + 8 * h;
+        first[h] = key >= g.tk ? INT_MAX : g.causal ? w.kv_offset + key - w.q_offset - m * BM : INT_MIN;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < BM / 2; i += 2) {
+      const int col = col_of(i, lane);  // even: registers i, i + 1 are columns col, col + 1
+      const float2 lse2 = *reinterpret_cast<const float2*>(&in.lse2[col]);
+      const float p0 = fast_exp2(fmaf(sc[i], g.scale_log2, -lse2.x));
+      const float p1 = fast_exp2(fmaf(sc[i + 1], g.scale_log2, -lse2.y));
+      sc[i] = MASKED && col < first[row_half(i)] ? 0.f : p0;
+      sc[i + 1] = MASKED && col + 1 < first[row_half(i)] ? 0.f : p1;
+    }
+  }
+
   // One (query block m, key block) pair of one head: dV and dK accumulate, the dQ chunk goes to the
   // storer. Both score-shaped products are waited for before the elementwise work, and P and dS are
   // packed before dV += Pᵀ dO is issued: fewer live registers (D = 128 holds dK and dV: 128 of them).
@@ -398,25 +433,8 @@ struct Kernel {
     issue_kmajor<BM>(s.v + wg * 64 * kBoxCols, BN, in.dout, BM, dp);  // dPᵀ = V_wg dOᵀ
     wgmma::wait<1>();  // Sᵀ is done (groups retire in order)
     wgmma::fence_operands(sc);
-    // Column (query in the block) from which each of the thread's two key rows is seen: the causal
-    // diagonal, INT_MAX for keys past Tk (kv_offset + key <= q_offset + q  <=>  q - m BM >= first).
-    int first[2] = {INT_MIN, INT_MIN};
-    if (needs_mask(g, w, m)) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int key = w.n0 + key_row + 8 * h;
-        first[h] = key >= g.tk ? INT_MAX : g.causal ? w.kv_offset + key - w.q_offset - m * BM : INT_MIN;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < BM / 2; i += 2) {
-      const int col = col_of(i, lane);  // even: registers i, i + 1 are columns col, col + 1
-      const float2 lse2 = *reinterpret_cast<const float2*>(&in.lse2[col]);
-      const float p0 = exp2f(fmaf(sc[i], g.scale_log2, -lse2.x));
-      const float p1 = exp2f(fmaf(sc[i + 1], g.scale_log2, -lse2.y));
-      sc[i] = col < first[row_half(i)] ? 0.f : p0;
-      sc[i + 1] = col + 1 < first[row_half(i)] ? 0.f : p1;
-    }
+    if (needs_mask(g, w, m)) probabilities<true>(g, w, m, key_row, lane, in, sc);
+    else probabilities<false>(g, w, m, key_row, lane, in, sc);
     wgmma::wait<0>();  // dPᵀ is done
     wgmma::fence_operands(dp);
 #pragma unroll
@@ -531,10 +549,22 @@ struct Kernel {
     }
   }
 
-  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
+  __device__ static void storer_finish(const Globals& g, Shared&, StorerState&) {
+    tma::wait_group<0>();
+    if constexpr (kTaskCounter) {
+      // This CTA's loader made its last claim (the storer took the -1 published after it); the last CTA
+      // here resets the pair: every claim of the launch is done by then.
+      uint32_t* counter = task_counter(g);
+      __threadfence();
+      if (atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
+        atomicExch(&counter[0], 0u);
+        atomicExch(&counter[1], 0u);
+      }
+    }
+  }
   __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
   __device__ static void begin(const Globals&, Shared&) {}
-  __device__ static uint32_t* task_counter(const Globals&) { return nullptr; }
+  __device__ static uint32_t* task_counter(const Globals&) { return g_task_counter<Kernel>; }
   __device__ static void pusher(const Globals&, Shared&) {}
   __device__ static void finish(const Globals&) {}
 };

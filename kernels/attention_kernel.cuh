@@ -54,6 +54,7 @@
 
 #include "pk/acc_store.cuh"
 #include "pk/debug_wait.cuh"
+#include "pk/fast_exp2.cuh"
 #include "pk/lcsc.cuh"
 #include "pk/pipeline.cuh"
 #include "pk/tma.cuh"
@@ -362,13 +363,13 @@ struct Kernel {
       mx = quad_max(mx);
       // A row that has seen nothing yet keeps -inf; subtracting 0 then leaves exp2(-inf) = 0.
       const float base = mx == -CUDART_INF_F ? 0.f : mx * g.scale_log2;
-      corr[h] = exp2f(m[h] * g.scale_log2 - base);  // m = -inf: 0 (nothing to rescale)
+      corr[h] = fast_exp2(m[h] * g.scale_log2 - base);  // m = -inf: 0 (nothing to rescale)
       m[h] = mx;
       l[h] *= corr[h];
 #pragma unroll
       for (int i = 0; i < BKV / 2; ++i)
         if (row_half(i) == h) {
-          s[i] = exp2f(fmaf(s[i], g.scale_log2, -base));
+          s[i] = fast_exp2(fmaf(s[i], g.scale_log2, -base));
           l[h] += s[i];  // this thread's share; the quad's shares are summed once, at the end
         }
     }
