@@ -11,6 +11,7 @@
 #include "../kernels/gemm.cuh"
 #include "../kernels/tp_gemm.cuh"
 #include "../kernels/microbench.cuh"
+#include "../kernels/small_pipelined.cuh"
 #include "../kernels/tma_selftest.cuh"
 #include "group_resolver.h"
 #include "cuda_check.h"
@@ -159,6 +160,19 @@ NB_MODULE(_pk_jax_ext, m) {
   m.def("set_timeout_ms", [](uint64_t ms) { pk::Runtime::get().set_timeout_ms(ms); });
   m.def("timeout_ms", [] { return pk::Runtime::get().timeout_ns() / 1000000ull; });
   m.def("tp_all_reduce_relays", [](int group_size) { return pk::tp::all_reduce_relays(group_size); });
+  // The pipelined all_reduce's schedule as the kernel computes it (pk_jax/_pipelined_schedule.py mirrors
+  // it; a CPU test compares the two): (vecs, slice, chunk, ctas, rounds, lag, two_shot).
+  m.def("pipelined_geometry", [](int64_t bytes, int group, int num_sms, int rounds, int64_t min_chunk, int max_ctas,
+                                 int lag, int shots) {
+    const pk::PipelinedKnobs k{rounds, min_chunk, max_ctas, lag, shots};
+    const pk::PipelinedGeometry geo = pk::pipelined_geometry(bytes, group, num_sms, k);
+    return std::make_tuple(geo.vecs, geo.slice, geo.chunk, geo.ctas, geo.rounds, geo.lag, geo.two_shot);
+  });
+  // The knobs this process launches with (env PK_JAX_AR_PIPELINED_*): (rounds, min_chunk, max_ctas, lag, shots).
+  m.def("pipelined_knobs", [] {
+    const pk::PipelinedKnobs& k = pk::pipelined_knobs();
+    return std::make_tuple(k.rounds, k.min_chunk, k.max_ctas, k.lag, k.shots);
+  });
   m.def("multicast_policy", [] {
     const pk::MulticastPolicy p = pk::multicast_policy();
     return std::make_pair(p.allowed, p.reason);

@@ -45,6 +45,7 @@ const char* op_name(int32_t op) {
     case kOpMoeCombine: return "moe combine";
     case kOpMoeSend: return "moe send";
     case kOpRingShift: return "ring shift";
+    case kOpAllReducePipelined: return "all_reduce (small_pipelined)";
   }
   return "unknown op";
 }

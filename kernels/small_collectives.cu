@@ -11,9 +11,10 @@
 // member and the same bits as the bulk path. Design and accounting: docs/design-small-collectives.md.
 #include "small_collectives.cuh"
 
-#include <cstdlib>
-
+#include "small_pipelined.cuh"
+#include "pk/env.h"
 #include "pk/ll.cuh"
+#include "pk/small_epochs.cuh"
 #include "pk/vec.cuh"
 
 namespace pk {
@@ -41,13 +42,6 @@ struct SmallGeometry {
   int64_t max_ctas;
   int64_t chunk_bytes;  // chunk-flag all_reduce: target bytes per CTA (PK_JAX_SMALL_CHUNK_BYTES)
 };
-
-int64_t env_or(const char* name, int64_t fallback, int64_t lo, int64_t hi) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return fallback;
-  const long long x = std::atoll(v);
-  return x < lo ? lo : (x > hi ? hi : x);
-}
 
 const SmallGeometry& small_geometry() {
   static const SmallGeometry geo{
@@ -111,22 +105,13 @@ struct SmallOpState {
   // Where member r's lines for this device arrive (own area, r's sender slot).
   __device__ const uint64_t* in(int r) const { return g.self()->ll[ll_parity(flag[r])][g.slot[r]]; }
 
-  // Last CTA to finish advances the per-peer epochs (device memory: CUDA-graph replays stay right).
-  // Every CTA read the epochs at its start, before it arrived.
-  __device__ void finish() const {
-    __syncthreads();
-    if (threadIdx.x != 0) return;
-    ControlBlock* me = g.self();
-    if (atomicAdd(&me->ll_arrived, 1u) != gridDim.x - 1) return;
-    for (int r = 0; r < g.size; ++r)
-      if (r != g.rank) me->ll_seq[g.slot[r]] += 1;
-    me->ll_arrived = 0;
-  }
+  // Last CTA to finish advances the per-peer epochs (pk/small_epochs.cuh).
+  __device__ void finish() const { finish_small_op(g); }
 };
 
 #define PK_SMALL_PROLOGUE                                                          \
   __shared__ uint32_t flag_smem[kMaxGroup];                                        \
-  if (threadIdx.x < g.size) flag_smem[threadIdx.x] = ll_flag(g.self()->ll_seq[g.slot[threadIdx.x]] + 1, g.op); \
+  load_small_flags(g, flag_smem, g.op);                                            \
   __syncthreads();                                                                 \
   const SmallOpState st{g, flag_smem};
 
@@ -419,6 +404,7 @@ const void* small_kernel_for(SmallOp op) {
     case SmallOp::kAllGather: return reinterpret_cast<const void*>(&small_all_gather);
     case SmallOp::kReduceScatter: return reinterpret_cast<const void*>(&small_reduce_scatter<T>);
     case SmallOp::kAllReduceChunked: return reinterpret_cast<const void*>(&small_all_reduce_chunked<T>);
+    case SmallOp::kAllReducePipelined: return nullptr;  // small_pipelined.cu
   }
   return nullptr;
 }
@@ -462,6 +448,7 @@ cudaError_t launch_chunked(const Group& g, DType dtype, const void* x, void* y, 
 cudaError_t launch_small(const Group& g, SmallOp op, DType dtype, const void* x, void* y, int64_t bytes,
                          const LaunchLimits& lim, cudaStream_t stream) {
   if (op == SmallOp::kAllReduceChunked) return launch_chunked(g, dtype, x, y, bytes, lim, stream);
+  if (op == SmallOp::kAllReducePipelined) return launch_pipelined(g, dtype, x, y, bytes, lim, stream);
   const int64_t words = small_payload_words(op, bytes);
   if (bytes <= 0 || words > kLLLines || g.size < 2) return cudaErrorInvalidValue;
   // Two-shot: every member must own a non-empty chunk, or some pair would exchange nothing in an op
@@ -490,6 +477,7 @@ std::vector<const void*> small_collective_kernels() {
     out.push_back(small_kernel_for<__half>(op));
   }
   out.push_back(small_kernel_for<float>(SmallOp::kAllGather));
+  for (const void* k : pipelined_kernels()) out.push_back(k);
   return out;
 }
 

@@ -7,6 +7,10 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
 - chunk flags (all_reduce "small_chunked"): plain 16-byte stores, then per chunk one fence (its stores
   acknowledged, ~1 round trip) and one release flag. Full-rate bytes for one extra trip: it wins where the
   bytes dominate, the LL lines where the trip does.
+- pipelined chunk flags (all_reduce "small_pipelined", kernels/small_pipelined.cu): the same areas and
+  flags, each CTA's share cut into rounds: the data warps push round i while a signal warp fences and
+  flags round i - 1 and the sums of round i - lag run (pk_jax/_pipelined_schedule.py). Opt-in for auto /
+  "small" (PK_JAX_AR_PIPELINED=1) until measured.
 """
 
 from __future__ import annotations
@@ -32,6 +36,9 @@ AUTO_SEND_BYTES = 1 << 20
 # more than the LL trip, which the halved bytes repay only from ~0.5-1 MiB. 8 MiB by chunk flags: 37 us (bulk 49).
 LL_AUTO_SEND_BYTES = 512 << 10
 CHUNKED_AUTO_SEND_BYTES = 8 << 20
+# With PK_JAX_AR_PIPELINED=1, auto / "small" take the pipelined chunk flags from this size (bytes of x) up
+# to CHUNKED_MAX_BYTES, at any G (two-shot from G = 3: no more bytes than the bulk two-shot sends).
+PIPELINED_MIN_BYTES = 512 << 10
 
 
 def auto_enabled() -> bool:
@@ -46,10 +53,16 @@ def auto_enabled() -> bool:
 VARIANT_SMALL = 2           # all_gather, reduce_scatter, one-shot all_reduce
 VARIANT_SMALL_TWO_SHOT = 3  # two-shot all_reduce
 VARIANT_SMALL_CHUNKED = 4   # all_reduce, chunk-flag protocol
+VARIANT_SMALL_PIPELINED = 5  # all_reduce, chunk flags with pushes and sums pipelined
 
-SmallAllReduce = Literal["small_one_shot", "small_two_shot", "small_chunked"]
+SmallAllReduce = Literal["small_one_shot", "small_two_shot", "small_chunked", "small_pipelined"]
 ALL_REDUCE_VARIANTS = {"small_one_shot": VARIANT_SMALL, "small_two_shot": VARIANT_SMALL_TWO_SHOT,
-                       "small_chunked": VARIANT_SMALL_CHUNKED}
+                       "small_chunked": VARIANT_SMALL_CHUNKED, "small_pipelined": VARIANT_SMALL_PIPELINED}
+
+
+def pipelined_enabled() -> bool:
+    """Whether auto / "small" may pick "small_pipelined" (PK_JAX_AR_PIPELINED=1; off until measured)."""
+    return os.environ.get("PK_JAX_AR_PIPELINED", "0") == "1"
 
 
 def words(nbytes: int) -> int:
@@ -70,9 +83,13 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
     within AUTO_SEND_BYTES; then the chunk-flag one-shot (plain stores, (G-1) n bytes, one fence + flag per
     chunk) while (G-1) n <= CHUNKED_AUTO_SEND_BYTES and n <= CHUNKED_MAX_BYTES; else None (the bulk path).
-    auto=False (algorithm "small"): the same without the chunk-flag path's send limit."""
+    auto=False (algorithm "small"): the same without the chunk-flag path's send limit. With
+    PK_JAX_AR_PIPELINED=1, PIPELINED_MIN_BYTES <= n <= CHUNKED_MAX_BYTES takes the pipelined chunk flags
+    first (any G)."""
     if nbytes <= 0:
         return None
+    if pipelined_enabled() and PIPELINED_MIN_BYTES <= nbytes <= CHUNKED_MAX_BYTES:
+        return "small_pipelined"
     send = (group - 1) * nbytes
     if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:
         return "small_one_shot"
@@ -87,7 +104,7 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
 
 def max_bytes(algorithm: str) -> int:
     """The largest x (bytes) a forced small all_reduce algorithm serves."""
-    return CHUNKED_MAX_BYTES if algorithm in ("small", "small_chunked") else SMALL_MAX_BYTES
+    return CHUNKED_MAX_BYTES if algorithm in ("small", "small_chunked", "small_pipelined") else SMALL_MAX_BYTES
 
 
 def copy_fits(payload_bytes: int, group: int, auto: bool) -> bool:

@@ -157,7 +157,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
 
 
 AllReduceAlgorithm = Literal["auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot",
-                             "small_chunked"]
+                             "small_chunked", "small_pipelined"]
 
 
 def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorithm = "auto") -> jax.Array:
@@ -170,8 +170,12 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
         member reduces 1/G and broadcasts it: least traffic); the small-message path (straight into the
         peers' control blocks, no handshakes): "small_one_shot" / "small_two_shot" (LL lines, x at most
         _small_path.SMALL_MAX_BYTES; two-shot: x's 4-byte words divisible by G), "small_chunked" (plain
-        stores + one flag per chunk, x at most _small_path.CHUNKED_MAX_BYTES) or "small" (picks one of
-        those by size and G: _small_path.all_reduce_choice); or "auto": the small path where
+        stores + one flag per chunk, x at most _small_path.CHUNKED_MAX_BYTES), "small_pipelined" (the
+        same areas with the pushes, one signal warp's fences + flags and the sums pipelined in rounds:
+        one-shot at G = 2, reduce-scatter + all-gather from G = 3; x at most CHUNKED_MAX_BYTES; knobs
+        PK_JAX_AR_PIPELINED_*, pk_jax/_pipelined_schedule.py) or "small" (picks one of those by size and
+        G: _small_path.all_reduce_choice, which takes "small_pipelined" from
+        _small_path.PIPELINED_MIN_BYTES only under PK_JAX_AR_PIPELINED=1); or "auto": the small path where
         _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from
         TWO_SHOT_MIN_BYTES up when the array splits into G whole 16-byte chunks, else one-shot.
 
@@ -181,7 +185,8 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
     """
     x = _check_array("all_reduce", x)
     g = group_size(axis_name)
-    choices = ("auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot", "small_chunked")
+    choices = ("auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot", "small_chunked",
+               "small_pipelined")
     if algorithm not in choices:
         raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r}; use one of {', '.join(map(repr, choices))}")
     nbytes = x.size * x.dtype.itemsize

@@ -2,8 +2,9 @@
 
 For each op it times jitted chains of 16, 64 and 256 dependent calls (one sync per call) and reports
 the per-op time of each chain and the slope (T256 - T64) / 192: the device time per op with the one
-call's dispatch taken out. Ops: pk_jax small one-shot all_reduce, jax.lax.psum, and an XLA-only chain
-(one elementwise kernel per step, no communication: the floor of any op launched from this program).
+call's dispatch taken out. Ops: pk_jax small all_reduces (LL one-shot, chunk flags, pipelined chunk flags,
+auto), jax.lax.psum, and an XLA-only chain (one elementwise kernel per step, no communication: the floor
+of any op launched from this program).
 It also says whether XLA put the custom calls into a command buffer (CUDA graph).
 Run it under different XLA_FLAGS (one process each) to see what command buffers change:
   python scripts/latency_floor.py --tag default
@@ -97,6 +98,7 @@ def main() -> None:
     mesh = Mesh(np.array(devices), (AX,))
     ops = {"pk_small_one_shot": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_one_shot"),
            "pk_small_chunked": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_chunked"),
+           "pk_small_pipelined": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_pipelined"),
            "pk_auto": lambda v: pk_jax.all_reduce(v, AX),
            "psum": lambda v: jax.lax.psum(v, AX),
            "xla_elementwise": xla_step}
@@ -133,7 +135,8 @@ def main() -> None:
             if args.profile and nbytes == args.bytes[0]:
                 for line in profile_summary(lambda p=progs[1]: jax.block_until_ready(p(x)), name):
                     print(line, flush=True)
-            row["extra"]["env"] = {k: v for k, v in os.environ.items() if k.startswith(("PK_JAX_SMALL", "XLA_FLAGS"))}
+            row["extra"]["env"] = {k: v for k, v in os.environ.items()
+                                   if k.startswith(("PK_JAX_SMALL", "PK_JAX_AR_PIPELINED", "XLA_FLAGS"))}
             rows.append(row)
             print(f"  {name:<18} {nbytes:>8} B  per op (chain 16/64/256): "
                   + " / ".join(f"{per_op[c]:6.2f}" for c in CHAINS)
