@@ -20,6 +20,7 @@ enum OpCode : int32_t {
   kOpMoeCombine = 10,  // rows pulled back to their tokens' members and summed by weight (or gathered)
   kOpMoeSend = 11,     // rows pushed with the layout known (combine's backward)
   kOpRingShift = 12,   // kernels/ring_shift.cu: ring attention's K/V (or dK/dV) one member on, side channel
+  kOpMoeDispatchMatmul = 14,  // kernels/moe_gemm.cu: dispatch + the first grouped GEMM in one kernel
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };
