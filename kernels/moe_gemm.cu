@@ -91,7 +91,8 @@ cudaError_t configure() {
 }
 
 void launch(const Problem& p, cudaStream_t stream) {
-  if (const char* why = unsupported(p); *why) throw std::invalid_argument(std::string("pk_jax moe dispatch_matmul: ") + why);
+  if (const char* why = unsupported(p); *why)
+    throw std::invalid_argument(std::string("pk_jax moe dispatch_matmul: ") + why);
   if (p.type == ElemType::kBF16) run<__nv_bfloat16>(p, stream);
   else run<__half>(p, stream);
 }

@@ -128,8 +128,8 @@ struct Dispatcher {
     for (int e = threadIdx.x; e < E; e += blockDim.x) {
       int32_t before = 0, all = 0;
       for (int src = 0; src < grp.size; ++src) {
-        const int32_t c = src == grp.rank ? s.own[e]
-                                          : *reinterpret_cast<const volatile int32_t*>(&grp.self()->moe_counts[grp.slot[src]][e]);
+        const volatile int32_t* theirs = &grp.self()->moe_counts[grp.slot[src]][e];  // written before their ready
+        const int32_t c = src == grp.rank ? s.own[e] : *theirs;
         if (src < grp.rank) before += c;
         all += c;
         if (role.index == 0 && e / L == grp.rank) g.recv_counts[src * L + e % L] = c;
@@ -153,8 +153,10 @@ struct Dispatcher {
     __syncthreads();
     if (role.index == 0 && threadIdx.x == 0) signal_item(grp, grp.rank, kCountsItem, op.epoch[grp.rank]);
     // Chunks of comm item j = l * G + i: this member's rows of expert (comm_dest(i), l).
-    block_exclusive_scan([&](int j) { return chunks_of(s.own[comm_dest(grp.rank, grp.size, j % grp.size) * L + j / grp.size]); },
-                         E, s.chunk_start, s.warp_sums);
+    const auto item_chunks = [&](int j) {
+      return chunks_of(s.own[comm_dest(grp.rank, grp.size, j % grp.size) * L + j / grp.size]);
+    };
+    block_exclusive_scan(item_chunks, E, s.chunk_start, s.warp_sums);
   }
 
   // (3) Rows, chunk by chunk (CTA role.index takes chunks index, index + count, ...: all comm CTAs move through

@@ -2,7 +2,8 @@
 both sides of an arrival count agree on (overlap.comm_items / landed_rows / expected_arrivals, the mirror of
 kernels/moe_arrivals.cuh and the kernel's comm CTAs) against the dispatch layout of the NumPy model, and the
 primitive's fallback semantics (its jax.lax emulation, PK_JAX_MOE_DISPATCH=fused) equal to moe_mlp's unfused path,
-output and all five gradients, bit for bit (16-bit operands: the kernel's). The kernel itself: tests/gpu/test_moe_overlap_gpu.py."""
+output and all five gradients, bit for bit (16-bit operands: the kernel's). The kernel itself:
+tests/gpu/test_moe_overlap_gpu.py."""
 
 from __future__ import annotations
 

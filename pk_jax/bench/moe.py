@@ -1,7 +1,7 @@
 """`python -m pk_jax.bench moe`: expert-parallel dispatch, combine, grouped_matmul and moe_mlp.
 
-Rows: op = dispatch | combine | grouped_matmul | moe_mlp | dispatch_gemm; shape = [T, hidden, experts, top_k] (T tokens per
-member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
+Rows: op = dispatch | combine | grouped_matmul | moe_mlp | dispatch_gemm; shape = [T, hidden, experts, top_k] (T
+tokens per member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
 receiver (dispatch: its rows; combine: the rows back at the busiest home member; moe_mlp: both) / time;
 extra.remote_gbps counts the bytes the kernels move over NVLink to that receiver (forward cases): deduplicated
 dispatch one row per (token, member) plus 4-byte src_of entries, combine by partials one float32 row per
