@@ -34,6 +34,7 @@ extern "C" XLA_FFI_Error* PkAttentionBwd(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeDispatch(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeSend(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeCombine(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkMoeDispatchMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkRingShiftStart(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkRingShiftDone(XLA_FFI_CallFrame*);
 
@@ -111,6 +112,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_moe_dispatch"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatch));
     d["pk_moe_send"] = handler_capsule(reinterpret_cast<void*>(&PkMoeSend));
     d["pk_moe_combine"] = handler_capsule(reinterpret_cast<void*>(&PkMoeCombine));
+    d["pk_moe_dispatch_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatchMatmul));
     d["pk_ring_shift_start"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftStart));
     d["pk_ring_shift_done"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftDone));
     return d;

@@ -14,6 +14,7 @@
 #include "../kernels/gemm.cuh"
 #include "../kernels/multimem_collectives.cuh"
 #include "../kernels/tp_gemm.cuh"
+#include "../kernels/moe_gemm.cuh"
 #include "cuda_check.h"
 #include "peer_memory.h"
 
@@ -118,6 +119,7 @@ void Runtime::load_kernels_and_errors(size_t i, int ordinal) {
   PK_CUDA(attention::configure_once(ordinal));
   PK_CUDA(attention_bwd::configure_once(ordinal));
   PK_CUDA(tp::configure());
+  PK_CUDA(moe::configure());  // DispatchMatmul spins on peers: loaded up front like the others
   PK_CUDA(multimem::configure());  // loads the multimem kernels only where the multicast policy allows it
   cudaDeviceProp prop;
   PK_CUDA(cudaGetDeviceProperties(&prop, ordinal));

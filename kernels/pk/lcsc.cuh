@@ -135,18 +135,16 @@ __global__ void __launch_bounds__(threads<K>(), 1) kernel(const __grid_constant_
   extern __shared__ unsigned char smem_raw[];
   unsigned char* base = reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
   const int comm = g.num_comm_sms;
-  if (int(blockIdx.x) < comm) {
-    if constexpr (K::kHasCommunicator) {
+  if (int(blockIdx.x) < comm) {  // the comm part: communicate, then (kTaskCounter) fall through to compute
+    if constexpr (K::kHasCommunicator)
       K::communicator(g, *reinterpret_cast<typename K::CommShared*>(base), CommRole{int(blockIdx.x), comm});
-      if constexpr (K::kTaskCounter) {  // communication done: compute what the other SMs have not claimed
-        __syncthreads();
-        compute<K>(g, *reinterpret_cast<typename K::Shared*>(base));
-      }
-      K::finish(g);
+    if constexpr (!K::kTaskCounter) {  // static tasks belong to the compute SMs: nothing left to take
+      if constexpr (K::kHasCommunicator) K::finish(g);
+      return;
     }
-    return;
+    __syncthreads();  // communication done: its shared memory becomes the compute roles'
   }
-  compute<K>(g, *reinterpret_cast<typename K::Shared*>(base));
+  compute<K>(g, *reinterpret_cast<typename K::Shared*>(base));  // the one compute call of every CTA
   if constexpr (K::kHasCommunicator) K::finish(g);
 }
 

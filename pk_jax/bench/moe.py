@@ -1,7 +1,7 @@
 """`python -m pk_jax.bench moe`: expert-parallel dispatch, combine, grouped_matmul and moe_mlp.
 
-Rows: op = dispatch | combine | grouped_matmul | moe_mlp; shape = [T, hidden, experts, top_k] (T tokens per
-member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
+Rows: op = dispatch | combine | grouped_matmul | moe_mlp | dispatch_gemm; shape = [T, hidden, experts, top_k] (T
+tokens per member); case = routing (uniform | skewed) + _fwd | _fwd_bwd. extra.gbps = bytes that arrive at the busiest
 receiver (dispatch: its rows; combine: the rows back at the busiest home member; moe_mlp: both) / time;
 extra.remote_gbps counts the bytes the kernels move over NVLink to that receiver (forward cases): deduplicated
 dispatch one row per (token, member) plus 4-byte src_of entries, combine by partials one float32 row per
@@ -19,6 +19,11 @@ Baselines, timed in turns in the same run:
   over 8 GB) and, forward only, (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu; also at the
   per-GPU shape of a DeepSeek-V3-sized layer (m 32768 = 4096 tokens x top-8, k 7168, n 2048, 64 experts);
 - moe_mlp: GShard-style dispatch + capacity-padded einsum (capacity factor 1.25; it drops, so no check).
+- dispatch_gemm (--op dispatch_gemm; not in the default list): dispatch + the first grouped GEMM (gate and up)
+  fused in one kernel (pk_jax/moe/overlap.py, PK_JAX_MOE_OVERLAP_SMS comm SMs) against the grouped GEMMs alone
+  on already-dispatched rows (the baseline: extra.fused_over_gemm, the issue's target <= 1.1) and dispatch then
+  the GEMMs unfused; at the DeepSeek-V3 per-GPU shape (T 4096, H 7168, E 256, top-8, F 2048, uniform) and
+  skewed; extra.tflops counts the busiest member's gate + up FLOPs.
 --variants (grouped_matmul): our kernel's schedule variants (PK_JAX_GROUPED_VARIANT: BENCH_VARIANTS) timed
 in the same turns as the default and the baselines (extra.variants_ms, each checked against the default's
 result: the variants change the schedule, not the sums); lax.ragged_dot is left out there (time).
@@ -40,7 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.bench import results, timing
-from pk_jax.moe import fused, routing
+from pk_jax.moe import fused, overlap, routing
 
 AX = "ep"
 # --variants: the schedule variants timed beside the default (PK_JAX_BENCH_GROUPED_VARIANTS, space-separated,
@@ -96,6 +101,11 @@ def all_cases(g: int, small: bool) -> list[Case]:
     """Full: T 4096, H 4096, (E 64, K 4, F 1408) and (E 8 rounded up to G, K 2, F 4096); small: tiny."""
     shapes = [(64, 64, max(8, g), 2, 128)] if small else [(4096, 4096, 64, 4, 1408), (4096, 4096, max(8, g), 2, 4096)]
     out = []
+    for kind in ("uniform", "skewed"):  # dispatch + first grouped GEMM (run by --op dispatch_gemm only)
+        if small:
+            out.append(Case("dispatch_gemm", 64, 64, max(8, g), 2, 128, kind, False))
+        elif DEEPSEEK_EXCHANGE[2] % g == 0:
+            out.append(Case("dispatch_gemm", *DEEPSEEK_EXCHANGE, kind, False))
     for op in ("dispatch", "combine", "grouped_matmul", "moe_mlp"):
         per_gpu = [] if small or op != "grouped_matmul" else [(4096, 7168, 64 * g, 8, 2048)]
         if not small and op in ("dispatch", "combine") and DEEPSEEK_EXCHANGE[2] % g == 0:
@@ -311,6 +321,9 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
             bases.append(("lax.ragged_dot", one(lambda a, b, s: jax.lax.ragged_dot(a, b, s))))
         moved = int(counts.sum()) * row_bytes  # no exchange: the bytes of the busiest member's rows
         remote = 0
+    elif c.op == "dispatch_gemm":
+        args, ours, bases, moved, remote = _dispatch_gemm_contenders(c, mesh, put, x, ids, disp)
+        remote = remote_in * row_bytes  # every remote choice's row crosses (the fused kernel does not deduplicate)
     else:
         wsh = lambda *s: put(rng.standard_normal((c.e,) + s) / np.sqrt(s[0]))
         wg, wu, wd = wsh(c.h, c.f), wsh(c.h, c.f), wsh(c.f, c.h)
@@ -321,6 +334,30 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
                       _program(_capacity_einsum_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
         moved, remote = 2 * busiest * row_bytes, (remote_in + remote_back) * row_bytes
     return args, ours, bases, moved, remote
+
+
+def _dispatch_gemm_contenders(c: Case, mesh: Mesh, put, x, ids, disp):
+    """dispatch + gate/up grouped GEMMs: fused (ours), the GEMMs alone on dispatched rows, dispatch then GEMMs."""
+    rng = np.random.default_rng(2)
+    wg, wu = (put(rng.standard_normal((c.e, c.h, c.f)) / np.sqrt(c.h)) for _ in range(2))
+    gm = pk_jax.moe.grouped_matmul
+
+    def fused_layer(x, ids, a, b):
+        gate, up, _, _ = overlap.dispatch_gate_up(x, ids, a, b, AX, num_experts=c.e)
+        return gate, up
+
+    def unfused_layer(x, ids, a, b):
+        recv, counts, _ = disp(x, ids)
+        return gm(recv, a, counts), gm(recv, b, counts)
+
+    routed = jax.jit(jax.shard_map(lambda x, ids: disp(x, ids)[:2], mesh=mesh, in_specs=P(AX), out_specs=P(AX)))
+    recv, counts = routed(x, ids)
+    alone = _program(lambda r, n, a, b: (gm(r, a, n), gm(r, b, n)), mesh, P(AX), False, (0,))
+    ours = _program(fused_layer, mesh, P(AX), False, (0,))
+    bases = [("grouped GEMM alone", alone, [recv, counts, wg, wu]),
+             ("dispatch then GEMM", _program(unfused_layer, mesh, P(AX), False, (0,)))]
+    busiest_rows = int(np.max(np.asarray(counts).reshape(mesh.devices.size, -1).sum(axis=1)))
+    return [x, ids, wg, wu], ours, bases, busiest_rows * c.h * jnp.dtype(x.dtype).itemsize, 0
 
 
 def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cases: list[str] | None = None,
@@ -335,9 +372,14 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
     for c in all_cases(g, small):
         if (ops and c.op not in ops) or (cases and c.name not in cases) or (hidden and c.h not in hidden):
             continue
+        if c.op == "dispatch_gemm" and (not ops or g < 2):  # only when asked for; needs an exchange
+            continue
         args, ours_jit, bases, moved, remote = _contenders(c, g, mesh, dtype, variants)
         sizes = routing.routing_sizes(g, c.e, c.t, c.k, None, None)
         path = "fused" if c.op != "grouped_matmul" and fused.use_fused(sizes, c.h, dtype) else "reference"
+        if c.op == "dispatch_gemm":
+            path = (f"overlap[{overlap.comm_sms()} comm SMs]" if fused.use_fused(sizes, c.h, dtype)
+                    and overlap.supported(sizes, c.h, c.f, dtype) else "emulation")
         ours, err = _try(ours_jit, args)
         if ours is None:
             raise RuntimeError(f"pk_jax.bench moe: {c.op} {c.name} failed: {err}")
@@ -381,12 +423,35 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
         })
         if mine_ms:
             rows[-1]["extra"]["variants_ms"] = {k: round(v, 5) for k, v in mine_ms.items()}
+        if c.op == "dispatch_gemm":
+            rows[-1]["extra"].update(_dispatch_gemm_extra(c, fns, args, names, times, moved, dtype))
+            ex = rows[-1]["extra"]
+            check = (f"{ex['check']}  fused/GEMM-alone {ex.get('fused_over_gemm')}  unfused/GEMM-alone "
+                     f"{ex.get('unfused_over_gemm')}  {ex['tflops']} TFLOP/s  ({ex['comm_sms']} comm SMs)")
         print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours ({path}) {times[0]:9.3f} ms  "
               f"{rows[-1]['extra']['gbps']:8.1f} GB/s ({rows[-1]['extra']['remote_gbps']:.1f} remote)  "
               + "  ".join(f"{k} {v:9.3f} ms" for k, v in base.items())
               + "".join(f"  ours[{k}] {v:9.3f} ms" for k, v in mine_ms.items())
               + "".join(f"  [{k}: {v}]" for k, v in errors.items()) + f"  {check}", flush=True)
     return rows
+
+
+def _dispatch_gemm_extra(c: Case, fns, args, names, times, moved: int, dtype) -> dict:
+    """The issue's ratio (fused / grouped GEMM alone; target <= 1.1), the unfused one, TFLOP/s, and the check
+    of the fused outputs against dispatch then GEMM (same layout, same tiles: equal up to the tile width)."""
+    out: dict = {"comm_sms": overlap.comm_sms()}
+    ms = dict(zip(names, times[1:]))
+    rows = moved // (c.h * jnp.dtype(dtype).itemsize)
+    out["tflops"] = round(2 * rows * c.h * 2 * c.f / times[0] / 1e9, 1)
+    if "grouped GEMM alone" in ms:
+        out["fused_over_gemm"] = round(times[0] / ms["grouped GEMM alone"], 4)
+        if "dispatch then GEMM" in ms:
+            out["unfused_over_gemm"] = round(ms["dispatch then GEMM"] / ms["grouped GEMM alone"], 4)
+    if "dispatch then GEMM" in names:
+        ref = fns[1 + names.index("dispatch then GEMM")]
+        e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(ref(args))))
+        out["check"] = f"ok rel={e:.1e} vs dispatch then GEMM" if e < 2e-2 else f"MISMATCH rel={e:.1e}"
+    return out
 
 
 def print_table(rows) -> None:

@@ -1,10 +1,15 @@
-"""moe_mlp: an expert-parallel SwiGLU MoE layer: dispatch -> grouped gate/up -> SwiGLU -> grouped down -> combine."""
+"""moe_mlp: an expert-parallel SwiGLU MoE layer: dispatch -> grouped gate/up -> SwiGLU -> grouped down -> combine.
+
+PK_JAX_MOE_OVERLAP=1 (trace time): dispatch and the gate/up grouped GEMMs run as one kernel where it serves
+(pk_jax/moe/overlap.py); same results, the backward unchanged."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from pk_jax.moe.dispatch import combine, dispatch
+from pk_jax.moe import overlap, routing
 from pk_jax.moe.grouped_matmul import grouped_matmul
 from pk_jax.sharding import group_size
 from pk_jax.sharding.mesh_groups import AxisName
@@ -37,7 +42,22 @@ def moe_mlp(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: 
     if x.ndim != 2 or x.shape[1] != w_gate.shape[1]:
         raise ValueError(f"pk_jax.moe.moe_mlp: x must be (T, H) with H = {w_gate.shape[1]} (w_gate's dim 1), "
                          f"got {x.shape}")
-    recv, counts, handle = dispatch(x, topk_ids, axis_name, num_experts=local * g, capacity=capacity,
-                                    recv_rows=recv_rows)
-    hidden = jax.nn.silu(grouped_matmul(recv, w_gate, counts)) * grouped_matmul(recv, w_up, counts)
+    ffn = w_gate.shape[2]
+    if _valid_routing_args(topk_ids, x, capacity, recv_rows) and overlap.use_overlap(
+            routing.routing_sizes(g, local * g, x.shape[0], topk_ids.shape[1], capacity, recv_rows), x.shape[1], ffn,
+            x.dtype):
+        gate, up, counts, handle = overlap.dispatch_gate_up(x, topk_ids, w_gate, w_up, axis_name, num_experts=local * g,
+                                                           capacity=capacity, recv_rows=recv_rows)
+    else:  # dispatch validates the routing arguments and names the bad one
+        recv, counts, handle = dispatch(x, topk_ids, axis_name, num_experts=local * g, capacity=capacity,
+                                        recv_rows=recv_rows)
+        gate, up = grouped_matmul(recv, w_gate, counts), grouped_matmul(recv, w_up, counts)
+    hidden = jax.nn.silu(gate) * up
     return combine(grouped_matmul(hidden, w_down, counts), topk_weights, handle)
+
+
+def _valid_routing_args(topk_ids: jax.Array, x: jax.Array, capacity, recv_rows) -> bool:
+    """The arguments pk_jax.moe.dispatch accepts (else the unfused path runs it, which raises naming the bad one)."""
+    return (topk_ids.ndim == 2 and topk_ids.shape[0] == x.shape[0] and jnp.issubdtype(topk_ids.dtype, jnp.integer)
+            and (capacity is None or (isinstance(capacity, int) and capacity >= 0))
+            and (recv_rows is None or (isinstance(recv_rows, int) and recv_rows >= 1)))

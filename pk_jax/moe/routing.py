@@ -119,14 +119,16 @@ def capacity_keep(expert: jax.Array, num_experts: int, tokens: int, top_k: int, 
 class LocalPlan:
     """The sender's half of the routing layout (no communication): per assignment its key (global expert, or
     E if capacity dropped it) and position among this member's kept rows of that expert (position order),
-    the padded send layout of the reference exchange, this member's kept rows per global expert, and how
-    many it sends."""
+    the padded send layout of the reference exchange, this member's kept rows per global expert, how many it
+    sends, and the assignments sorted by (key, pos) (expert e's kept ones at [exclusive cumsum of counts][e]:
+    the rows DispatchMatmul's comm CTAs push expert by expert, pk_jax/moe/overlap.py)."""
     key: jax.Array
     pos: jax.Array
     send_assignment: jax.Array
     assignment_slot: jax.Array
     counts: jax.Array
     sent: jax.Array
+    order: jax.Array
 
 
 def plan_local(topk_ids: jax.Array, sizes: RoutingSizes) -> LocalPlan:
@@ -152,7 +154,7 @@ def plan_local(topk_ids: jax.Array, sizes: RoutingSizes) -> LocalPlan:
     # Position among this member's kept rows of the same expert (the fused kernels' offset within a block).
     expert_start = jnp.concatenate([_exclusive_cumsum(counts), jnp.zeros(1, jnp.int32)])
     pos = jnp.zeros(n, jnp.int32).at[order].set(index - expert_start[sorted_key])
-    return LocalPlan(key, pos, send_assignment, assignment_slot, counts, keep.sum(dtype=jnp.int32))
+    return LocalPlan(key, pos, send_assignment, assignment_slot, counts, keep.sum(dtype=jnp.int32), order)
 
 
 def plan_receive(recv_counts: jax.Array, sizes: RoutingSizes) -> tuple[jax.Array, jax.Array, jax.Array]:

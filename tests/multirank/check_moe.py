@@ -21,6 +21,8 @@ Run under the launcher, e.g. `python -m pk_jax.launch -n 4 --ranks-per-gpu 4 tes
 On GPUs every program runs pk_jax.moe's fused kernels (PK_JAX_MOE_DISPATCH=auto; each routing program is
 checked to hold their custom calls), and the quick routings run once more on the reference exchange (case
 suffix @reference) and on the fused kernels before deduplication (PK_JAX_MOE_DEDUP=0, suffix @nodedup).
+On GPUs one more moe_mlp row runs dispatch and the gate/up grouped GEMMs fused (PK_JAX_MOE_OVERLAP=1, bfloat16,
+case suffix @overlap: pk_jax/moe/overlap.py's kernel across processes).
 --smoke: routings uniform_k2 and skewed_k2_cap2 on the default path only (no moe_mlp): the
 first run of a new build, under a short timeout.
 """
@@ -48,6 +50,8 @@ def main() -> int:
     dtypes = [d for d in args.dtypes if d in ("float32", "bfloat16")] or ["float32"]
     for case in moe_mlp_case.cases(args.quick, dtypes):
         moe_mlp_case.add_rows(rows, case, args.seed, job.on_gpu)
+    if job.on_gpu:  # dispatch + the first grouped GEMM as one kernel (PK_JAX_MOE_OVERLAP=1), case suffix @overlap
+        moe_mlp_case.add_rows(rows, moe_mlp_case.overlap_case(args.quick), args.seed, job.on_gpu)
     return rows.finish(args.out)
 
 

@@ -5,6 +5,7 @@ w_gate, w_up, w_down) across processes, against the single-device float32 refere
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import harness  # noqa: I001 - puts the checkout on sys.path first
 import moe_routing  # noqa: E402  (also puts tests/ on sys.path)
@@ -38,6 +39,7 @@ class MlpCase:
     dtype: str
     dp: int           # 1: ("ep",) over every device; 2: (dp=2, ep=n/2), experts replicated over dp
     sizes: Sizes
+    overlap: bool = False  # PK_JAX_MOE_OVERLAP=1: dispatch + the gate/up GEMMs as one kernel (pk_jax/moe/overlap.py)
 
     def mesh(self) -> Mesh:
         devs = np.array(jax.devices())
@@ -46,7 +48,8 @@ class MlpCase:
         return Mesh(devs.reshape(self.dp, devs.size // self.dp), ("dp", "ep"))
 
     def label(self, mesh: Mesh, suffix: str) -> str:
-        return f"{self.routing.name}_{suffix}" + (f"@dp{self.dp}xep{mesh.shape['ep']}" if self.dp > 1 else "")
+        return (f"{self.routing.name}_{suffix}" + (f"@dp{self.dp}xep{mesh.shape['ep']}" if self.dp > 1 else "")
+                + ("@overlap" if self.overlap else ""))
 
 
 def cases(quick: bool, dtypes: list[str]) -> list[MlpCase]:
@@ -61,6 +64,11 @@ def cases(quick: bool, dtypes: list[str]) -> list[MlpCase]:
     if len(jax.devices()) % 2 == 0:
         out += [MlpCase(r, dtypes[0], 2, sz) for r in ([skewed] if quick else [skewed, cap])]
     return out
+
+
+def overlap_case(quick: bool) -> MlpCase:
+    """The fused dispatch + first grouped GEMM (GPU runs: its kernel across processes), bfloat16 (the kernel's)."""
+    return MlpCase(Routing("skewed", 4, 2), "bfloat16", 1, QUICK if quick else FULL, overlap=True)
 
 
 def problem(case: MlpCase, mesh: Mesh, seed: int) -> tuple[dict, np.ndarray]:
@@ -117,8 +125,18 @@ def run(case: MlpCase, mesh: Mesh, inputs: dict, on_gpu: bool) -> dict:
     put = lambda k: jax.make_array_from_callback(inputs[k].shape, NamedSharding(mesh, specs[k]),
                                                  lambda i: inputs[k][i])
     args = [put(k) for k in ("ids", "cot") + PARAMS]
-    with jax.default_matmul_precision("highest"):
-        compiled = jax.jit(program).lower(*args).compile()
+    old = os.environ.get("PK_JAX_MOE_OVERLAP")
+    os.environ["PK_JAX_MOE_OVERLAP"] = "1" if case.overlap else "0"  # read when moe_mlp is traced
+    try:
+        with jax.default_matmul_precision("highest"):
+            compiled = jax.jit(program).lower(*args).compile()
+    finally:
+        if old is None:
+            os.environ.pop("PK_JAX_MOE_OVERLAP")
+        else:
+            os.environ["PK_JAX_MOE_OVERLAP"] = old
+    if on_gpu and case.overlap and "pk_moe_dispatch_matmul" not in compiled.as_text():
+        raise AssertionError("PK_JAX_MOE_OVERLAP=1 but the program has no pk_moe_dispatch_matmul call")
     if on_gpu and (lax := harness.xla_collectives(compiled.as_text())):
         raise AssertionError(f"XLA collectives in the program: {lax}")
     outs = jax.block_until_ready(compiled(*args))
