@@ -47,6 +47,7 @@ const char* op_name(int32_t op) {
     case kOpMoeSend: return "moe send";
     case kOpRingShift: return "ring shift";
     case kOpAllReducePipelined: return "all_reduce (small_pipelined)";
+    case kOpMoeDispatchMatmul: return "moe dispatch + grouped GEMM";
   }
   return "unknown op";
 }
