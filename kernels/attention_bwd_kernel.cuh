@@ -92,14 +92,6 @@ struct Work {
 // role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
 // becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
 // variant's waits are tma::mbar_wait, unchanged.
-// Variant 2's tasks are claimed at run time (lcsc's task counter), one counter pair per kernel: the next
-// task and the CTAs done; zero at module load, reset by each launch's last CTA (storer_finish), so graph
-// replays start from zero. Under a causal mask a key block's work shrinks with its position, and the static
-// round robin left CTAs ~10% apart (grid 132 = 4 mod 32 key blocks per head at S 4096); claimed in order,
-// the heaviest blocks of a head go first and a head's lightest ones end the launch.
-template <class K>
-__device__ uint32_t g_task_counter[2];
-
 template <typename T, int D_, int STAGES_, bool DEBUG_ = false, int VARIANT_ = 0>
 struct Kernel {
   using Globals = attention_bwd::Globals;
@@ -126,7 +118,7 @@ struct Kernel {
   static constexpr int kProducerRegs = 40;
   static constexpr int kConsumerRegs = 232;
   static constexpr bool kHasCommunicator = false;
-  static constexpr bool kTaskCounter = VARIANT_ >= 2;
+  static constexpr bool kTaskCounter = false;
   static constexpr bool kHasPusher = false;
   static constexpr uint32_t kTileBytes = uint32_t(BM * D) * sizeof(T);  // one Q (or dO) tile
   static constexpr uint32_t kKvBytes = uint32_t(BN * D) * sizeof(T);    // one K (or V) tile
@@ -549,22 +541,10 @@ struct Kernel {
     }
   }
 
-  __device__ static void storer_finish(const Globals& g, Shared&, StorerState&) {
-    tma::wait_group<0>();
-    if constexpr (kTaskCounter) {
-      // This CTA's loader made its last claim (the storer took the -1 published after it); the last CTA
-      // here resets the pair: every claim of the launch is done by then.
-      uint32_t* counter = task_counter(g);
-      __threadfence();
-      if (atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
-        atomicExch(&counter[0], 0u);
-        atomicExch(&counter[1], 0u);
-      }
-    }
-  }
+  __device__ static void storer_finish(const Globals&, Shared&, StorerState&) { tma::wait_group<0>(); }
   __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
   __device__ static void begin(const Globals&, Shared&) {}
-  __device__ static uint32_t* task_counter(const Globals&) { return g_task_counter<Kernel>; }
+  __device__ static uint32_t* task_counter(const Globals&) { return nullptr; }
   __device__ static void pusher(const Globals&, Shared&) {}
   __device__ static void finish(const Globals&) {}
 };
