@@ -18,8 +18,8 @@
 // split: warpgroup 0 produces (loader in warp 0, storer in warp 1, pusher in warp 2), warpgroups 1..
 // consume. Every role
 // of a CTA walks the same task list in the same order, so the rings between them stay in step.
-// Tasks are assigned statically (compute SM i takes i, i + workers, ...) unless K::kTaskCounter: then
-// the loader claims tasks from a device-wide counter (task_queue.cuh) and the comm CTAs, once their
+// Tasks are assigned statically (compute SM i takes i, i + workers, ...) unless K::kTaskCounter and
+// K::task_counter(g) is not null: then the loader claims tasks from a device-wide counter (task_queue.cuh) and the comm CTAs, once their
 // communication is done, join the compute SMs and take what is left (no idle SMs in the last wave).
 #pragma once
 #include <cuda_runtime.h>
@@ -93,14 +93,15 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
   // One walk over this CTA's tasks for each role; `claims` marks the loader (the one that claims).
   auto each_task = [&](bool claims, bool whole_warp, auto&& body) {
     if constexpr (K::kTaskCounter) {
-      TaskQueue<kQueueDepth>& queue = task_queue<K>();
-      RingPos<kQueueDepth> pos;
-      for (int t; (t = claims ? queue.claim(pos, K::task_counter(g), K::num_tasks(g))
-                              : queue.take(pos, whole_warp)) >= 0;)
-        body(t);
-    } else {
-      for (int t : TaskRange{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)}) body(t);
+      if (uint32_t* counter = K::task_counter(g)) {  // null: this launch keeps the static order
+        TaskQueue<kQueueDepth>& queue = task_queue<K>();
+        RingPos<kQueueDepth> pos;
+        for (int t; (t = claims ? queue.claim(pos, counter, K::num_tasks(g)) : queue.take(pos, whole_warp)) >= 0;)
+          body(t);
+        return;
+      }
     }
+    for (int t : TaskRange{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)}) body(t);
   };
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
