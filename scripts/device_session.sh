@@ -47,7 +47,11 @@
 #               and the kernels before), check_ring, at 2 then 4 ranks                              ~8 min
 #   ringtimeline (2 GPUs+) scripts/ring_timeline.py, pk transport only: causal zigzag fwd, fwd+bwd both masks ~1.5 min
 #   attnncu     Nsight Compute counters of our attention forward/backward kernels beside cuDNN's (B4 S16384 N16
-#               D128): details page and the forward's SASS stall samples (Firecracker kinds only)   ~3 min
+#               D128; NCU_ARGS="--causal"): details page (Firecracker kinds only: nvidia-h100-x1)   ~4 min
+#   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
+#               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
+#   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
+#               tests, bench moe --op dispatch_gemm; SMS_SWEEP="8 16 24")                              ~7 min
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -193,13 +197,15 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-             stage attnncu 240 "$NCU" --clock-control none -f -o "$OUT/attn" -k 'regex:attention|sdpa|flash|fmha|cudnn' -c 6 \
-               --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
-               --section InstructionStats --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
-               --section SourceCounters python3 scripts/attention_ncu.py
-             stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details
-             stage attnncu-src 120 bash -c "'$NCU' -i '$OUT/attn.ncu-rep' --page source --csv --print-source sass \
-               -k 'regex:attention::Kernel' -c 1 > '$OUT/attn-fwd-sass.csv'" ;;
+             # Our kernels' base names are lcsc's `kernel`: match the demangled names (template arguments name the role).
+             stage attnncu 300 "$NCU" --clock-control none -f -o "$OUT/attn" --kernel-name-base demangled \
+               -k 'regex:attention(_bwd)?::Kernel|flash_fprop|flash_bprop' -c 4 --section SpeedOfLight \
+               --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
+               --section InstructionStats --section Occupancy --section MemoryWorkloadAnalysis \
+               python3 scripts/attention_ncu.py --only ours_bwd cudnn_bwd ${NCU_ARGS:-}
+             stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details ;;
+    arpipe) stage arpipe 440 env OUT="$OUT" bash scripts/stage_ar_pipelined.sh ;;
+    moeoverlap) stage moeoverlap 440 env OUT="$OUT" bash scripts/stage_moe_overlap.sh ;;
     moededup) stage moe-first 150 bash -c "PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest -x -q -rs \
                 tests/gpu/test_moe_fused_gpu.py::test_dedup_dispatch_first && PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest \
                 -x -q -rs tests/gpu/test_moe_fused_gpu.py::test_partials_combine_first"
