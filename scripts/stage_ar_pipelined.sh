@@ -21,19 +21,7 @@ day=$(date +%F)
 ls pk_jax/_pk_jax_ext*.so > /dev/null || { echo "no built extension in pk_jax/"; exit 1; }
 nvidia-smi --query-gpu=name --format=csv,noheader | head -2
 
-step() {  # name, seconds, command...: logs to $OUT/<name>.log, limit shrunk to what is left of DEADLINE
-  local name=$1 limit=$2; shift 2
-  local left=$((DEADLINE - SECONDS))
-  if [ "$left" -lt 15 ]; then echo "=== $name: skipped, ${left}s left ==="; return 1; fi
-  [ "$left" -lt "$limit" ] && limit=$left
-  echo "=== $name (limit ${limit}s) ==="
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -15 "$OUT/$name.log"
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s ==="
-  return $rc
-}
+source scripts/stage_step.sh
 
 T=tests/gpu/test_small_pipelined_gpu.py
 step pipelined-first 90 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest "$T::test_first_pipelined_call" -x -q -rs \

@@ -17,19 +17,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 if [ -n "${PREBUILT:-}" ]; then cp "$PREBUILT"/_pk_jax_ext*.so pk_jax/ || exit 1; fi
 DEADLINE=${DEADLINE:-420}  # seconds for the whole stage
 
-step() {  # name, seconds, command... (the limit shrinks to what is left of DEADLINE)
-  local name=$1 limit=$2; shift 2
-  local left=$((DEADLINE - SECONDS))
-  if [ "$left" -lt 20 ]; then echo "=== $name: skipped, ${left}s left of ${DEADLINE}s ==="; return 124; fi
-  [ "$left" -lt "$limit" ] && limit=$left
-  echo "=== $name (limit ${limit}s) ==="
-  local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -25 "$OUT/$name.log"
-  echo "=== $name: exit $rc after $((SECONDS - t0)) s ==="
-  return $rc
-}
+source scripts/stage_step.sh
 
 T=tests/gpu/test_moe_overlap_gpu.py
 if ! step first 90 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs "$T::test_overlap_first"; then
