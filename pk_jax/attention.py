@@ -190,18 +190,19 @@ def _vary_like(avals, *inputs):
     return [a.update(manual_axis_type=inputs[0].mat.update(varying=varying)) for a in avals]
 
 
-def _bwd_abstract_eval(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0):
+def _bwd_abstract_eval(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False):
     del dout, lse, delta, scale, causal, reserve_sms
-    return _vary_like([q.update(shape=q.shape, dtype=q.dtype), k.update(shape=k.shape, dtype=k.dtype),
+    return _vary_like([q.update(shape=q.shape, dtype=jnp.float32 if dq_f32 else q.dtype), k.update(shape=k.shape, dtype=k.dtype),
                        v.update(shape=v.shape, dtype=v.dtype)], q, k, v, offsets)
 
 
-def reference_bwd(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0):
+def reference_bwd(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False):
     """XLA einsums: (dq, dk, dv) in the input dtypes from lse and delta (B, N, Tq) float32, where
-    delta = rowsum(dout * out) - d_lse. What pk_attention_bwd computes; its lowering off CUDA."""
+    delta = rowsum(dout * out) - d_lse. What pk_attention_bwd computes; its lowering off CUDA. dq_f32: dq stays
+    float32 (ring attention adds it over steps: one rounding at the end instead of one per step)."""
     dq, dk, dv = block_attention_bwd(q, k, v, dout, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), scale=scale,
                                      causal=causal, q_offset=offsets[0], kv_offset=offsets[1])
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return dq.astype(jnp.float32 if dq_f32 else q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def dq_from_chunks(acc: jax.Array, tq: int, scale: float) -> jax.Array:
@@ -224,7 +225,7 @@ def kernel_bwd_inputs(lse: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.
     return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta.astype(jnp.float32), pad)
 
 
-def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0):
+def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False):
     b, tq, n, d = q.shape
     lse2, delta = kernel_bwd_inputs(lse, delta)
     out_types = (jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -232,7 +233,8 @@ def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reser
     dq_acc, dk, dv = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
         q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal),
         reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())))
-    return dq_from_chunks(dq_acc, tq, scale).astype(q.dtype), dk, dv
+    dq = dq_from_chunks(dq_acc, tq, scale)
+    return (dq if dq_f32 else dq.astype(q.dtype)), dk, dv
 
 
 pk_attention_bwd_p.def_abstract_eval(_bwd_abstract_eval)
@@ -243,16 +245,16 @@ if _ext.available():
                            platform="cuda")
 
 
-def _batch_bwd(args, dims, *, scale, causal, reserve_sms=0):
+def _batch_bwd(args, dims, *, scale, causal, reserve_sms=0, dq_f32=False):
     """vmap: the mapped axis folds into the batch axis (offsets must be shared), one kernel call."""
     if dims[6] is not None:
-        outs = jax.vmap(lambda *a: reference_bwd(*a, scale=scale, causal=causal), in_axes=dims)(*args)
+        outs = jax.vmap(lambda *a: reference_bwd(*a, scale=scale, causal=causal, dq_f32=dq_f32), in_axes=dims)(*args)
         return outs, (0, 0, 0)
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
     front = [batching.bdim_at_front(x, d, size) for x, d in zip(args[:6], dims[:6])]
     fold = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])
     outs = pk_attention_bwd_p.bind(*(fold(x) for x in front), args[6], scale=scale, causal=causal,
-                                   reserve_sms=reserve_sms)
+                                   reserve_sms=reserve_sms, dq_f32=dq_f32)
     return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0, 0, 0)
 
 

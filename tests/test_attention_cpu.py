@@ -343,3 +343,25 @@ def test_kernel_path_backward_binds_its_primitive(monkeypatch):
         want = jax.grad(f, argnums=(0, 1, 2))(qs[i], ks[i], vs[i])
         for g, w in zip(got, want):
             np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w, np.float32), atol=2e-2, rtol=2e-2)
+
+
+def test_bwd_primitive_dq_f32_keeps_dq_float32_under_vmap():
+    """dq_f32 (ring attention's per-step blocks): dq comes back float32, equal to the input-dtype dq before its
+    rounding, directly and folded through vmap; dk and dv keep the input dtype."""
+    from pk_jax.attention import pk_attention_bwd_p
+
+    b, t, n, d = 2, 48, 4, 64
+    q, k, v, do = (rand(20 + i, (b, t, n, d), jnp.bfloat16) for i in range(4))
+    lse = jax.random.normal(jax.random.key(30), (b, n, t), jnp.float32) + 4.0
+    delta = jax.random.normal(jax.random.key(31), (b, n, t), jnp.float32)
+    offsets = jnp.array([0, 0], jnp.int32)
+    bind = lambda f32, *a: pk_attention_bwd_p.bind(*a, offsets, scale=0.125, causal=True, dq_f32=f32)
+    dq32, dk32, dv32 = bind(True, q, k, v, do, lse, delta)
+    dq16, dk16, dv16 = bind(False, q, k, v, do, lse, delta)
+    assert dq32.dtype == jnp.float32 and dq16.dtype == jnp.bfloat16 and dk32.dtype == dv32.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(dq32.astype(jnp.bfloat16)), np.asarray(dq16))
+    np.testing.assert_array_equal(np.asarray(dk32), np.asarray(dk16))
+    stacked = lambda x: jnp.stack([x, x])
+    dq_v, _, _ = jax.vmap(lambda *a: bind(True, *a))(*(stacked(x) for x in (q, k, v, do, lse, delta)))
+    assert dq_v.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(dq_v[1]), np.asarray(dq32), rtol=1e-6, atol=1e-6)

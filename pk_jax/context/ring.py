@@ -186,8 +186,8 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
                                    kv_offset=kv_offset)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
     dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
-                                         scale=scale, causal=causal, reserve_sms=reserve)
-    return dq.astype(jnp.float32), dk.astype(jnp.float32), dv.astype(jnp.float32)
+                                         scale=scale, causal=causal, reserve_sms=reserve, dq_f32=True)
+    return dq, dk.astype(jnp.float32), dv.astype(jnp.float32)
 
 
 def _forward(q, k, v, axes, causal, layout, scale):
