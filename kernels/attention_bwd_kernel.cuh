@@ -88,19 +88,20 @@ struct Work {
   int iters;     // group * m_count block pairs
 };
 
-// DEBUG_: every mbarrier wait is bounded (Globals::debug_timeout_ns); one that times out prints which
-// role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
-// becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
-// variant's waits are tma::mbar_wait, unchanged.
 // Under a causal mask variant 2 claims its tasks at run time (lcsc's task counter), one counter pair per
 // kernel: the next task and the CTAs done; zero at module load, reset by each launch's last CTA
-// (storer_finish), so graph replays start from zero. A key block's work shrinks with its position, and the
+// (storer_finish), so graph replays start from zero (one launch of a kernel at a time per device, as the
+// grouped GEMM's counters). A key block's work shrinks with its position, and the
 // static round robin leaves CTAs far apart (GQA 8:1 at S 16384: 1,024 tasks of up to 2,048 block pairs on
 // 132 CTAs). Measured on nvidia-h200 (2026-11-24): claiming took causal fwd+bwd from 0.65 to 0.89x cuDNN
 // (GQA, S 16384) and 0.86 to 0.88 (S 16384), but non-causal from 1.01 to 0.92, so non-causal stays static.
 template <class K>
 __device__ uint32_t g_task_counter[2];
 
+// DEBUG_: every mbarrier wait is bounded (Globals::debug_timeout_ns); one that times out prints which
+// role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
+// becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
+// variant's waits are tma::mbar_wait, unchanged.
 template <typename T, int D_, int STAGES_, bool DEBUG_ = false, int VARIANT_ = 0>
 struct Kernel {
   using Globals = attention_bwd::Globals;
