@@ -24,13 +24,6 @@ namespace {
 
 using Ids = ffi::Span<const int64_t>;
 
-bool same_dims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a[i] != b[i]) return false;
-  return true;
-}
-
 ffi::Error dispatch_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> key,
                            ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::S32> order, ffi::AnyBuffer w_gate,
                            ffi::AnyBuffer w_up, ffi::Result<ffi::AnyBuffer> recv,
@@ -55,8 +48,8 @@ ffi::Error dispatch_matmul(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer 
     return ffi::Error::InvalidArgument(
         "pk_jax moe dispatch_matmul: num_experts must be a multiple of the group size, with recv_counts (G, E / G)");
   const int64_t L = num_experts / g.size;
-  if (dw.size() != 3 || dw[0] != L || dw[1] != dx[1] || !same_dims(w_up.dimensions(), dw) || dg.size() != 2 ||
-      dg[0] != dr[0] || dg[1] != dw[2] || !same_dims(up->dimensions(), dg) || totals->element_count() != L)
+  if (dw.size() != 3 || dw[0] != L || dw[1] != dx[1] || !(w_up.dimensions() == dw) || dg.size() != 2 ||
+      dg[0] != dr[0] || dg[1] != dw[2] || !(up->dimensions() == dg) || totals->element_count() != L)
     return ffi::Error::InvalidArgument(
         "pk_jax moe dispatch_matmul: w_gate / w_up (L, H, F) with L = num_experts / G, gate / up (R, F), totals (L,)");
   moe::Problem p{};
