@@ -367,3 +367,16 @@ def reference(op: Op) -> list[bytes]:
     for a in arrs:
         acc = (acc + a.astype(np.float32)).astype(np.float32)
     return [acc.astype(dt).tobytes()] * g
+
+
+def check_interleaved(ops: list[Op], seeds: range, lines: int = 32) -> None:
+    """Runs `ops` (interleaved on their devices) once per seed, outputs poisoned first, and asserts every member's
+    output equals the reference bit for bit and no protocol violation was seen."""
+    for seed in seeds:
+        for op in ops:
+            op.outs = [bytearray(b"\xa5" * op.out_bytes) for _ in range(op.g)]
+        assert run(ops, lines=lines, seed=seed) == []
+        for op in ops:
+            want = reference(op)
+            for r in range(op.g):
+                assert bytes(op.outs[r]) == want[r], f"{op.kind} on devices {op.slots} rank {r} seed {seed}"

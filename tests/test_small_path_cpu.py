@@ -85,14 +85,7 @@ def test_model_groups_of_different_axes_interleave():
              (rows, "all_gather", 4), (cols, "reduce_scatter", 6), (mesh, "all_gather", 3)]
     ops = [emu.Op(kind, _inputs(kind, len(grp), elems, dtype, rng), dtype, slots=grp)
            for groups, kind, elems in steps for grp in groups]
-    for seed in range(4):
-        for op in ops:
-            op.outs = [bytearray(b"\xa5" * op.out_bytes) for _ in range(op.g)]
-        assert emu.run(ops, lines=32, seed=seed) == []
-        for op in ops:
-            want = emu.reference(op)
-            for r in range(op.g):
-                assert bytes(op.outs[r]) == want[r], f"{op.kind} on devices {op.slots} rank {r} seed {seed}"
+    emu.check_interleaved(ops, range(4))
 
 
 def test_small_max_bytes_matches_control_block():

@@ -129,14 +129,7 @@ def test_model_matches_reference_under_random_schedules(g, dtype):
         ops.append(emu.Op("all_reduce_pipelined", _inputs(g, elems, dtype, rng), dtype, geo=geo))
         if i % 2:
             ops.append(emu.Op("all_reduce_one_shot", _inputs(g, 5, dtype, rng), dtype))
-    for seed in range(3):
-        for op in ops:
-            op.outs = [bytearray(b"\xa5" * op.out_bytes) for _ in range(g)]
-        assert emu.run(ops, lines=64, seed=seed) == []
-        for op in ops:
-            want = emu.reference(op)
-            for r in range(g):
-                assert bytes(op.outs[r]) == want[r], f"{op.kind} {op.geo} member {r} seed {seed}"
+    emu.check_interleaved(ops, range(3))
 
 
 def test_model_groups_of_different_axes_interleave():
