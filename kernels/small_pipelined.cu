@@ -97,6 +97,18 @@ struct Pipeline {
     return __all_sync(kFullMask, ok);
   }
 
+  // This thread's vectors vals[u] (vector v + u * kDataThreads, those below e) into each of dst[0..nd).
+  __device__ __forceinline__ static void store_vecs(char* const (&dst)[kMaxGroup], int nd, int64_t v, int64_t e,
+                                                    const uint4 (&vals)[kVecsInFlight]) {
+    for (int k = 0; k < nd; ++k) {
+#pragma unroll
+      for (int u = 0; u < kVecsInFlight; ++u) {
+        const int64_t w = v + u * kDataThreads;
+        if (w < e) reinterpret_cast<uint4*>(dst[k])[w] = vals[u];
+      }
+    }
+  }
+
   // Data threads: vectors [v0, v1) of src into each of dst[0..nd) at the same offsets. src_peer: a peer
   // wrote src (read through L2). The partial last vector of x (n % 16 bytes) goes by elements (thread 0).
   __device__ void copy(const char* src, bool src_peer, int64_t v0, int64_t v1, char* const (&dst)[kMaxGroup],
@@ -111,13 +123,7 @@ struct Pipeline {
         const int64_t w = v + u * kDataThreads;
         if (w < e) d[u] = src_peer ? __ldcg(s + w) : s[w];
       }
-      for (int k = 0; k < nd; ++k) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t w = v + u * kDataThreads;
-          if (w < e) reinterpret_cast<uint4*>(dst[k])[w] = d[u];
-        }
-      }
+      store_vecs(dst, nd, v, e, d);
     }
     if (threadIdx.x == 0 && full >= v0 && full < v1) {
       for (int64_t i = full * 16 / int64_t(sizeof(T)); i < n / int64_t(sizeof(T)); ++i) {
@@ -153,13 +159,7 @@ struct Pipeline {
       uint4 out[U];
 #pragma unroll
       for (int u = 0; u < U; ++u) out[u] = L::pack(acc[u]);
-      for (int k = 0; k < nd; ++k) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int64_t w = v + u * kDataThreads;
-          if (w < e) reinterpret_cast<uint4*>(dst[k])[w] = out[u];
-        }
-      }
+      store_vecs(dst, nd, v, e, out);
     }
     if (threadIdx.x == 0 && full >= v0 && full < v1) {
       for (int64_t i = full * 16 / int64_t(sizeof(T)); i < n / int64_t(sizeof(T)); ++i) {
