@@ -553,15 +553,7 @@ struct Kernel {
 
   __device__ static void storer_finish(const Globals& g, Shared&, StorerState&) {
     tma::wait_group<0>();
-    if (uint32_t* counter = kTaskCounter ? task_counter(g) : nullptr) {
-      // This CTA's loader made its last claim (the storer took the -1 published after it); the last CTA
-      // here resets the pair: every claim of the launch is done by then.
-      __threadfence();
-      if (atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
-        atomicExch(&counter[0], 0u);
-        atomicExch(&counter[1], 0u);
-      }
-    }
+    if (uint32_t* counter = kTaskCounter ? task_counter(g) : nullptr) finish_counter_pair(counter);
   }
   __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
   __device__ static void begin(const Globals&, Shared&) {}

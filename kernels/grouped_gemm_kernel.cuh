@@ -384,16 +384,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   __device__ static void storer_finish(const Globals& g, Shared&, StorerState&) {
     tma::wait_group<0>();
-    if constexpr (DYN) {
-      // This CTA's loader has made its last claim (the storer took the -1 it published after it). The
-      // last CTA to get here resets the counters: every claim of the launch is done by then.
-      uint32_t* counter = ExtT::task_counter(g);
-      __threadfence();
-      if (atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
-        atomicExch(&counter[0], 0u);
-        atomicExch(&counter[1], 0u);
-      }
-    }
+    if constexpr (DYN) finish_counter_pair(ExtT::task_counter(g));
   }
 };
 

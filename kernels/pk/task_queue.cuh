@@ -4,7 +4,7 @@
 // after their communication) simply claim what is left: the last wave has no idle SMs.
 //
 // The counter lives in device memory and is reset to 0 by the launch's last CTA (op_protocol.cuh
-// finish), so no host state is needed and CUDA graph replays stay correct.
+// finish, or finish_counter_pair below), so no host state is needed and CUDA graph replays stay correct.
 #pragma once
 #include <cstdint>
 
@@ -41,5 +41,16 @@ struct TaskQueue {
     return t;
   }
 };
+
+// A kernel-owned counter pair {next task, CTAs done} (one launch of the kernel at a time per device): called by
+// one thread of every CTA once its loader's last claim is taken (the storer, after the -1), it counts the CTA
+// done, and the launch's last CTA zeroes both, so the next launch (or graph replay) claims from 0.
+__device__ __forceinline__ void finish_counter_pair(uint32_t* counter) {
+  __threadfence();
+  if (atomicAdd(&counter[1], 1u) == gridDim.x - 1) {
+    atomicExch(&counter[0], 0u);
+    atomicExch(&counter[1], 0u);
+  }
+}
 
 }  // namespace pk
