@@ -52,6 +52,10 @@
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
 #   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
 #               tests, bench moe --op dispatch_gemm; SMS_SWEEP="8 16 24")                              ~7 min
+#   topo        nvidia-smi and the GPU link topology                                       ~5 s
+#   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
+#   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
+#   one out.tgz)
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
 : "${PK_JAX_COMMIT:?set PK_JAX_COMMIT to the commit of this tree (the device copy of .git may be stale)}"
@@ -157,7 +161,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                        stage grouped-var 220 env PK_JAX_BENCH_GROUPED_VARIANTS="dyn dyn+narrow dyn+narrow+pipe" \
                          python3 -m pk_jax.bench moe --op grouped_matmul --reps 10 --variants --out "$OUT/$day-moe-grouped-variants.json"
                      fi ;;
-    context) stage context 240 python3 -m pk_jax.bench context --out "$OUT/$day-context.json" ;;
+    context) stage context ${CONTEXT_LIMIT:-240} python3 -m pk_jax.bench context --reps ${CONTEXT_REPS:-20} \
+               --out "$OUT/$day-context.json" ;;
     moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     chunked) stage chunked-first 60 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
                -m gpu -x -q -rs -k "test_all_reduce_sizes and small_chunked and 4096-"
@@ -192,8 +197,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                --section InstructionStats --section Occupancy --section MemoryWorkloadAnalysis \
                python3 scripts/attention_ncu.py --only ours_bwd cudnn_bwd ${NCU_ARGS:-}
              stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details ;;
-    arpipe) stage arpipe 440 env OUT="$OUT" DEADLINE=420 bash scripts/stage_ar_pipelined.sh ;;
-    moeoverlap) stage moeoverlap 440 env OUT="$OUT" DEADLINE=420 bash scripts/stage_moe_overlap.sh ;;
+    arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
+              bash scripts/stage_ar_pipelined.sh ;;
+    moeoverlap) stage moeoverlap $((${MOEOVERLAP_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${MOEOVERLAP_DEADLINE:-420} \
+                  bash scripts/stage_moe_overlap.sh ;;
+    topo) stage topo 30 bash -c "nvidia-smi; nvidia-smi topo -m" ;;
+    a2a) stage a2a-tests 90 python3 -m pytest tests/gpu/test_microbench_gpu.py -m gpu -q -x -rs -k all_to_all
+         stage transfer 150 python3 -m pk_jax.bench transfer --quick --out "$OUT/$day-transfer-quick.json" ;;
     moededup) stage moe-first 150 bash -c "PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest -x -q -rs \
                 tests/gpu/test_moe_fused_gpu.py::test_dedup_dispatch_first && PK_JAX_TIMEOUT_MS=3000 timeout 70 python3 -m pytest \
                 -x -q -rs tests/gpu/test_moe_fused_gpu.py::test_partials_combine_first"
@@ -212,3 +222,6 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
+if [ -n "${PACK:-}" ]; then  # one archive back (a device call returns at most 8 files)
+  (cd "$OUT" && tar czf /tmp/pk_jax_out.tgz . && find . -mindepth 1 -delete && mv /tmp/pk_jax_out.tgz "$OUT/out.tgz")
+fi

@@ -30,7 +30,7 @@ step pipelined-tests 170 env PK_JAX_TIMEOUT_MS=10000 python3 -m pytest "$T" -x -
   --deselect "$T::test_first_pipelined_call"
 step pipelined-floor 110 python3 scripts/latency_floor.py --tag pipelined --reps 10 \
   --ops pk_small_chunked pk_small_pipelined pk_auto psum \
-  --bytes 4096 16384 65536 262144 524288 1048576 2097152 8388608 --out "$OUT/$day-floor-pipelined.json"
+  --bytes 4096 16384 65536 131072 262144 524288 1048576 2097152 8388608 --out "$OUT/$day-floor-pipelined.json"
 for cfg in ${PIPE_SWEEP:-}; do  # one log for the whole sweep (few files come back from a device call)
   IFS=: read -r rounds lag chunk <<< "$cfg"
   left=$((DEADLINE - SECONDS)); [ "$left" -lt 40 ] && { echo "sweep $cfg: skipped, ${left}s left"; continue; }

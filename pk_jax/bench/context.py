@@ -53,8 +53,9 @@ class Case:
 
 
 def cases(g: int, small: bool) -> list[Case]:
-    """Ring: B16 N16 D128, S 12288/24576; Ulysses: B16 N128 D128, S 2048/4096/8192 (small: tiny)."""
-    ring = (8, [32 * g], 4, 16) if small else (16, [12288, 24576], 16, 128)
+    """Ring: B16 N16 D128, S 12288 and 24576 (G <= 2) or 49152 (G >= 4: the issue's 4-GPU rows); Ulysses: B16 N128
+    D128, S 2048/4096/8192 (small: tiny)."""
+    ring = (8, [32 * g], 4, 16) if small else (16, [12288, 24576 if g <= 2 else 49152], 16, 128)
     uly = (8, [16 * g], 2 * g, 16) if small else (16, [2048, 4096, 8192], 128, 128)
     out = []
     for backward in (False, True):
