@@ -52,6 +52,9 @@
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
 #   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
 #               tests, bench moe --op dispatch_gemm; SMS_SWEEP="8 16 24")                              ~7 min
+#   x4next      (2 GPUs+) session 12's leftover tests: DispatchMatmul on every GPU (3 s waits), small_pipelined's
+#               interleave / fresh-process / replay tests, the context temp-memory and bench-shape tests   ~8 min
+#   x4rows      (2 GPUs+) a ring timeline (pk transport) and the context rows session 12 did not reach        ~6 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -218,6 +221,16 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  --out "$OUT/$day-context-ring-transports.json" ;;
     sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --steps check_small \
                    check_small_replay check_moe check_ring --out "$OUT/$day-multirank-shared.json" ;;
+    x4next) # (2 GPUs+; written for the next 4-GPU lease) the tests session 12's lease left: each suspect first, bounded
+            stage overlap-all 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
+              -k on_every_gpu
+            stage pipelined-rest 200 env PK_JAX_TIMEOUT_MS=10000 python3 -m pytest -x -q -rs tests/gpu/test_small_pipelined_gpu.py \
+              -k "interleave or fresh_processes or replays"
+            stage context-rest 150 python3 -m pytest -q -rs tests/gpu/test_context_gpu.py -k "temp_memory or bench_shape" ;;
+    x4rows) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
+              --cases fwd_contiguous fwd_bwd_contiguous fwd_bwd_causal_zigzag
+            stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
+              fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

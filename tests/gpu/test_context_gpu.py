@@ -98,22 +98,31 @@ def _temp_bytes(fn, g, shape):
 
 
 def test_ring_temp_memory_flat_in_group_size():
-    """Same local shard (T=2048) at G=2 and G=all: ring forward+backward temp memory must not grow;
-    the all-gather baseline's does."""
+    """Same local shard (T=2048, 8 heads, D 128, bf16) at G = 2 and G = all: what a longer ring adds to the
+    forward+backward temp memory is what it keeps in transit, not the sequence. At G = 2 the backward's one
+    visiting step sends nothing; from G = 3 a dK/dV accumulator leaves and one arrives during a step (4 float32
+    local blocks) and the next K/V pair arrives (1 float32-block's bytes of bf16 K and V): 5 blocks in all
+    (4 x H100, 2026-11-26: 54.7 MB at G 2, 96.6 MB at G 4, a growth of exactly 5 blocks of 8 MiB). Flatness
+    from G = 4 (the full working set) on is checked from 8 GPUs here and on CPU in tests/test_context_cpu.py.
+    The all-gather baseline's grows with the sequence."""
     g_max = len(gpus())
     if g_max < 4:
         pytest.skip("needs >= 4 GPUs to compare group sizes")
-    t = 2048
+    t, heads, d = 2048, 8, 128
+    block = t * heads * d * 4  # one float32 local block
     ring = lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=True)
 
     def gather(q, k, v):
         k, v = (jax.lax.all_gather(x, "sp", axis=1, tiled=True) for x in (k, v))
         return jax.nn.dot_product_attention(q, k, v)
 
-    r = {g: _temp_bytes(ring, g, (1, g * t, 8, 128)) for g in (2, g_max)}
-    b = {g: _temp_bytes(gather, g, (1, g * t, 8, 128)) for g in (2, g_max)}
-    print(f"temp bytes: ring {r}, all-gather {b}")
-    assert r[g_max] <= 1.1 * r[2], r
+    sizes = sorted({2, 4, g_max} if g_max >= 8 else {2, g_max})
+    r = {g: _temp_bytes(ring, g, (1, g * t, heads, d)) for g in sizes}
+    b = {g: _temp_bytes(gather, g, (1, g * t, heads, d)) for g in (2, g_max)}
+    print(f"temp bytes: ring {r}, all-gather {b}, float32 block {block}")
+    assert r[g_max] <= r[2] + 5 * block + (1 << 20), r
+    if g_max >= 8:
+        assert r[g_max] <= 1.1 * r[4], r
     assert b[g_max] > 1.5 * b[2], b
 
 

@@ -29,24 +29,24 @@ G = 2
 CALL = "pk_moe_dispatch_matmul"
 
 
-def _problem(local, k, kind, tokens, hidden, ffn, seed, dtype=jnp.bfloat16):
-    e = local * G
+def _problem(local, k, kind, tokens, hidden, ffn, seed, dtype=jnp.bfloat16, g=G):
+    e = local * g
     rng = np.random.default_rng(seed)
-    ids = moe_model.random_routing(rng, G, tokens, k, e, kind)
-    x = (rng.standard_normal((G * tokens, hidden)) / 2).astype(np.float32)
+    ids = moe_model.random_routing(rng, g, tokens, k, e, kind)
+    x = (rng.standard_normal((g * tokens, hidden)) / 2).astype(np.float32)
     wg, wu = ((rng.standard_normal((e, hidden, ffn)) / np.sqrt(hidden)).astype(np.float32) for _ in range(2))
     cast = lambda a: jnp.asarray(a, dtype)
     return ids, cast(x), cast(wg), cast(wu)
 
 
-def _run(ids, x, wg, wu, e, capacity, recv_rows, fused_op: bool):
+def _run(ids, x, wg, wu, e, capacity, recv_rows, fused_op: bool, g=G):
     """(recv, counts, send_row, gate, up) per member, concatenated over the members (host arrays)."""
-    mesh = Mesh(np.array(gpus()[:G]), ("ep",))
+    mesh = Mesh(np.array(gpus()[:g]), ("ep",))
 
     def member(x, ids, wg, wu):
         if fused_op:
             recv_p, recv_counts, send_row, gate, up = overlap.dispatch_gate_up_rows(
-                *_plan_args(x, ids, e, capacity, recv_rows), wg, wu, ("ep",), _sizes(x, ids, e, capacity, recv_rows),
+                *_plan_args(x, ids, e, capacity, recv_rows, g), wg, wu, ("ep",), _sizes(x, ids, e, capacity, recv_rows, g),
                 overlap.comm_sms())
             return recv_p, overlap.expert_rows(recv_counts, recv_p.shape[0]), send_row, gate, up
         recv, counts, h = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e, capacity=capacity, recv_rows=recv_rows)
@@ -57,31 +57,32 @@ def _run(ids, x, wg, wu, e, capacity, recv_rows, fused_op: bool):
         compiled = jax.jit(jax.shard_map(member, mesh=mesh, in_specs=P("ep"), out_specs=P("ep"))).lower(
             x, jnp.asarray(ids.reshape(-1, ids.shape[-1])), wg, wu).compile()
     assert (CALL in compiled.as_text()) == fused_op
-    poison_allocator(64 << 20, gpus()[:G])
+    poison_allocator(64 << 20, gpus()[:g])
     outs = compiled(x, jnp.asarray(ids.reshape(-1, ids.shape[-1])), wg, wu)
     pk_jax.runtime.check()  # a timeout or a mismatched op is an error here, not a hang
     return [np.asarray(o.astype(jnp.float32) if o.dtype == x.dtype else o) for o in outs]
 
 
-def _sizes(x, ids, e, capacity, recv_rows):
-    return pk_jax.moe.routing.routing_sizes(G, e, x.shape[0], ids.shape[1], capacity, recv_rows)
+def _sizes(x, ids, e, capacity, recv_rows, g=G):
+    return pk_jax.moe.routing.routing_sizes(g, e, x.shape[0], ids.shape[1], capacity, recv_rows)
 
 
-def _plan_args(x, ids, e, capacity, recv_rows):
-    lp = pk_jax.moe.routing.plan_local(ids, _sizes(x, ids, e, capacity, recv_rows))
+def _plan_args(x, ids, e, capacity, recv_rows, g=G):
+    lp = pk_jax.moe.routing.plan_local(ids, _sizes(x, ids, e, capacity, recv_rows, g))
     return x, lp.key, lp.pos, lp.order
 
 
 def _reference(ids, x, w, e, capacity, recv_rows):
     """float64 (G * R, F): each member's received rows (model order) times its experts' matrices."""
-    tokens = ids.shape[1]
-    r = recv_rows or G * tokens * ids.shape[2]
+    g, tokens = ids.shape[:2]
+    # The op's bound: G * min(T K, L C) with a capacity (routing_sizes), not G T K.
+    r = pk_jax.moe.routing.routing_sizes(g, e, tokens, ids.shape[2], capacity, recv_rows).recv_rows
     rows, counts, _ = moe_model.dispatch_model(ids, e, capacity, r)
-    xs = np.asarray(x, np.float32).reshape(G, tokens, -1)
+    xs = np.asarray(x, np.float32).reshape(g, tokens, -1)
     w = np.asarray(w, np.float32)
-    local = e // G
+    local = e // g
     out = []
-    for d in range(G):
+    for d in range(g):
         recv = np.zeros((r, xs.shape[2]), np.float32)
         for i, (s, t, _) in enumerate(rows[d]):
             recv[i] = xs[s, t]
@@ -89,14 +90,14 @@ def _reference(ids, x, w, e, capacity, recv_rows):
     return np.concatenate(out), counts
 
 
-def _check(local, k, kind, capacity=None, recv_rows=None, tokens=48, hidden=128, ffn=320, seed=0):
-    ids, x, wg, wu = _problem(local, k, kind, tokens, hidden, ffn, seed)
-    e = local * G
-    got = _run(ids, x, wg, wu, e, capacity, recv_rows, True)
-    unfused = _run(ids, x, wg, wu, e, capacity, recv_rows, False)
+def _check(local, k, kind, capacity=None, recv_rows=None, tokens=48, hidden=128, ffn=320, seed=0, g=G):
+    ids, x, wg, wu = _problem(local, k, kind, tokens, hidden, ffn, seed, g=g)
+    e = local * g
+    got = _run(ids, x, wg, wu, e, capacity, recv_rows, True, g)
+    unfused = _run(ids, x, wg, wu, e, capacity, recv_rows, False, g)
     for name, a, b in zip(("recv", "counts", "send_row"), got[:3], unfused[:3]):
         np.testing.assert_array_equal(a, b, err_msg=f"{name}: DispatchMatmul vs the fused dispatch")
-    r = got[0].shape[0] // G
+    r = got[0].shape[0] // g
     for i, (name, w) in enumerate((("gate", wg), ("up", wu))):
         a = got[3 + i]
         assert not np.isnan(a).any(), f"{name}: unwritten (NaN-poisoned) elements"
@@ -105,7 +106,7 @@ def _check(local, k, kind, capacity=None, recv_rows=None, tokens=48, hidden=128,
         scale = max(np.abs(want).max(), 1e-30)
         err = np.abs(a - want).max() / scale
         assert err < 2e-2, f"{name} vs float32 reference: relative error {err:.2e}"
-        for d in range(G):  # rows past the received ones: zeros
+        for d in range(g):  # rows past the received ones: zeros
             used = int(np.sum(counts[d]))
             assert not a[d * r + used:(d + 1) * r].any(), f"{name}: member {d}'s tail rows are not zero"
 
@@ -127,6 +128,17 @@ ROUTINGS = [  # (local experts, top_k, kind, capacity, recv_rows, tokens)
 @pytest.mark.parametrize("local,k,kind,capacity,recv_rows,tokens", ROUTINGS)
 def test_overlap_equals_unfused_and_reference(local, k, kind, capacity, recv_rows, tokens):
     _check(local, k, kind, capacity, recv_rows, tokens=tokens, seed=local * 10 + k)
+
+
+@pytest.mark.parametrize("local,k,kind,tokens,hidden", [(4, 2, "uniform", 16, 64), (8, 8, "skewed", 200, 128),
+                                                        (4, 8, "uniform", 64, 7168)])
+def test_overlap_on_every_gpu(local, k, kind, tokens, hidden):
+    """The group of every GPU here (4 on a 4-GPU machine; the other tests use 2): a small routing first, then hot
+    experts, then the issue's row width (on 4 x H100 the bench's DeepSeek-shape row gave no result in 170 s)."""
+    g = len(gpus())
+    if g <= G:
+        pytest.skip(f"needs more than {G} GPUs (the other tests cover {G})")
+    _check(local, k, kind, tokens=tokens, hidden=hidden, ffn=320, seed=local + k, g=g)
 
 
 @pytest.mark.parametrize("sms", ["1", "8", "24", "64"])

@@ -94,7 +94,7 @@ def test_chains_interleave_with_the_other_small_ops():
             d = ar(c * 0.125, "small_chunked")
             e = (pk_jax.all_gather(d, "x", tiled=True, algorithm="small") if ours
                  else jax.lax.all_gather(d, "x", tiled=True))
-            return a, b, c, d, ar(e[: d.shape[0]] * 0.5, "small_pipelined")
+            return a, b, c, d, e, ar(e[: d.shape[0]] * 0.5, "small_pipelined")
         return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=P("x"), out_specs=(P("x"),) * 6, check_vma=False))
 
     f, ref = prog(True), prog(False)
