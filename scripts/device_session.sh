@@ -54,7 +54,8 @@
 #               tests, bench moe --op dispatch_gemm; SMS_SWEEP="8 16 24")                              ~7 min
 #   x4next      (2 GPUs+) session 12's leftover tests: DispatchMatmul on every GPU (3 s waits), small_pipelined's
 #               interleave / fresh-process / replay tests, the context temp-memory and bench-shape tests   ~8 min
-#   x4rows      (2 GPUs+) a ring timeline (pk transport) and the context rows session 12 did not reach        ~6 min
+#   x4rows      (2 GPUs+) a ring timeline (pk transport), ring fwd+bwd with float32 vs bf16 dK/dV hops
+#               (PK_JAX_RING_ACC_DTYPE), and the context rows session 12 did not reach                      ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -229,6 +230,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             stage context-rest 150 python3 -m pytest -q -rs tests/gpu/test_context_gpu.py -k "temp_memory or bench_shape" ;;
     x4rows) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
               --cases fwd_contiguous fwd_bwd_contiguous fwd_bwd_causal_zigzag
+            for acc in float32 input; do  # the dK/dV hops in float32 (default) or bf16: same call, one after the other
+              stage ring-acc-$acc 120 env PK_JAX_RING_ACC_DTYPE=$acc python3 -m pk_jax.bench context --op ring_attention \
+                --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 --out "$OUT/$day-context-acc-$acc.json"
+            done
             stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
               fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;

@@ -83,6 +83,42 @@ def test_ring_attention_matches_whole_sequence_reference(g, layout, causal, n, k
     assert_all_close(got, reference(q, k, v, d_out, causal), 1e-5)
 
 
+def _shifted_dtypes(jaxpr) -> list[str]:
+    """Dtypes of every array a ring transfer (lax.ppermute or the pk ring shift) sends, in nested jaxprs too."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("ppermute", "pk_ring_shift_start"):
+            out += [str(x.aval.dtype) for x in e.invars]
+        for p in e.params.values():
+            for sub in p if isinstance(p, (list, tuple)) else [p]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _shifted_dtypes(inner)
+    return out
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
+def test_ring_accumulators_in_the_input_dtype(monkeypatch, layout, causal):
+    """PK_JAX_RING_ACC_DTYPE=input: every dK/dV hop in bf16 (not only the last): still bf16-accurate at G 4; the
+    HLO's ring shifts then carry no float32 (B, T, K, H) accumulator; a bad value names the variable."""
+    from pk_jax.context import ring_overlap
+
+    g = 4
+    q, k, v, d_out = random_qkv(31 + causal, 1, g * T_LOCAL, 4, 2, 64, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    # A fresh function per trace: the variable is read when traced, and traces are cached per function.
+    shifted = lambda: _shifted_dtypes(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v).jaxpr)
+    assert "float32" in shifted()  # default: float32 hops
+    monkeypatch.setenv(ring_overlap.ACC_DTYPE_VAR, "input")
+    assert set(shifted()) == {"bfloat16"}
+    got = sharded(attn, g, layout, q, k, v, d_out)
+    assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2)
+    monkeypatch.setenv(ring_overlap.ACC_DTYPE_VAR, "float64")
+    with pytest.raises(ValueError, match=ring_overlap.ACC_DTYPE_VAR):
+        sharded(attn, g, layout, q, k, v, d_out)
+
+
 @pytest.mark.parametrize("g,layout,causal", [(2, "zigzag", True), (4, "contiguous", False)])
 def test_ring_blocks_take_the_attention_kernel_for_16_bit_inputs(g, layout, causal):
     """bf16 with head_dim 64: each block pair binds our attention kernel (pk_attention; its traced offsets
