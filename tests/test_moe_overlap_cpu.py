@@ -149,20 +149,3 @@ def test_unsupported_layers_keep_the_unfused_path(monkeypatch):
     assert not overlap.supported(sizes, 16, 20, jnp.bfloat16)  # F not a multiple of 8
     monkeypatch.setenv(fused.ENV, "reference")
     assert not overlap.use_overlap(sizes, 16, 24, jnp.bfloat16)
-
-
-def test_gpus_keep_the_unfused_path_above_the_verified_group(monkeypatch):
-    """On GPUs moe_mlp takes the kernel only up to VERIFIED_GROUP members (it stalled at 4 GPUs), with a warning,
-    unless PK_JAX_MOE_OVERLAP_ANY_GROUP=1; on CPU (the emulation) at any group size."""
-    assert overlap.group_verified(8)  # CPU
-    monkeypatch.setattr(overlap.jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(overlap, "_warned_group", set())
-    monkeypatch.delenv(overlap.ANY_GROUP_ENV, raising=False)
-    assert overlap.group_verified(overlap.VERIFIED_GROUP)
-    with pytest.warns(UserWarning, match=overlap.ANY_GROUP_ENV):
-        assert not overlap.group_verified(4)
-    monkeypatch.setenv(overlap.ENV, "1")
-    monkeypatch.setenv(fused.ENV, "fused")
-    assert not overlap.use_overlap(routing.routing_sizes(4, 8, 16, 2, None, None), 16, 24, jnp.bfloat16)
-    monkeypatch.setenv(overlap.ANY_GROUP_ENV, "1")
-    assert overlap.group_verified(4)

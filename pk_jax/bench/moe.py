@@ -322,11 +322,11 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
         moved = int(counts.sum()) * row_bytes  # no exchange: the bytes of the busiest member's rows
         remote = 0
     elif c.op == "dispatch_gemm":
-        args, ours, bases, moved, remote = _dispatch_gemm_contenders(c, mesh, put, x, ids, disp)
+        args, ours, bases, moved, remote = _dispatch_gemm_contenders(c, mesh, x, ids, disp)
         remote = remote_in * row_bytes  # every remote choice's row crosses (the fused kernel does not deduplicate)
     else:
-        wsh = lambda *s: put(rng.standard_normal((c.e,) + s) / np.sqrt(s[0]))
-        wg, wu, wd = wsh(c.h, c.f), wsh(c.h, c.f), wsh(c.f, c.h)
+        wg, wu, wd = (_sharded_weights(i + 4, (c.e,) + s, shard, dtype) for i, s in
+                      enumerate([(c.h, c.f), (c.h, c.f), (c.f, c.h)]))
         mlp = lambda x, ids, wts, a, b, d: pk_jax.moe.moe_mlp(x, ids, wts, a, b, d, AX)
         ours = _program(mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))
         args = [x, ids, wts, wg, wu, wd]
@@ -336,10 +336,17 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
     return args, ours, bases, moved, remote
 
 
-def _dispatch_gemm_contenders(c: Case, mesh: Mesh, put, x, ids, disp):
+def _sharded_weights(seed: int, shape: tuple[int, ...], sharding: NamedSharding, dtype) -> jax.Array:
+    """Normal(0, 1 / shape[1]) weights drawn on the devices, each its own shard: the DeepSeek-V3 expert weights
+    (256 x 7168 x 2048) are 3.8 G values, which NumPy drew and converted on the host for minutes (4 x H100,
+    2026-11-26: no dispatch_gemm row in 170 s)."""
+    draw = lambda key: (jax.random.normal(key, shape, jnp.float32) / np.sqrt(shape[1])).astype(dtype)
+    return jax.jit(draw, out_shardings=sharding)(jax.random.key(seed))
+
+
+def _dispatch_gemm_contenders(c: Case, mesh: Mesh, x, ids, disp):
     """dispatch + gate/up grouped GEMMs: fused (ours), the GEMMs alone on dispatched rows, dispatch then GEMMs."""
-    rng = np.random.default_rng(2)
-    wg, wu = (put(rng.standard_normal((c.e, c.h, c.f)) / np.sqrt(c.h)) for _ in range(2))
+    wg, wu = (_sharded_weights(seed, (c.e, c.h, c.f), NamedSharding(mesh, P(AX)), x.dtype) for seed in (2, 3))
     gm = pk_jax.moe.grouped_matmul
 
     def fused_layer(x, ids, a, b):

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import importlib
 import os
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -167,31 +166,9 @@ def supported(sizes: RoutingSizes, hidden: int, ffn: int, dtype) -> bool:
             and ffn > 0 and ffn % 8 == 0 and sizes.local_experts <= MAX_LOCAL)
 
 
-# Largest expert group the kernel has run right on GPUs: 2 (2 GPUs, and 2 ranks sharing one). On 4 x H100
-# (2026-11-26) its bench printed no row in 170 s at G 4, so larger groups keep the unfused path on GPUs unless
-# PK_JAX_MOE_OVERLAP_ANY_GROUP=1 (the tests set it to run the kernel there). CPU lowers to the emulation: any G.
-VERIFIED_GROUP = 2
-ANY_GROUP_ENV = "PK_JAX_MOE_OVERLAP_ANY_GROUP"
-_warned_group: set[int] = set()
-
-
-def group_verified(g: int) -> bool:
-    """Whether moe_mlp may take the kernel at expert group size g (see VERIFIED_GROUP); warns once per g if not."""
-    if g <= VERIFIED_GROUP or jax.default_backend() != "gpu" or os.environ.get(ANY_GROUP_ENV, "0") == "1":
-        return True
-    if g not in _warned_group:
-        _warned_group.add(g)
-        warnings.warn(f"pk_jax.moe.moe_mlp: {ENV}=1 is ignored at {g} expert-parallel members (the fused dispatch + "
-                      f"GEMM kernel stalled at 4 GPUs; right up to {VERIFIED_GROUP}): the unfused path runs. "
-                      f"{ANY_GROUP_ENV}=1 forces the kernel.", stacklevel=3)
-    return False
-
-
 def use_overlap(sizes: RoutingSizes, hidden: int, ffn: int, dtype) -> bool:
-    """Trace-time choice of moe_mlp: fused dispatch + GEMM when enabled, on the fused exchange, supported, and at a
-    verified group size."""
-    return (enabled() and fused.use_fused(sizes, hidden, dtype) and supported(sizes, hidden, ffn, dtype)
-            and group_verified(sizes.g))
+    """Trace-time choice of moe_mlp: fused dispatch + GEMM when enabled, on the fused exchange, and supported."""
+    return enabled() and fused.use_fused(sizes, hidden, dtype) and supported(sizes, hidden, ffn, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

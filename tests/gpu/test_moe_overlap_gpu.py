@@ -134,7 +134,7 @@ def test_overlap_equals_unfused_and_reference(local, k, kind, capacity, recv_row
                                                         (4, 8, "uniform", 64, 7168)])
 def test_overlap_on_every_gpu(local, k, kind, tokens, hidden):
     """The group of every GPU here (4 on a 4-GPU machine; the other tests use 2): a small routing first, then hot
-    experts, then the issue's row width (on 4 x H100 the bench's DeepSeek-shape row gave no result in 170 s)."""
+    experts, then the issue's row width."""
     g = len(gpus())
     if g <= G:
         pytest.skip(f"needs more than {G} GPUs (the other tests cover {G})")

@@ -127,7 +127,6 @@ def run(case: MlpCase, mesh: Mesh, inputs: dict, on_gpu: bool) -> dict:
     args = [put(k) for k in ("ids", "cot") + PARAMS]
     old = os.environ.get("PK_JAX_MOE_OVERLAP")
     os.environ["PK_JAX_MOE_OVERLAP"] = "1" if case.overlap else "0"  # read when moe_mlp is traced
-    os.environ["PK_JAX_MOE_OVERLAP_ANY_GROUP"] = "1"  # the kernel at every group size (moe_mlp keeps G <= 2 otherwise)
     try:
         with jax.default_matmul_precision("highest"):
             compiled = jax.jit(program).lower(*args).compile()
