@@ -56,6 +56,7 @@
 #               interleave / fresh-process / replay tests, the context temp-memory and bench-shape tests   ~8 min
 #   x4rows      (2 GPUs+) a ring timeline (pk transport), ring fwd+bwd with float32 vs bf16 dK/dV hops
 #               (PK_JAX_RING_ACC_DTYPE), and the context rows session 12 did not reach                      ~9 min
+#   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -236,6 +237,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             done
             stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
               fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
+    x4moe) stage moe-overlap-bench 200 python3 -m pk_jax.bench moe --op dispatch_gemm --out "$OUT/$day-moe-dispatch-gemm.json"
+           stage moe 330 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
