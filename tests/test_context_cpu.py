@@ -99,8 +99,8 @@ def _shifted_dtypes(jaxpr) -> list[str]:
 
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False)])
 def test_ring_accumulators_in_the_input_dtype(monkeypatch, layout, causal):
-    """PK_JAX_RING_ACC_DTYPE=input: every dK/dV hop in bf16 (not only the last): still bf16-accurate at G 4; the
-    HLO's ring shifts then carry no float32 (B, T, K, H) accumulator; a bad value names the variable."""
+    """PK_JAX_RING_ACC_DTYPE=input: every dK/dV hop in bf16 (not only the last; by default the others are float32):
+    still bf16-accurate at G 4; a bad value names the variable."""
     from pk_jax.context import ring_overlap
 
     g = 4

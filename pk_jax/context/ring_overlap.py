@@ -21,12 +21,14 @@ hop from its owner: G-1 hops, each under compute:
     end:        own pairs, last part (under the final hop) ; dK/dV = own + done(acc shift)
 The accumulators travel in float32, except the final hop into the owner, which carries the input dtype:
 the owner returns dK/dV in that dtype, so the visitors' sum is rounded once more (at most one more ulp of
-the result) for half the bytes on the one hop. $PK_JAX_RING_ACC_DTYPE=input (read when traced; default
-float32) sends every hop in the input dtype, as TransformerEngine's context-parallel backward does: half the
-accumulator bytes (at 4 GPUs, S 12288, B16 N16 D128: 403 instead of 805 MB per hop, beside the 403 MB K/V
-block), one rounding per hop (G - 1 instead of 1). Not measured yet. Live at most: the local shard, two K/V blocks (held and
+the result) for half the bytes on the one hop. Live at most: the local shard, two K/V blocks (held and
 arriving), and the float32 dK/dV of the owner, the fresh contribution, the accumulator leaving and the one
 arriving.
+
+$PK_JAX_RING_ACC_DTYPE=input (read when traced; default float32) sends every hop in the input dtype, as
+TransformerEngine's context-parallel backward does: half the accumulator bytes (4 GPUs, S 12288, B16 N16 D128:
+403 instead of 805 MB per hop, beside the 403 MB K/V block) for one rounding per hop (G - 1 instead of 1). Not
+measured yet.
 """
 
 from __future__ import annotations
