@@ -56,6 +56,8 @@
 #               interleave / fresh-process / replay tests, the context temp-memory and bench-shape tests   ~8 min
 #   x4rows      (2 GPUs+) a ring timeline (pk transport), ring fwd+bwd with float32 vs bf16 dK/dV hops
 #               (PK_JAX_RING_ACC_DTYPE), and the context rows session 12 did not reach                      ~9 min
+#   ulyssesab   (2 GPUs+) Ulysses fwd / fwd+bwd per head-chunk count and all-to-all (ULYSSES_CFGS, default
+#               "1:pk 4:pk 1:lax 4:lax": PK_JAX_ULYSSES_CHUNKS : PK_JAX_ULYSSES_A2A), one bench run each   ~6 min
 #   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
@@ -237,6 +239,11 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             done
             stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
               fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
+    ulyssesab) for cfg in ${ULYSSES_CFGS:-1:pk 4:pk 1:lax 4:lax}; do  # head chunks : all-to-all, in turn
+                 stage ulysses-${cfg/:/-} 120 env PK_JAX_ULYSSES_CHUNKS=${cfg%:*} PK_JAX_ULYSSES_A2A=${cfg#*:} \
+                   python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps 10 \
+                   --out "$OUT/$day-context-ulysses-${cfg/:/-}.json"
+               done ;;
     x4moe) stage moe-overlap-bench 200 python3 -m pk_jax.bench moe --op dispatch_gemm --out "$OUT/$day-moe-dispatch-gemm.json"
            stage moe 330 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;

@@ -5,6 +5,8 @@ memory staying flat in the group size (the ring never holds the full-sequence K/
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -151,6 +153,41 @@ def test_ulysses_attention_matches_whole_sequence_reference(g, layout, causal, n
     got = sharded(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout),
                   g, layout, q, k, v, d_out)
     assert_all_close(got, reference(q, k, v, d_out, causal), 1e-5)
+
+
+@pytest.mark.parametrize("chunks,a2a", [("2", "pk"), ("4", "lax"), ("3", "pk")])
+@pytest.mark.parametrize("g,layout,causal,n,kv_heads", [(2, "zigzag", True, 8, 4), (4, "contiguous", False, 16, 8)])
+def test_ulysses_head_chunks(monkeypatch, chunks, a2a, g, layout, causal, n, kv_heads):
+    """PK_JAX_ULYSSES_CHUNKS / PK_JAX_ULYSSES_A2A: the heads exchanged and attended in chunks (3 is cut to a count
+    dividing every member's query and K/V heads), by either all-to-all: the same result and gradients, and one
+    exchange per chunk and tensor in the program."""
+    from pk_jax.context import ulysses
+
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, chunks)
+    monkeypatch.setenv(ulysses.A2A_VAR, a2a)
+    q, k, v, d_out = random_qkv(g + 7 * causal, 2, g * T_LOCAL, n, kv_heads, 16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
+    jaxpr = str(jax.make_jaxpr(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))(
+        q, k, v))
+    c = math.gcd(int(chunks), n // g, kv_heads // g)
+    assert jaxpr.count("all_to_all") >= 4 * c, (c, jaxpr.count("all_to_all"))
+
+
+def test_ulysses_chunk_heads_round_trip_and_bad_settings(monkeypatch):
+    from pk_jax.context import ulysses
+
+    x = jnp.arange(2 * 3 * 24 * 2).reshape(2, 3, 24, 2)
+    g, c = 4, 3
+    parts = [ulysses.chunk_heads(x, g, c, i) for i in range(c)]
+    np.testing.assert_array_equal(ulysses.unchunk_heads(parts, g), x)
+    # member j's run i: heads j * 6 + i * 2 + (0, 1)
+    np.testing.assert_array_equal(parts[1][0, 0, :, 0], x[0, 0, [2, 3, 8, 9, 14, 15, 20, 21], 0])
+    for var, bad in ((ulysses.CHUNKS_VAR, "0"), (ulysses.A2A_VAR, "nccl")):
+        monkeypatch.setenv(var, bad)
+        with pytest.raises(ValueError, match=var):
+            ulysses.head_chunks() if var == ulysses.CHUNKS_VAR else ulysses.exchange()
+        monkeypatch.delenv(var)
 
 
 @pytest.mark.parametrize("causal", [False, True])

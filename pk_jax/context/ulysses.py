@@ -5,11 +5,19 @@ heads. Attention then runs locally and unchanged (jax.nn.dot_product_attention),
 all-to-all restores the sequence sharding. Both all-to-alls are pk_jax.all_to_all (device-initiated
 on GPUs, jax.lax.all_to_all elsewhere) and differentiable, so jax.grad needs nothing extra. The
 price: the full-sequence K/V of N/G heads lives on every member, and G must divide the head count.
+
+Head chunks ($PK_JAX_ULYSSES_CHUNKS=c, read when traced; default 1): each member's N/G heads are cut into c
+chunks, each exchanged, attended and sent back on its own, so that chunk i+1's exchange has no dependency on
+chunk i's attention and an asynchronous all-to-all can run under it. $PK_JAX_ULYSSES_A2A picks the exchange:
+"pk" (default, pk_jax.all_to_all: a kernel on XLA's stream, so no overlap) or "lax" (jax.lax.all_to_all:
+NCCL, which XLA schedules asynchronously). Same result for every setting (the same per-head attention); the
+speed of each pair is for the multi-GPU runs to show (not measured yet).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Literal
 
 import jax
@@ -33,6 +41,45 @@ def kv_head_replication(kv_heads: int, q_heads: int, g: int) -> int:
     rep = g // math.gcd(kv_heads, g)
     assert (q_heads // kv_heads) % rep == 0, (kv_heads, q_heads, g)
     return rep
+
+
+CHUNKS_VAR = "PK_JAX_ULYSSES_CHUNKS"
+A2A_VAR = "PK_JAX_ULYSSES_A2A"
+
+
+def head_chunks() -> int:
+    """$PK_JAX_ULYSSES_CHUNKS: head chunks per exchange (default 1), read when traced."""
+    raw = os.environ.get(CHUNKS_VAR, "1")
+    try:
+        c = int(raw)
+    except ValueError:
+        c = 0
+    if c < 1:
+        raise ValueError(f"pk_jax.ulysses_attention: ${CHUNKS_VAR}={raw!r}; use a count of head chunks >= 1")
+    return c
+
+
+def exchange() -> str:
+    """$PK_JAX_ULYSSES_A2A: "pk" (default, pk_jax.all_to_all) or "lax" (jax.lax.all_to_all), read when traced."""
+    value = os.environ.get(A2A_VAR, "pk")
+    if value not in ("pk", "lax"):
+        raise ValueError(f"pk_jax.ulysses_attention: ${A2A_VAR}={value!r}; use 'pk' or 'lax'")
+    return value
+
+
+def chunk_heads(x: jax.Array, g: int, c: int, i: int) -> jax.Array:
+    """Chunk i of c of every member's block of heads: (B, T, heads, H) -> (B, T, heads / c, H), member j's
+    block of heads/G cut into c runs, run i of every block kept in member order (so an all-to-all over the
+    heads hands member j its run i)."""
+    b, t, heads, h = x.shape
+    return x.reshape(b, t, g, c, heads // (g * c), h)[:, :, :, i].reshape(b, t, heads // c, h)
+
+
+def unchunk_heads(chunks: list[jax.Array], g: int) -> jax.Array:
+    """Inverse of chunk_heads over i = 0 .. c-1: the c (B, T, heads / c, H) chunks -> (B, T, heads, H)."""
+    b, t, part, h = chunks[0].shape
+    blocks = [x.reshape(b, t, g, part // g, h) for x in chunks]
+    return jnp.stack(blocks, axis=3).reshape(b, t, part * len(chunks), h)
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisName, *, causal: bool = False,
@@ -71,12 +118,22 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     if rep > 1:
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
 
+    a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if exchange() == "pk" else \
+        (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
+    # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
+    c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
+
     def to_heads(x):  # (B, T, heads, H) -> (B, S, heads / G, H), global sequence order
-        x = all_to_all(x, axis_name, 2, 1, tiled=True)
+        x = a2a(x, 2, 1)
         return from_zigzag(x, g, axis=1) if layout == "zigzag" else x
 
-    out = jax.nn.dot_product_attention(to_heads(q), to_heads(k), to_heads(v), scale=scale, is_causal=causal,
-                                       implementation=implementation)
-    if layout == "zigzag":
-        out = to_zigzag(out, g, axis=1)
-    return all_to_all(out, axis_name, 1, 2, tiled=True)
+    def attend(q, k, v):  # one chunk: exchange, local attention, exchange back
+        out = jax.nn.dot_product_attention(to_heads(q), to_heads(k), to_heads(v), scale=scale, is_causal=causal,
+                                           implementation=implementation)
+        if layout == "zigzag":
+            out = to_zigzag(out, g, axis=1)
+        return a2a(out, 1, 2)
+
+    if c == 1:
+        return attend(q, k, v)
+    return unchunk_heads([attend(*(chunk_heads(x, g, c, i) for x in (q, k, v))) for i in range(c)], g)
