@@ -54,9 +54,9 @@
 #               tests, bench moe --op dispatch_gemm; SMS_SWEEP="8 16 24")                              ~7 min
 #   x4next      (2 GPUs+) session 12's leftover tests: DispatchMatmul on every GPU (3 s waits), small_pipelined's
 #               interleave / fresh-process / replay tests, the context temp-memory and bench-shape tests   ~8 min
-#   x4rows      (2 GPUs+) a ring timeline (pk transport), ring rows at S 12288 per RING_CFGS "dtype:ctas" (default
-#               "float32:8 float32:4 input:8 input:16": PK_JAX_RING_ACC_DTYPE : PK_JAX_RING_SHIFT_CTAS), and the
-#               context rows session 12 did not reach                                                          ~13 min
+#   x4rows      (2 GPUs+) a ring timeline (pk transport), then ring rows at S 12288 per RING_CFGS "dtype:ctas"
+#               (default "float32:8 float32:4 input:8 input:16": PK_JAX_RING_ACC_DTYPE : PK_JAX_RING_SHIFT_CTAS) ~9 min
+#   x4ctxrest   (2 GPUs+) the context rows session 12 did not reach (Ulysses fwd+bwd, causal contiguous fwd+bwd) ~4 min
 #   ulyssesab   (2 GPUs+) Ulysses fwd / fwd+bwd per head-chunk count and all-to-all (ULYSSES_CFGS, default
 #               "1:pk 4:pk 1:lax 4:lax": PK_JAX_ULYSSES_CHUNKS : PK_JAX_ULYSSES_A2A), one bench run each   ~6 min
 #   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
@@ -239,9 +239,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 python3 -m pk_jax.bench context --op ring_attention --cases fwd_contiguous fwd_causal_zigzag \
                 fwd_bwd_contiguous fwd_bwd_causal_zigzag \
                 --seqs 12288 --reps 10 --out "$OUT/$day-context-ring-${cfg/:/-}.json"
-            done
-            stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
-              fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
+            done ;;
+    x4ctxrest) stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
+                 fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
     ulyssesab) for cfg in ${ULYSSES_CFGS:-1:pk 4:pk 1:lax 4:lax}; do  # head chunks : all-to-all, in turn
                  stage ulysses-${cfg/:/-} 120 env PK_JAX_ULYSSES_CHUNKS=${cfg%:*} PK_JAX_ULYSSES_A2A=${cfg#*:} \
                    python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps 10 \
