@@ -1,6 +1,7 @@
 """`python -m pk_jax.bench context`: ring and Ulysses attention vs gathering K/V and attending locally.
 
-Contenders per row, timed in turns in one run (one jitted call per op, median of `reps`):
+Contenders per row, timed in turns in one run (one jitted call per op, median of `reps` samples, each of calls
+issued back to back for about timing.DEVICE_SAMPLE_MS and one sync):
 - ours: pk_jax.ring_attention (layout zigzag / contiguous) or pk_jax.ulysses_attention;
 - baseline: all_gather K/V (jax.lax) + jax.nn.dot_product_attention of the local queries against the
   whole sequence, masked by global positions when causal (cuDNN on GPUs where it accepts the call, XLA
@@ -210,7 +211,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
             err_v = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             check = f"ok rel={err_v:.1e}" if err_v < 3e-2 else f"MISMATCH rel={err_v:.1e}"
         fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else []) + others
-        times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
+        times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1, min_sample_ms=timing.DEVICE_SAMPLE_MS)
         other_ms = times[len(fns) - len(others):]
         times = times[:len(fns) - len(others)]
         ours_ms = times[0]

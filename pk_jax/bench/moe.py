@@ -412,7 +412,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
             ref = fns[1 + same[-1]]
             e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(ref(args))))
             check = f"ok rel={e:.1e} vs {names[same[-1]]}" if e < 3e-2 else f"MISMATCH rel={e:.1e} vs {names[same[-1]]}"
-        times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1)
+        times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1, min_sample_ms=timing.DEVICE_SAMPLE_MS)
         base = {k: v for k, v in zip(names, times[1:]) if not k.startswith("ours[")}
         mine_ms = {k[5:-1]: v for k, v in zip(names, times[1:]) if k.startswith("ours[")}
         names_b = [k for k in names if not k.startswith("ours[")]
