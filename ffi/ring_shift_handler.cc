@@ -1,8 +1,9 @@
 // XLA FFI handlers of the asynchronous ring shift (kernels/ring_shift.cuh, docs/design.md):
-//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token      [attrs ctas, mesh_ids, mesh_shape, group_axes]
+//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token      [attrs ctas, dists, mesh_ids, mesh_shape, group_axes]
 //       Records an event on XLA's stream, makes the device's side stream wait for it (everything XLA
 //       issued before, including the writes of x, is done), and launches the shift kernel on the side
-//       stream with `ctas` CTAs; returns at once. y_i receives the predecessor's x_i. The token is never
+//       stream with `ctas` CTAs; returns at once. y_i receives x_i of member rank - dists[i] (the predecessor
+//       for distance 1). The token is never
 //       written: it only carries the dependency that keeps XLA from moving the step's attention before
 //       this call (pk_jax/context/ring_shift.py).
 //   pk_ring_shift_done: y_0..y_{n-1}, token, keep-alive and after operands... -> y_0..y_{n-1} (aliased)
@@ -37,7 +38,7 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
 }
 
 ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t ctas,
-                 Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+                 Ids dists, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   const size_t n = args.size();
   if (n < 1 || n > size_t(kMaxShiftBuffers) || rets.size() != n + 1)
     return ffi::Error::InvalidArgument("pk_jax ring shift: 1.." + std::to_string(kMaxShiftBuffers) +
@@ -49,9 +50,16 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
   const std::string error = build_group(ordinal, kOpRingShift, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
                                         mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
   if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+  if (dists.size() != n)
+    return ffi::Error::InvalidArgument("pk_jax ring shift: one distance per buffer (" + std::to_string(n) + "), got " +
+                                       std::to_string(dists.size()));
   ShiftBuffers b{};
   b.n = int32_t(n);
   for (size_t i = 0; i < n; ++i) {
+    if (dists[i] < 1 || dists[i] >= g.size)
+      return ffi::Error::InvalidArgument("pk_jax ring shift: distance " + std::to_string(dists[i]) + " outside 1.." +
+                                         std::to_string(g.size - 1));
+    b.dist[i] = int32_t(dists[i]);
     auto x = args.get<ffi::AnyBuffer>(i);
     auto y = rets.get<ffi::AnyBuffer>(i);
     if (x.has_error()) return x.error();
@@ -119,6 +127,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingShiftStart, pk::start,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("ctas")
+                                  .Attr<ffi::Span<const int64_t>>("dists")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")
                                   .Attr<ffi::Span<const int64_t>>("group_axes"));

@@ -3,8 +3,8 @@
 //   publish: CTA 0 writes this member's y_i (as each peer maps them) into every peer's side mailbox
 //            and signals ready. Every member publishes to every peer (not just the predecessor), so the
 //            op-tag check catches a member whose side-channel op sequence diverged, as on the main channel.
-//   acquire: every CTA waits for every peer's ready (bounded) and takes the successor's y_i.
-//   push:    the CTAs stride over x's 16-byte vectors and store them into the successor's y (remote
+//   acquire: every CTA waits for every peer's ready (bounded) and takes y_i of member rank + dist_i.
+//   push:    the CTAs stride over x_i's 16-byte vectors and store them into that member's y_i (remote
 //            16-byte stores: ~43-45 GB/s per SM, so 8 CTAs on 8 SMs reach the NVLink rate).
 //   finish:  the last CTA fences at system scope, signals done to every peer and waits for every
 //            peer's done: when the kernel ends, the predecessor's stores into our y have landed.
@@ -25,10 +25,10 @@ __global__ void __launch_bounds__(kShiftThreads) ring_shift_kernel(Group g, Shif
   op.publish(local, b.n);
   pgl<char> ys[kMaxShiftBuffers];
   if (op.acquire(local, ys)) {
-    const int succ = (g.rank + 1) % g.size;
     const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
     const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
     for (int i = 0; i < b.n; ++i) {
+      const int succ = (g.rank + b.dist[i]) % g.size;  // the handler checked 1 <= dist < G
       const uint4* src = reinterpret_cast<const uint4*>(b.x[i]);
       uint4* dst = reinterpret_cast<uint4*>(ys[i][succ]);
       const int64_t vecs = b.bytes[i] / 16;

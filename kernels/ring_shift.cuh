@@ -1,4 +1,5 @@
-// The asynchronous ring shift: member r's buffers x_i land in member (r+1) mod G's buffers y_i, on a
+// The asynchronous ring shift: member r's buffers x_i land in member (r+d_i) mod G's buffers y_i (d_i = 1 for
+// ring attention; d_i = 1..G-1 make an all-to-all, pk_jax/context/async_all_to_all.py), on a
 // side stream while XLA's stream runs the ring's attention (ffi/ring_shift_handler.cc). Handshakes on
 // the control block's side channel (OpProtocolOn<kSideChannel>), never the main one.
 #pragma once
@@ -19,6 +20,7 @@ struct ShiftBuffers {
   const char* x[kMaxShiftBuffers];  // this member's inputs (read locally)
   char* y[kMaxShiftBuffers];        // this member's outputs, reachable by the predecessor (published)
   int64_t bytes[kMaxShiftBuffers];  // x_i and y_i are `bytes[i]` long, 16-byte aligned
+  int32_t dist[kMaxShiftBuffers];   // x_i lands on member (rank + dist[i]) mod G, 1 <= dist[i] < G (1: the ring)
   int32_t n;
 };
 

@@ -57,8 +57,9 @@
 #   x4rows      (2 GPUs+) a ring timeline (pk transport), then ring rows at S 12288 per RING_CFGS "dtype:ctas"
 #               (default "float32:8 float32:4 input:8 input:16": PK_JAX_RING_ACC_DTYPE : PK_JAX_RING_SHIFT_CTAS) ~9 min
 #   x4ctxrest   (2 GPUs+) the context rows session 12 did not reach (Ulysses fwd+bwd, causal contiguous fwd+bwd) ~4 min
-#   ulyssesab   (2 GPUs+) Ulysses fwd / fwd+bwd per head-chunk count and all-to-all (ULYSSES_CFGS, default
-#               "1:pk 4:pk 1:lax 4:lax": PK_JAX_ULYSSES_CHUNKS : PK_JAX_ULYSSES_A2A), one bench run each   ~6 min
+#   ulyssesab   (2 GPUs+) the distance-shift and head-chunk GPU tests (5 s waits), then Ulysses fwd / fwd+bwd per
+#               head-chunk count and exchange (ULYSSES_CFGS, default "1:pk 4:async 8:async 4:lax":
+#               PK_JAX_ULYSSES_CHUNKS : PK_JAX_ULYSSES_A2A), one bench run each                             ~8 min
 #   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
@@ -242,7 +243,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             done ;;
     x4ctxrest) stage context-rest-rows 240 python3 -m pk_jax.bench context --reps 10 --cases fwd_bwd fwd_bwd_causal \
                  fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
-    ulyssesab) for cfg in ${ULYSSES_CFGS:-1:pk 4:pk 1:lax 4:lax}; do  # head chunks : all-to-all, in turn
+    ulyssesab) stage ulysses-tests 150 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs tests/gpu/test_ring_shift_gpu.py \
+                 tests/gpu/test_context_gpu.py -k "distances or head_chunks"
+               for cfg in ${ULYSSES_CFGS:-1:pk 4:async 8:async 4:lax}; do  # head chunks : all-to-all, in turn
                  stage ulysses-${cfg/:/-} 120 env PK_JAX_ULYSSES_CHUNKS=${cfg%:*} PK_JAX_ULYSSES_A2A=${cfg#*:} \
                    python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps 10 \
                    --out "$OUT/$day-context-ulysses-${cfg/:/-}.json"

@@ -81,8 +81,8 @@ def shift_ctas() -> int:
     return n
 
 
-def _perm(g: int) -> list[tuple[int, int]]:
-    return [(i, (i + 1) % g) for i in range(g)]
+def _perm(g: int, dist: int = 1) -> list[tuple[int, int]]:
+    return [(i, (i + dist) % g) for i in range(g)]
 
 
 def _token_aval(xs):
@@ -93,10 +93,11 @@ def _token_aval(xs):
     return token
 
 
-def shift_start(xs: Sequence[jax.Array], axes: Axes, *, ctas: int | None = None) -> tuple[tuple[jax.Array, ...],
-                                                                                           jax.Array]:
+def shift_start(xs: Sequence[jax.Array], axes: Axes, *, ctas: int | None = None,
+                dists: Sequence[int] | None = None) -> tuple[tuple[jax.Array, ...], jax.Array]:
     """Starts moving `xs` (1..4 arrays) one member on along `axes`: returns (ys, token); ys is only
-    valid after shift_done(ys, token, ...). A group of one: ys = xs, at once."""
+    valid after shift_done(ys, token, ...). A group of one: ys = xs, at once. dists: per array, how many
+    members on it goes (1..G-1, default 1): ys[i] is then xs[i] of member rank - dists[i]."""
     xs = tuple(xs)
     if not 1 <= len(xs) <= MAX_BUFFERS:
         raise ValueError(f"pk_jax ring shift: 1..{MAX_BUFFERS} arrays per shift, got {len(xs)}")
@@ -104,8 +105,11 @@ def shift_start(xs: Sequence[jax.Array], axes: Axes, *, ctas: int | None = None)
     g = group_size(axes)
     if g == 1:
         return xs, jnp.zeros((), jnp.int32)
+    dists = tuple(int(d) for d in dists) if dists is not None else (1,) * len(xs)
+    if len(dists) != len(xs) or not all(1 <= d < g for d in dists):
+        raise ValueError(f"pk_jax ring shift: dists {dists} must give each of the {len(xs)} arrays a distance in 1..{g - 1}")
     xs = tuple(insert_collective_pvary(axes, x) for x in xs)
-    out = pk_ring_shift_start_p.bind(*xs, axes=axes, g=g, ctas=int(shift_ctas() if ctas is None else ctas))
+    out = pk_ring_shift_start_p.bind(*xs, axes=axes, g=g, ctas=int(shift_ctas() if ctas is None else ctas), dists=dists)
     return tuple(out[:-1]), out[-1]
 
 
@@ -127,7 +131,7 @@ def after_token(tree, *tokens: jax.Array):
 
 # --- primitive rules -----------------------------------------------------------------------------
 
-def _start_abstract(*xs, axes, g, ctas):
+def _start_abstract(*xs, axes, g, ctas, dists):
     return [*xs, _token_aval(xs)]
 
 
@@ -141,10 +145,10 @@ pk_ring_shift_start_p.def_impl(functools.partial(dispatch.apply_primitive, pk_ri
 pk_ring_shift_done_p.def_impl(functools.partial(dispatch.apply_primitive, pk_ring_shift_done_p))
 
 
-def _start_fallback(ctx, *xs, axes, g, ctas):
+def _start_fallback(ctx, *xs, axes, g, ctas, dists):
     def f(*xs):
         name = axes if len(axes) > 1 else axes[0]
-        return [*(lax.ppermute(x, name, _perm(g)) for x in xs), jnp.zeros((), jnp.int32)]
+        return [*(lax.ppermute(x, name, _perm(g, d)) for x, d in zip(xs, dists)), jnp.zeros((), jnp.int32)]
 
     return mlir.lower_fun(f, multiple_results=True)(ctx, *xs)
 
@@ -169,12 +173,12 @@ def _kernel_table(ctx, axes):
     return table
 
 
-def _start_cuda(ctx, *xs, axes, g, ctas):
+def _start_cuda(ctx, *xs, axes, g, ctas, dists):
     table = _kernel_table(ctx, axes)
     if table is None:
-        return _start_fallback(ctx, *xs, axes=axes, g=g, ctas=ctas)
+        return _start_fallback(ctx, *xs, axes=axes, g=g, ctas=ctas, dists=dists)
     return jax.ffi.ffi_lowering("pk_ring_shift_start", has_side_effect=True)(
-        ctx, *xs, ctas=np.int32(ctas), mesh_ids=np.asarray(table.mesh_ids, np.int64),
+        ctx, *xs, ctas=np.int32(ctas), dists=np.asarray(dists, np.int64), mesh_ids=np.asarray(table.mesh_ids, np.int64),
         mesh_shape=np.asarray(table.mesh_shape, np.int64), group_axes=np.asarray(table.group_axes, np.int64))
 
 

@@ -8,25 +8,32 @@ price: the full-sequence K/V of N/G heads lives on every member, and G must divi
 
 Head chunks ($PK_JAX_ULYSSES_CHUNKS=c, read when traced; default 1): each member's N/G heads are cut into c
 chunks, each exchanged, attended and sent back on its own, so that chunk i+1's exchange has no dependency on
-chunk i's attention and an asynchronous all-to-all can run under it. $PK_JAX_ULYSSES_A2A picks the exchange:
-"pk" (default, pk_jax.all_to_all: a kernel on XLA's stream, so no overlap) or "lax" (jax.lax.all_to_all:
-NCCL, which XLA schedules asynchronously). Same result for every setting (the same per-head attention); the
-speed of each pair is for the multi-GPU runs to show (not measured yet).
+chunk i's attention and can run under it. $PK_JAX_ULYSSES_A2A picks the exchange: "pk" (default,
+pk_jax.all_to_all: a kernel on XLA's stream, so no overlap), "lax" (jax.lax.all_to_all: NCCL, which XLA may
+schedule asynchronously) or "async" (pk_jax/context/async_all_to_all.py: shifts at distances 1..G-1 on the side
+stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's attention, as the issue's "a head's
+attention starts as soon as its slices have landed"; its backward exchanges synchronously). Same result for
+every setting (the same per-head attention); their speeds are for the multi-GPU runs to show (not measured yet).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 import os
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pk_jax.collectives import all_to_all
+from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
 from pk_jax.context.ring import check_attention_args
 from pk_jax.context.ring_schedule import Layout
-from pk_jax.sharding import group_size
+from pk_jax.context.ring_shift import after_token
+from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 from pk_jax.sharding.zigzag import from_zigzag, to_zigzag
 
@@ -45,6 +52,7 @@ def kv_head_replication(kv_heads: int, q_heads: int, g: int) -> int:
 
 CHUNKS_VAR = "PK_JAX_ULYSSES_CHUNKS"
 A2A_VAR = "PK_JAX_ULYSSES_A2A"
+EXCHANGES = ("pk", "lax", "async")
 
 
 def head_chunks() -> int:
@@ -60,10 +68,11 @@ def head_chunks() -> int:
 
 
 def exchange() -> str:
-    """$PK_JAX_ULYSSES_A2A: "pk" (default, pk_jax.all_to_all) or "lax" (jax.lax.all_to_all), read when traced."""
+    """$PK_JAX_ULYSSES_A2A: "pk" (default, pk_jax.all_to_all), "lax" (jax.lax.all_to_all) or "async" (the head
+    chunks' exchanges on the side stream under the previous chunk's attention), read when traced."""
     value = os.environ.get(A2A_VAR, "pk")
-    if value not in ("pk", "lax"):
-        raise ValueError(f"pk_jax.ulysses_attention: ${A2A_VAR}={value!r}; use 'pk' or 'lax'")
+    if value not in EXCHANGES:
+        raise ValueError(f"pk_jax.ulysses_attention: ${A2A_VAR}={value!r}; use one of {EXCHANGES}")
     return value
 
 
@@ -118,22 +127,93 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     if rep > 1:
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
 
-    a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if exchange() == "pk" else \
-        (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
     # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
-
-    def to_heads(x):  # (B, T, heads, H) -> (B, S, heads / G, H), global sequence order
-        x = a2a(x, 2, 1)
-        return from_zigzag(x, g, axis=1) if layout == "zigzag" else x
+    cfg = _Local(bool(causal), None if scale is None else float(scale), layout, implementation, g)
+    mode = exchange()
+    if mode == "async" and g > 1:
+        return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, cfg)
+    a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
+        (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
 
     def attend(q, k, v):  # one chunk: exchange, local attention, exchange back
-        out = jax.nn.dot_product_attention(to_heads(q), to_heads(k), to_heads(v), scale=scale, is_causal=causal,
-                                           implementation=implementation)
-        if layout == "zigzag":
-            out = to_zigzag(out, g, axis=1)
-        return a2a(out, 1, 2)
+        return a2a(cfg(a2a(q, 2, 1), a2a(k, 2, 1), a2a(v, 2, 1)), 1, 2)
 
     if c == 1:
         return attend(q, k, v)
     return unchunk_heads([attend(*(chunk_heads(x, g, c, i) for x in (q, k, v))) for i in range(c)], g)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """The attention between the exchanges, on (B, S, heads / G, H) in the exchange's order (hashable: a
+    custom_vjp's static argument)."""
+    causal: bool
+    scale: float | None
+    layout: str
+    implementation: str | None
+    g: int
+
+    def __call__(self, q, k, v):
+        if self.layout == "zigzag":  # the whole sequence in global order, attention, back
+            q, k, v = (from_zigzag(x, self.g, axis=1) for x in (q, k, v))
+        out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal,
+                                           implementation=self.implementation)
+        return to_zigzag(out, self.g, axis=1) if self.layout == "zigzag" else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _ulysses_async(q, k, v, axes, c, local):
+    return _async_forward(q, k, v, axes, c, local, False)[0]
+
+
+def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
+    """The head chunks pipelined: chunk i's attention runs while chunk i+1's q/k/v exchange and chunk i-1's output
+    exchange run on the side stream (pk_jax/context/async_all_to_all.py). Each wait drains the side stream, so
+    chunk i's inputs are waited for before chunk i+1's exchange starts, and barriers hold XLA to that order.
+    keep_vjps: also return each chunk's attention VJP (the backward's residuals)."""
+    g = local.g
+    chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
+    start_in = lambda xs: [all_to_all_start(x, axes, 2, 1) for x in xs]
+    pending_in, pending_out, vjps = start_in(chunks[0]), [], []
+    out = None
+    for i in range(c):
+        xs = [all_to_all_done(p, axes, after=() if out is None else out) for p in pending_in]
+        issued = []
+        if i + 1 < c:  # its inputs read after the wait above: started behind it on the side stream
+            pending_in = start_in(lax.optimization_barrier((chunks[i + 1], xs))[0])
+            issued += [t for p in pending_in for t in p.tokens]
+        if out is not None:
+            pending_out.append(all_to_all_start(lax.optimization_barrier((out, xs))[0], axes, 1, 2))
+            issued += list(pending_out[-1].tokens)
+        xs = after_token(xs, *issued) if issued else xs  # the attention cannot move above those starts
+        if keep_vjps:
+            out, vjp = jax.vjp(local, *xs)
+            vjps.append(vjp)
+        else:
+            out = local(*xs)
+    pending_out.append(all_to_all_start(out, axes, 1, 2))
+    outs = [all_to_all_done(p, axes, after=out) for p in pending_out]
+    return (outs[0] if c == 1 else unchunk_heads(outs, g)), vjps
+
+
+def _async_fwd(q, k, v, axes, c, local):
+    out, vjps = _async_forward(q, k, v, axes, c, local, True)
+    return out, vjps
+
+
+def _async_bwd(axes, c, local, vjps, d_out):
+    """Each chunk's cotangent exchanged to the heads layout (the transpose of its output exchange), its attention's
+    VJP, the three gradients exchanged back (synchronous pk_jax.all_to_all: the backward is not overlapped)."""
+    g = local.g
+    grads = []
+    for i, vjp in enumerate(vjps):
+        ct = chunk_heads(d_out, g, c, i) if c > 1 else d_out
+        d = vjp(all_to_all(ct, axes, 2, 1, tiled=True))
+        grads.append([all_to_all(x, axes, 1, 2, tiled=True) for x in d])
+    if c == 1:
+        return tuple(grads[0])
+    return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
+
+
+_ulysses_async.defvjp(_async_fwd, _async_bwd)

@@ -90,6 +90,20 @@ def test_ulysses_attention_matches_reference(g, causal, dtype):
     assert_close(got, reference(q, k, v, d_out, causal), TOL[dtype], f"ulysses G={g} causal={causal}")
 
 
+@pytest.mark.parametrize("chunks,a2a", [("4", "async"), ("1", "async"), ("4", "lax"), ("4", "pk")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_head_chunks_and_exchanges(monkeypatch, chunks, a2a, causal):
+    """PK_JAX_ULYSSES_CHUNKS / _A2A on every GPU: head chunks exchanged by pk, lax or the asynchronous all-to-all
+    (side-stream shifts under the previous chunk's attention), forward and gradients vs the float32 reference."""
+    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
+    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", a2a)
+    g = len(gpus())
+    q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 256, 16, 8, 64)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal)
+    got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
+    assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses {chunks}:{a2a} G={g}")
+
+
 def _temp_bytes(fn, g, shape):
     spec = jax.ShapeDtypeStruct(shape, jnp.bfloat16)
     f = jax.shard_map(fn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))

@@ -38,8 +38,8 @@ def run(fn, g: int, *xs):
     return [np.asarray(y) for y in out], f
 
 
-def rolled(x: np.ndarray, g: int) -> np.ndarray:
-    return np.roll(x.reshape(g, -1, *x.shape[1:]), 1, axis=0).reshape(x.shape)
+def rolled(x: np.ndarray, g: int, dist: int = 1) -> np.ndarray:
+    return np.roll(x.reshape(g, -1, *x.shape[1:]), dist, axis=0).reshape(x.shape)
 
 
 def blocks(g: int, shape, dtype, seed=0) -> np.ndarray:
@@ -64,6 +64,29 @@ def test_shift_alone_small(g):
     np.testing.assert_array_equal(got, rolled(x, g))
     hlo = jitted.lower(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh(g), P("sp")))).compile().as_text()
     assert "pk_ring_shift_start" in hlo and "pk_ring_shift_done" in hlo, "the kernel path, not the ppermute fallback"
+
+
+@pytest.mark.parametrize("g", group_sizes())
+def test_shift_distances(g):
+    """Buffers at distances 1..G-1 in one launch (the asynchronous all-to-all's building block): buffer d is
+    member rank - d's; then that all-to-all (pk_jax/context/async_all_to_all.py) against jax.lax.all_to_all."""
+    from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
+
+    dists = tuple(range(1, g))[:4]
+    xs = [blocks(g, (16, 40), np.float32, seed=d) for d in dists]
+
+    def f(*xs):
+        ys, token = shift_start(xs, ("sp",), dists=dists)
+        return shift_done(ys, token, keep_alive=xs)
+
+    got, _ = run(f, g, *xs)
+    for d, x, y in zip(dists, xs, got):
+        np.testing.assert_array_equal(y, rolled(x, g, d), err_msg=f"distance {d}")
+    x = blocks(g, (4 * g, 2 * g, 64), jnp.bfloat16, seed=9)
+    for split, concat in ((1, 0), (0, 1)):
+        ours, _ = run(lambda x: (all_to_all_done(all_to_all_start(x, ("sp",), split, concat), ("sp",)),), g, x)
+        want, _ = run(lambda x: (jax.lax.all_to_all(x, "sp", split, concat, tiled=True),), g, x)
+        np.testing.assert_array_equal(ours[0], want[0], err_msg=f"async all_to_all split {split} concat {concat}")
 
 
 @pytest.mark.parametrize("g", group_sizes())
