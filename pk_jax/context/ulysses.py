@@ -12,7 +12,7 @@ chunk i's attention and can run under it. $PK_JAX_ULYSSES_A2A picks the exchange
 pk_jax.all_to_all: a kernel on XLA's stream, so no overlap), "lax" (jax.lax.all_to_all: NCCL, which XLA may
 schedule asynchronously) or "async" (pk_jax/context/async_all_to_all.py: shifts at distances 1..G-1 on the side
 stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's attention, as the issue's "a head's
-attention starts as soon as its slices have landed"; its backward exchanges synchronously). Same result for
+attention starts as soon as its slices have landed"; the backward pipelines its exchanges the same way). Same result for
 every setting (the same per-head attention); their speeds are for the multi-GPU runs to show (not measured yet).
 """
 
@@ -167,33 +167,44 @@ def _ulysses_async(q, k, v, axes, c, local):
     return _async_forward(q, k, v, axes, c, local, False)[0]
 
 
+def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Array]]:
+    """For each chunk i: its arrays exchanged sequence -> heads (all_to_all split 2, concat 1), compute(i, arrays)
+    -> arrays, those exchanged back (split 1, concat 2). The exchanges run on the side stream
+    (pk_jax/context/async_all_to_all.py): chunk i+1's inputs and chunk i-1's results move while chunk i computes.
+    Each wait drains the side stream, so chunk i's inputs are waited for before chunk i+1's exchange starts, and
+    barriers hold XLA to that order."""
+    start = lambda xs, split, concat: [all_to_all_start(x, axes, split, concat) for x in xs]
+    pending_in, pending_out = start(chunks[0], 2, 1), []
+    res = None
+    for i in range(len(chunks)):
+        xs = [all_to_all_done(p, axes, after=() if res is None else res) for p in pending_in]
+        issued = []
+        if i + 1 < len(chunks):  # its inputs read after the wait above: started behind it on the side stream
+            pending_in = start(lax.optimization_barrier((chunks[i + 1], xs))[0], 2, 1)
+            issued += [t for p in pending_in for t in p.tokens]
+        if res is not None:
+            pending_out.append(start(lax.optimization_barrier((res, xs))[0], 1, 2))
+            issued += [t for p in pending_out[-1] for t in p.tokens]
+        res = compute(i, after_token(xs, *issued) if issued else xs)  # not movable above those starts
+    pending_out.append(start(res, 1, 2))
+    return [[all_to_all_done(p, axes, after=res) for p in ps] for ps in pending_out]
+
+
 def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
-    """The head chunks pipelined: chunk i's attention runs while chunk i+1's q/k/v exchange and chunk i-1's output
-    exchange run on the side stream (pk_jax/context/async_all_to_all.py). Each wait drains the side stream, so
-    chunk i's inputs are waited for before chunk i+1's exchange starts, and barriers hold XLA to that order.
-    keep_vjps: also return each chunk's attention VJP (the backward's residuals)."""
+    """The head chunks pipelined (_pipelined). keep_vjps: also return each chunk's attention VJP (the backward's
+    residuals)."""
     g = local.g
     chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
-    start_in = lambda xs: [all_to_all_start(x, axes, 2, 1) for x in xs]
-    pending_in, pending_out, vjps = start_in(chunks[0]), [], []
-    out = None
-    for i in range(c):
-        xs = [all_to_all_done(p, axes, after=() if out is None else out) for p in pending_in]
-        issued = []
-        if i + 1 < c:  # its inputs read after the wait above: started behind it on the side stream
-            pending_in = start_in(lax.optimization_barrier((chunks[i + 1], xs))[0])
-            issued += [t for p in pending_in for t in p.tokens]
-        if out is not None:
-            pending_out.append(all_to_all_start(lax.optimization_barrier((out, xs))[0], axes, 1, 2))
-            issued += list(pending_out[-1].tokens)
-        xs = after_token(xs, *issued) if issued else xs  # the attention cannot move above those starts
-        if keep_vjps:
-            out, vjp = jax.vjp(local, *xs)
-            vjps.append(vjp)
-        else:
-            out = local(*xs)
-    pending_out.append(all_to_all_start(out, axes, 1, 2))
-    outs = [all_to_all_done(p, axes, after=out) for p in pending_out]
+    vjps = []
+
+    def compute(i, xs):
+        if not keep_vjps:
+            return [local(*xs)]
+        out, vjp = jax.vjp(local, *xs)
+        vjps.append(vjp)
+        return [out]
+
+    outs = [o for (o,) in _pipelined(chunks, compute, axes)]
     return (outs[0] if c == 1 else unchunk_heads(outs, g)), vjps
 
 
@@ -203,14 +214,12 @@ def _async_fwd(q, k, v, axes, c, local):
 
 
 def _async_bwd(axes, c, local, vjps, d_out):
-    """Each chunk's cotangent exchanged to the heads layout (the transpose of its output exchange), its attention's
-    VJP, the three gradients exchanged back (synchronous pk_jax.all_to_all: the backward is not overlapped)."""
+    """The same pipeline backwards: each chunk's output cotangent exchanged to the heads layout (the transpose of
+    its output exchange), its attention's VJP, the three gradients exchanged back (the transpose of the input
+    exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
-    grads = []
-    for i, vjp in enumerate(vjps):
-        ct = chunk_heads(d_out, g, c, i) if c > 1 else d_out
-        d = vjp(all_to_all(ct, axes, 2, 1, tiled=True))
-        grads.append([all_to_all(x, axes, 1, 2, tiled=True) for x in d])
+    chunks = [[chunk_heads(d_out, g, c, i) if c > 1 else d_out] for i in range(c)]
+    grads = _pipelined(chunks, lambda i, xs: list(vjps[i](xs[0])), axes)
     if c == 1:
         return tuple(grads[0])
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
