@@ -204,13 +204,11 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
         vjps.append(vjp)
         return [out]
 
-    outs = [o for (o,) in _pipelined(chunks, compute, axes)]
-    return (outs[0] if c == 1 else unchunk_heads(outs, g)), vjps
+    return unchunk_heads([o for (o,) in _pipelined(chunks, compute, axes)], g), vjps
 
 
 def _async_fwd(q, k, v, axes, c, local):
-    out, vjps = _async_forward(q, k, v, axes, c, local, True)
-    return out, vjps
+    return _async_forward(q, k, v, axes, c, local, True)  # (out, the residuals: each chunk's VJP)
 
 
 def _async_bwd(axes, c, local, vjps, d_out):
@@ -218,10 +216,7 @@ def _async_bwd(axes, c, local, vjps, d_out):
     its output exchange), its attention's VJP, the three gradients exchanged back (the transpose of the input
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
-    chunks = [[chunk_heads(d_out, g, c, i) if c > 1 else d_out] for i in range(c)]
-    grads = _pipelined(chunks, lambda i, xs: list(vjps[i](xs[0])), axes)
-    if c == 1:
-        return tuple(grads[0])
+    grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], lambda i, xs: list(vjps[i](xs[0])), axes)
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
 
 
