@@ -18,14 +18,14 @@ constexpr int kShiftThreads = 512;
 
 struct ShiftBuffers {
   const char* x[kMaxShiftBuffers];  // this member's inputs (read locally)
-  char* y[kMaxShiftBuffers];        // this member's outputs, reachable by the predecessor (published)
+  char* y[kMaxShiftBuffers];        // this member's outputs, reachable by member rank - dist[i] (published)
   int64_t bytes[kMaxShiftBuffers];  // x_i and y_i are `bytes[i]` long, 16-byte aligned
   int32_t dist[kMaxShiftBuffers];   // x_i lands on member (rank + dist[i]) mod G, 1 <= dist[i] < G (1: the ring)
   int32_t n;
 };
 
 // Launches the shift kernel on `stream` with `ctas` CTAs. When it ends, every y_i holds the
-// predecessor's x_i and no peer touches this member's buffers any more.
+// x_i of member rank - dist[i] and no peer touches this member's buffers any more.
 cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, cudaStream_t stream);
 
 // The kernel(s) of this file, preloaded by the runtime with every other kernel (collectives.cu).

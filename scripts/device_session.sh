@@ -71,6 +71,10 @@ set -o pipefail
 export PK_JAX_COMMIT PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/pk_jax_out}; mkdir -p "$OUT"
+if [ -n "${PACK:-}" ]; then  # one archive back (a device call returns at most 8 files), whatever ends the script
+  trap '(cd "$OUT" && tar czf /tmp/pk_jax_out.tgz . && find . -mindepth 1 -delete && mv /tmp/pk_jax_out.tgz "$OUT/out.tgz")' EXIT
+fi
+DEADLINE=${DEADLINE:-560}  # every stage's limit shrinks to what is left of this (a device call ends at 600 s)
 if [ -n "${PREBUILT:-}" ]; then
   cp "$PREBUILT"/_pk_jax_ext*.so pk_jax/ || exit 1
 else
@@ -256,6 +260,3 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
-if [ -n "${PACK:-}" ]; then  # one archive back (a device call returns at most 8 files)
-  (cd "$OUT" && tar czf /tmp/pk_jax_out.tgz . && find . -mindepth 1 -delete && mv /tmp/pk_jax_out.tgz "$OUT/out.tgz")
-fi

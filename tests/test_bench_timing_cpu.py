@@ -19,8 +19,8 @@ def test_calls_for_sizes_samples():
 
 
 def test_samples_issue_calls_back_to_back_and_report_per_op():
-    """A 2 ms op: with min_sample_ms 20 each sample makes ~10 calls and one wait; the per-op time stays ~2 ms.
-    Without it, one call per sample."""
+    """A 1 ms op: with min_sample_ms 40 each sample makes many calls (~40; at least 2 unless its sizing call took
+    over 20 ms) and one wait; the per-op time stays ~1 ms. Without it, one call per sample."""
     counts = {"short": 0, "long": 0}
 
     def op(name, ms):
@@ -30,11 +30,11 @@ def test_samples_issue_calls_back_to_back_and_report_per_op():
             return jnp.zeros(())
         return fn
 
-    short, long = op("short", 2.0), op("long", 30.0)
-    got = timing.time_interleaved([short, long], [0], warmup=1, reps=4, ops_per_call=1, min_sample_ms=20.0)
-    assert 1.8 < got[0] < 8.0 and 28.0 < got[1] < 60.0, got  # per op (loose: CI machines are noisy)
-    assert counts["long"] == 1 + 1 + 4                       # warm-up, the sizing call, 4 samples of one call
-    assert 1 + 1 + 4 * 2 <= counts["short"] <= 1 + 1 + 4 * 10  # several calls per sample (~10 when quiet)
+    short, long = op("short", 1.0), op("long", 60.0)
+    got = timing.time_interleaved([short, long], [0], warmup=1, reps=4, ops_per_call=1, min_sample_ms=40.0)
+    assert 0.9 < got[0] < 8.0 and 58.0 < got[1] < 120.0, got  # per op (loose: CI machines are noisy)
+    assert counts["long"] == 1 + 1 + 4                         # warm-up, the sizing call, 4 samples of one call
+    assert 1 + 1 + 4 * 2 <= counts["short"] <= 1 + 1 + 4 * 40  # several calls per sample (~40 when quiet)
     counts.update(short=0, long=0)
     timing.time_interleaved([short], [0], warmup=1, reps=3, ops_per_call=1)
     assert counts["short"] == 1 + 3

@@ -176,6 +176,18 @@ def test_ulysses_head_chunks(monkeypatch, chunks, a2a, g, layout, causal, n, kv_
     assert jaxpr.count(op) >= 4 * c, (c, op, jaxpr.count(op))
 
 
+@pytest.mark.parametrize("g", [2, 3, 6, 8])  # 6 and 8: two shift launches (at most 4 blocks each)
+@pytest.mark.parametrize("split,concat", [(2, 1), (1, 2), (1, -2), (-1, 0)])
+def test_async_all_to_all_equals_lax(g, split, concat):
+    from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
+
+    x = jnp.arange(g * 2 * g * 4 * g * 3 * g * 1.0).reshape(g * 2, g * 4, g * 3, g)
+    ours = lambda x: all_to_all_done(all_to_all_start(x, ("sp",), split, concat), ("sp",))
+    want = lambda x: jax.lax.all_to_all(x, "sp", split % 4, concat % 4, tiled=True)
+    run = lambda f: jax.jit(jax.shard_map(f, mesh=mesh(g), in_specs=P("sp"), out_specs=P("sp")))(x)
+    np.testing.assert_array_equal(run(ours), run(want))
+
+
 def test_ulysses_chunk_heads_round_trip_and_bad_settings(monkeypatch):
     from pk_jax.context import ulysses
 

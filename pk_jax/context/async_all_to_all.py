@@ -53,6 +53,10 @@ def all_to_all_start(x: jax.Array, axes: Axes, split_axis: int, concat_axis: int
     """Starts the tiled all-to-all of x over `axes` (x.shape[split_axis] divisible by G) on the side stream."""
     axes = tuple(axes)
     g = group_size(axes)
+    for name, a in (("split_axis", split_axis), ("concat_axis", concat_axis)):
+        if not -x.ndim <= a < x.ndim:
+            raise ValueError(f"pk_jax async all_to_all: {name}={a} is outside the {x.ndim} dimensions of x")
+    split_axis, concat_axis = split_axis % x.ndim, concat_axis % x.ndim
     if x.shape[split_axis] % g:
         raise ValueError(f"pk_jax async all_to_all: dimension {split_axis} of {x.shape} is not divisible by G = {g}")
     rank = lax.axis_index(axes)

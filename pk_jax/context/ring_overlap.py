@@ -25,7 +25,7 @@ the result) for half the bytes on the one hop. Live at most: the local shard, tw
 arriving), and the float32 dK/dV of the owner, the fresh contribution, the accumulator leaving and the one
 arriving.
 
-$PK_JAX_RING_ACC_DTYPE=input (read when traced; default float32) sends every hop in the input dtype, as
+$PK_JAX_RING_ACC_DTYPE=input (read when traced; default float32; the "pk" transport only) sends every hop in the input dtype, as
 TransformerEngine's context-parallel backward does: half the accumulator bytes (4 GPUs, S 12288, B16 N16 D128:
 403 instead of 805 MB per hop, beside the 403 MB K/V block) for one rounding per hop (G - 1 instead of 1). Not
 measured yet.
@@ -99,6 +99,7 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
         dq, own = own_first(kv, dq, local)
         return own_last(kv, dq, own, local)
     own_kv = kv
+    acc_input_dtype = acc_in_input_dtype()  # read (and checked) once, also where no hop uses it (G 2)
     kv, local_step, kv_pending = _send_on(kv, local, axes, True, [])
     dq, own = own_first(kv, dq, local_step)
     acc_pending = None  # (ys, token, sent) of the accumulator in flight
@@ -113,7 +114,7 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
             ys, token, sent = acc_pending
             arrived = shift_done(ys, token, keep_alive=sent, after=(dq, c))
             c = tuple(a.astype(jnp.float32) + b for a, b in zip(arrived, c))
-        acc = c if step < g - 1 and not acc_in_input_dtype() else tuple(x.astype(final_dtype) for x in c)
+        acc = c if step < g - 1 and not acc_input_dtype else tuple(x.astype(final_dtype) for x in c)
         acc_ys, acc_token = shift_start(acc, axes)
         acc_pending = (acc_ys, acc_token, acc)
     ys, token, sent = acc_pending

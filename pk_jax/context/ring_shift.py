@@ -3,6 +3,7 @@
 Two primitives, used as a pair inside `jax.shard_map` (pk_jax/context/ring_overlap.py):
 
     ys, token = shift_start(xs, axes)          # xs: a tuple of 1..4 arrays; ys: the predecessor's xs
+                                               # (dists=(d, ...): member rank - d's, for an all-to-all)
     ...the step's compute, with its inputs made to depend on `token` (after_token)...
     ys = shift_done(ys, token, keep_alive=xs, after=result_of_the_compute)
 
@@ -114,7 +115,7 @@ def shift_start(xs: Sequence[jax.Array], axes: Axes, *, ctas: int | None = None,
 
 
 def shift_done(ys: Sequence[jax.Array], token: jax.Array, *, keep_alive=(), after=()) -> tuple[jax.Array, ...]:
-    """Finishes a shift: ys, now holding the predecessor's arrays. `keep_alive`: the shift's xs (their
+    """Finishes a shift: ys, now holding the sending members' arrays (the predecessor's at distance 1). `keep_alive`: the shift's xs (their
     memory must outlive the transfer); `after`: results that must be computed before this point (the
     step's compute, so the wait does not move in front of it). Both are pytrees, never read."""
     ys = tuple(ys)

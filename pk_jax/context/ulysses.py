@@ -129,10 +129,11 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
 
     # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
-    cfg = _Local(bool(causal), None if scale is None else float(scale), layout, implementation, g)
+    cfg = _Local(bool(causal), scale, layout, implementation, g)
     mode = exchange()
-    if mode == "async" and g > 1:
-        return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, cfg)
+    if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
+        static = dataclasses.replace(cfg, scale=None if scale is None else float(scale))
+        return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
     a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
         (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
 
@@ -146,8 +147,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
 
 @dataclasses.dataclass(frozen=True)
 class _Local:
-    """The attention between the exchanges, on (B, S, heads / G, H) in the exchange's order (hashable: a
-    custom_vjp's static argument)."""
+    """The attention between the exchanges, on (B, S, heads / G, H) in the exchange's order (hashable with a
+    Python float scale: the async path's custom_vjp takes it as a static argument)."""
     causal: bool
     scale: float | None
     layout: str

@@ -98,8 +98,13 @@ def test_ulysses_head_chunks_and_exchanges(monkeypatch, chunks, a2a, causal):
     monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
     monkeypatch.setenv("PK_JAX_ULYSSES_A2A", a2a)
     g = len(gpus())
-    q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 256, 16, 8, 64)
+    heads = 8 * g  # 8 heads per member: 4 chunks of 2 at any G (GQA with chunks is covered on CPU)
+    q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 256, heads, heads, 64)
     attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal)
+    if a2a == "async":  # the kernel path, not the ppermute fallback
+        spec = jax.ShapeDtypeStruct((2, g * 256, heads, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+        f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+        assert "pk_ring_shift_start" in f.lower(spec, spec, spec).compile().as_text()
     got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses {chunks}:{a2a} G={g}")
 

@@ -79,9 +79,11 @@ def test_shift_distances(g):
         ys, token = shift_start(xs, ("sp",), dists=dists)
         return shift_done(ys, token, keep_alive=xs)
 
-    got, _ = run(f, g, *xs)
+    got, jitted = run(f, g, *xs)
     for d, x, y in zip(dists, xs, got):
         np.testing.assert_array_equal(y, rolled(x, g, d), err_msg=f"distance {d}")
+    specs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh(g), P("sp"))) for x in xs]
+    assert "pk_ring_shift_start" in jitted.lower(*specs).compile().as_text(), "the kernel, not the ppermute fallback"
     x = blocks(g, (4 * g, 2 * g, 64), jnp.bfloat16, seed=9)
     for split, concat in ((1, 0), (0, 1)):
         ours, _ = run(lambda x: (all_to_all_done(all_to_all_start(x, ("sp",), split, concat), ("sp",)),), g, x)
