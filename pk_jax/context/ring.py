@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pk_jax._env import int_setting
 from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
@@ -141,14 +141,8 @@ def reserve_sms() -> int:
     shift's CTA count ($PK_JAX_RING_SHIFT_CTAS, 8), so its kernel gets SMs while the attention runs;
     with "xla" 0 (on 2x H200, 2026-11-23, S 12288, leaving 8 SMs free did not hide XLA's permute: forward
     20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9; XLA does not run it under our kernel)."""
-    value = os.environ.get(RESERVE_SMS_VAR) or str(shift_ctas() if transport() == "pk" else 0)
-    try:
-        n = int(value)
-    except ValueError:
-        n = -1
-    if n < 0:
-        raise ValueError(f"pk_jax.ring_attention: ${RESERVE_SMS_VAR}={value!r}; use a count of SMs >= 0")
-    return n
+    default = shift_ctas() if transport() == "pk" else 0
+    return int_setting(RESERVE_SMS_VAR, default, minimum=0, owner="pk_jax.ring_attention", what="a count of SMs")
 
 
 def _reserve(shift_in_flight: bool) -> int:

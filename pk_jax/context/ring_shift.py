@@ -45,6 +45,7 @@ from jax._src.lax.parallel import insert_collective_pvary
 from jax.interpreters import mlir
 
 from pk_jax import _ext, runtime
+from pk_jax._env import int_setting
 from pk_jax.sharding import group_size
 
 TRANSPORT_VAR = "PK_JAX_RING_TRANSPORT"
@@ -72,14 +73,7 @@ def transport() -> str:
 
 def shift_ctas() -> int:
     """CTAs (one per SM) of the shift kernel: $PK_JAX_RING_SHIFT_CTAS, default 8, read when traced."""
-    value = os.environ.get(CTAS_VAR, str(DEFAULT_CTAS))
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"pk_jax.ring_attention: ${CTAS_VAR}={value!r}; use a count of CTAs >= 1")
-    return n
+    return int_setting(CTAS_VAR, DEFAULT_CTAS, minimum=1, owner="pk_jax.ring_attention", what="a count of CTAs")
 
 
 def _perm(g: int, dist: int = 1) -> list[tuple[int, int]]:

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pk_jax._env import int_setting
 from pk_jax.collectives import all_to_all
 from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
 from pk_jax.context.ring import check_attention_args
@@ -57,14 +58,7 @@ EXCHANGES = ("pk", "lax", "async")
 
 def head_chunks() -> int:
     """$PK_JAX_ULYSSES_CHUNKS: head chunks per exchange (default 1), read when traced."""
-    raw = os.environ.get(CHUNKS_VAR, "1")
-    try:
-        c = int(raw)
-    except ValueError:
-        c = 0
-    if c < 1:
-        raise ValueError(f"pk_jax.ulysses_attention: ${CHUNKS_VAR}={raw!r}; use a count of head chunks >= 1")
-    return c
+    return int_setting(CHUNKS_VAR, 1, minimum=1, owner="pk_jax.ulysses_attention", what="a count of head chunks")
 
 
 def exchange() -> str:

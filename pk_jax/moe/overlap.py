@@ -32,6 +32,7 @@ from jax._src import core
 from jax.interpreters import mlir
 
 from pk_jax import _ext
+from pk_jax._env import int_setting
 from pk_jax.moe import fused, routing
 from pk_jax.moe.routing import RoutingHandle, RoutingSizes
 from pk_jax.sharding import group_size, normalize_axis_name
@@ -146,17 +147,8 @@ def enabled() -> bool:
 
 def comm_sms() -> int:
     """SMs that push rows first (PK_JAX_MOE_OVERLAP_SMS, default 16), read at trace time."""
-    raw = os.environ.get(SMS_ENV, "").strip()
-    if not raw:
-        return DEFAULT_COMM_SMS
-    try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"pk_jax.moe: {SMS_ENV}={raw!r}; use a positive number of SMs (default "
-                         f"{DEFAULT_COMM_SMS}; it must leave SMs for the GEMM)")
-    return value
+    return int_setting(SMS_ENV, DEFAULT_COMM_SMS, minimum=1, owner="pk_jax.moe",
+                       what="a number of SMs (it must leave SMs for the GEMM)")
 
 
 def supported(sizes: RoutingSizes, hidden: int, ffn: int, dtype) -> bool:
