@@ -261,13 +261,15 @@ def _batch_bwd(args, dims, *, scale, causal, reserve_sms=0, dq_f32=False):
 batching.primitive_batchers[pk_attention_bwd_p] = _batch_bwd
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _kernel_attention(q, k, v, offsets, scale, causal):
-    return tuple(_bind(q, k, v, offsets, scale, causal, True))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _kernel_attention(q, k, v, offsets, scale, causal, reserve_sms=0):
+    """(out, lse) by our kernels, forward and backward; reserve_sms: SMs both leave free (for a transfer running
+    beside them on another stream, as Ulysses' asynchronous exchanges)."""
+    return tuple(_bind(q, k, v, offsets, scale, causal, True, reserve_sms))
 
 
-def _kernel_fwd(q, k, v, offsets, scale, causal):
-    out, lse = _bind(q, k, v, offsets, scale, causal, True)
+def _kernel_fwd(q, k, v, offsets, scale, causal, reserve_sms=0):
+    out, lse = _bind(q, k, v, offsets, scale, causal, True, reserve_sms)
     return (out, lse), (q, k, v, offsets, out, lse)
 
 
@@ -288,7 +290,7 @@ def backward_kernel_enabled() -> bool:
     return os.environ.get(BWD_VAR, "kernel") != "xla"
 
 
-def _kernel_bwd(scale, causal, res, cts):
+def _kernel_bwd(scale, causal, reserve_sms, res, cts):
     """The forward ran our kernel: the backward kernel when enabled (its primitive lowers to XLA off
     CUDA), else the XLA einsums."""
     if not backward_kernel_enabled():
@@ -297,7 +299,7 @@ def _kernel_bwd(scale, causal, res, cts):
     d_out, d_lse = cts
     d_out = d_out.astype(q.dtype)
     dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, d_out, lse, _delta(out, d_out, d_lse), offsets, scale=scale,
-                                         causal=causal)
+                                         causal=causal, reserve_sms=int(reserve_sms))
     return dq, dk, dv, None
 
 
@@ -388,7 +390,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
     if impl == "pk":
         why = _kernel_refusal(q, k, scale)
         if why is None:
-            out, lse = _kernel_attention(q, k, v, offsets, scale, causal)
+            out, lse = _kernel_attention(q, k, v, offsets, scale, causal, 0)
             return (out, lse) if return_lse else out
         if jax.default_backend() == "gpu":
             _note_fallback(why)

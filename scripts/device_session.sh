@@ -58,8 +58,8 @@
 #               (default "float32:8 float32:4 input:8 input:16": PK_JAX_RING_ACC_DTYPE : PK_JAX_RING_SHIFT_CTAS) ~9 min
 #   x4ctxrest   (2 GPUs+) the context rows session 12 did not reach (Ulysses fwd+bwd, causal contiguous fwd+bwd) ~4 min
 #   ulyssesab   (2 GPUs+) the distance-shift and head-chunk GPU tests (5 s waits), then Ulysses fwd / fwd+bwd per
-#               head-chunk count and exchange (ULYSSES_CFGS, default "1:pk 4:async 8:async 4:lax":
-#               PK_JAX_ULYSSES_CHUNKS : PK_JAX_ULYSSES_A2A), one bench run each                             ~8 min
+#               ULYSSES_CFGS "chunks:exchange[:local]" (default "1:pk 4:async 4:async:pk 8:async:pk 4:lax":
+#               PK_JAX_ULYSSES_CHUNKS : _A2A : _LOCAL), one bench run each                                   ~9 min
 #   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
@@ -249,10 +249,11 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  fwd_bwd_causal_contiguous --out "$OUT/$day-context-rest.json" ;;
     ulyssesab) stage ulysses-tests 150 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs tests/gpu/test_ring_shift_gpu.py \
                  tests/gpu/test_context_gpu.py -k "distances or head_chunks"
-               for cfg in ${ULYSSES_CFGS:-1:pk 4:async 8:async 4:lax}; do  # head chunks : all-to-all, in turn
-                 stage ulysses-${cfg/:/-} 120 env PK_JAX_ULYSSES_CHUNKS=${cfg%:*} PK_JAX_ULYSSES_A2A=${cfg#*:} \
-                   python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps 10 \
-                   --out "$OUT/$day-context-ulysses-${cfg/:/-}.json"
+               for cfg in ${ULYSSES_CFGS:-1:pk 4:async 4:async:pk 8:async:pk 4:lax}; do  # chunks : exchange [: local]
+                 IFS=: read -r chunks a2a local <<< "$cfg"
+                 stage ulysses-${cfg//:/-} 120 env PK_JAX_ULYSSES_CHUNKS=$chunks PK_JAX_ULYSSES_A2A=$a2a \
+                   PK_JAX_ULYSSES_LOCAL=${local:-default} python3 -m pk_jax.bench context --op ulysses_attention \
+                   --cases fwd fwd_bwd --reps 10 --out "$OUT/$day-context-ulysses-${cfg//:/-}.json"
                done ;;
     x4moe) stage moe-overlap-bench 200 python3 -m pk_jax.bench moe --op dispatch_gemm --out "$OUT/$day-moe-dispatch-gemm.json"
            stage moe 330 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;

@@ -188,6 +188,26 @@ def test_async_all_to_all_equals_lax(g, split, concat):
     np.testing.assert_array_equal(run(ours), run(want))
 
 
+@pytest.mark.parametrize("g,a2a,causal", [(2, "async", True), (4, "async", False), (2, "pk", False)])
+def test_ulysses_local_attention_by_our_kernel(monkeypatch, g, a2a, causal):
+    """PK_JAX_ULYSSES_LOCAL=pk: the local attention binds our kernel (bf16, head_dim 64; its XLA lowering here),
+    forward and gradients to bf16 accuracy, with the exchanges of PK_JAX_ULYSSES_A2A."""
+    from pk_jax.context import ulysses
+
+    monkeypatch.setenv(ulysses.LOCAL_VAR, "pk")
+    monkeypatch.setenv(ulysses.A2A_VAR, a2a)
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, "2")
+    q, k, v, d_out = random_qkv(40 + g, 1, g * T_LOCAL, 4 * g, 2 * g, 64, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert "pk_attention" in jaxpr and "pk_attention_bwd" in jaxpr
+    assert_all_close(sharded(attn, g, "contiguous", q, k, v, d_out), reference(q, k, v, d_out, causal), 3e-2)
+    monkeypatch.setenv(ulysses.LOCAL_VAR, "cudnn")
+    with pytest.raises(ValueError, match=ulysses.LOCAL_VAR):
+        sharded(attn, g, "contiguous", q, k, v, d_out)
+
+
 def test_ulysses_chunk_heads_round_trip_and_bad_settings(monkeypatch):
     from pk_jax.context import ulysses
 

@@ -12,8 +12,10 @@ chunk i's attention and can run under it. $PK_JAX_ULYSSES_A2A picks the exchange
 pk_jax.all_to_all: a kernel on XLA's stream, so no overlap), "lax" (jax.lax.all_to_all: NCCL, which XLA may
 schedule asynchronously) or "async" (pk_jax/context/async_all_to_all.py: shifts at distances 1..G-1 on the side
 stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's attention, as the issue's "a head's
-attention starts as soon as its slices have landed"; the backward pipelines its exchanges the same way). Same result for
-every setting (the same per-head attention); their speeds are for the multi-GPU runs to show (not measured yet).
+attention starts as soon as its slices have landed"; the backward pipelines its exchanges the same way).
+$PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels, which leave the shift its SMs (cuDNN's may hold
+every SM until they end). Same result for every setting (the same per-head attention); their speeds are for the
+multi-GPU runs to show (not measured yet).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pk_jax.collectives import all_to_all
 from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
 from pk_jax.context.ring import check_attention_args
 from pk_jax.context.ring_schedule import Layout
-from pk_jax.context.ring_shift import after_token
+from pk_jax.context.ring_shift import after_token, shift_ctas
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 from pk_jax.sharding.zigzag import from_zigzag, to_zigzag
@@ -54,6 +56,7 @@ def kv_head_replication(kv_heads: int, q_heads: int, g: int) -> int:
 CHUNKS_VAR = "PK_JAX_ULYSSES_CHUNKS"
 A2A_VAR = "PK_JAX_ULYSSES_A2A"
 EXCHANGES = ("pk", "lax", "async")
+LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
 
 
 def head_chunks() -> int:
@@ -68,6 +71,16 @@ def exchange() -> str:
     if value not in EXCHANGES:
         raise ValueError(f"pk_jax.ulysses_attention: ${A2A_VAR}={value!r}; use one of {EXCHANGES}")
     return value
+
+
+def local_kernel() -> bool:
+    """$PK_JAX_ULYSSES_LOCAL=pk: the local attention is our kernel (pk_jax.attention's, forward and backward),
+    which leaves the side stream's shift its SMs under PK_JAX_ULYSSES_A2A=async (cuDNN's kernels may hold every
+    SM until they end); "" or "default": jax.nn.dot_product_attention with `implementation`. Read when traced."""
+    value = os.environ.get(LOCAL_VAR, "default")
+    if value not in ("", "default", "pk"):
+        raise ValueError(f"pk_jax.ulysses_attention: ${LOCAL_VAR}={value!r}; use 'default' or 'pk'")
+    return value == "pk"
 
 
 def chunk_heads(x: jax.Array, g: int, c: int, i: int) -> jax.Array:
@@ -123,8 +136,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
 
     # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
-    cfg = _Local(bool(causal), scale, layout, implementation, g)
     mode = exchange()
+    pk_reserve = (shift_ctas() if mode == "async" else 0) if local_kernel() else None
+    cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
         static = dataclasses.replace(cfg, scale=None if scale is None else float(scale))
         return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
@@ -148,12 +162,19 @@ class _Local:
     layout: str
     implementation: str | None
     g: int
+    pk_reserve: int | None = None  # our kernel leaving this many SMs free (local_kernel()), None: dot_product_attention
 
     def __call__(self, q, k, v):
+        from pk_jax.attention import _kernel_attention, _kernel_refusal, _offset_array  # it imports this package
+
         if self.layout == "zigzag":  # the whole sequence in global order, attention, back
             q, k, v = (from_zigzag(x, self.g, axis=1) for x in (q, k, v))
-        out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal,
-                                           implementation=self.implementation)
+        scale = 1.0 / math.sqrt(q.shape[-1]) if self.scale is None else self.scale
+        if self.pk_reserve is not None and _kernel_refusal(q, k, scale) is None:
+            out = _kernel_attention(q, k, v, _offset_array(0, 0), scale, self.causal, self.pk_reserve)[0]
+        else:
+            out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal,
+                                               implementation=self.implementation)
         return to_zigzag(out, self.g, axis=1) if self.layout == "zigzag" else out
 
 

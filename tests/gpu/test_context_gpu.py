@@ -90,13 +90,16 @@ def test_ulysses_attention_matches_reference(g, causal, dtype):
     assert_close(got, reference(q, k, v, d_out, causal), TOL[dtype], f"ulysses G={g} causal={causal}")
 
 
-@pytest.mark.parametrize("chunks,a2a", [("4", "async"), ("1", "async"), ("4", "lax"), ("4", "pk")])
+@pytest.mark.parametrize("chunks,a2a,local", [("4", "async", "default"), ("1", "async", "default"),
+                                              ("4", "async", "pk"), ("4", "lax", "default"), ("4", "pk", "default")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ulysses_head_chunks_and_exchanges(monkeypatch, chunks, a2a, causal):
-    """PK_JAX_ULYSSES_CHUNKS / _A2A on every GPU: head chunks exchanged by pk, lax or the asynchronous all-to-all
-    (side-stream shifts under the previous chunk's attention), forward and gradients vs the float32 reference."""
+def test_ulysses_head_chunks_and_exchanges(monkeypatch, chunks, a2a, local, causal):
+    """PK_JAX_ULYSSES_CHUNKS / _A2A / _LOCAL on every GPU: head chunks exchanged by pk, lax or the asynchronous
+    all-to-all (side-stream shifts under the previous chunk's attention; local "pk": our attention kernels leaving
+    the shift its SMs), forward and gradients vs the float32 reference."""
     monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
     monkeypatch.setenv("PK_JAX_ULYSSES_A2A", a2a)
+    monkeypatch.setenv("PK_JAX_ULYSSES_LOCAL", local)
     g = len(gpus())
     heads = 8 * g  # 8 heads per member: 4 chunks of 2 at any G (GQA with chunks is covered on CPU)
     q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 256, heads, heads, 64)
