@@ -6,6 +6,7 @@ memory staying flat in the group size (the ring never holds the full-sequence K/
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -206,6 +207,30 @@ def test_ulysses_local_attention_by_our_kernel(monkeypatch, g, a2a, causal):
     monkeypatch.setenv(ulysses.LOCAL_VAR, "cudnn")
     with pytest.raises(ValueError, match=ulysses.LOCAL_VAR):
         sharded(attn, g, "contiguous", q, k, v, d_out)
+
+
+def test_ulysses_async_compiled_order_overlaps_exchanges_with_attention(monkeypatch):
+    """In the compiled CPU program (G 2, 2 head chunks, the shifts' collective-permute fallback): chunk 0's three
+    exchanges, then chunk 1's, whose results are first read only after chunk 0's softmax and P V; then the two
+    output exchanges. (The fallback's token is a constant, so on CPU XLA may still put chunk 0's Q Kᵀ before
+    chunk 1's starts; on GPUs the token is the start call's output and the barrier holds all of the attention.)"""
+    from pk_jax.context import ulysses
+
+    monkeypatch.setenv(ulysses.A2A_VAR, "async")
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, "2")
+    spec = jax.ShapeDtypeStruct((1, 2 * 32, 8, 16), jnp.float32)
+    f = jax.shard_map(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp"), mesh=mesh(2), in_specs=P(None, "sp"),
+                      out_specs=P(None, "sp"))
+    hlo = jax.jit(f).lower(spec, spec, spec).compile().as_text()
+    lines = [ln.strip() for ln in hlo[hlo.index("ENTRY"):].splitlines()]
+    permutes = [i for i, ln in enumerate(lines) if "collective-permute(" in ln]
+    assert len(permutes) == 8, "q, k, v in and the output back, for each of 2 chunks"
+    chunk1 = permutes[3:6]
+    names = [re.match(r"%?([\w.\-]+) =", lines[i]).group(1) for i in chunk1]
+    uses = lambda ln: "=" in ln and any(re.search(rf"%{re.escape(n)}\b", ln.split("=", 1)[1]) for n in names)
+    first_use = min(i for i, ln in enumerate(lines) if uses(ln))
+    between = [i for i, ln in enumerate(lines) if "fusion(" in ln and max(chunk1) < i < first_use]
+    assert between, "chunk 0's attention sits between chunk 1's exchange start and the first read of its result"
 
 
 def test_ulysses_chunk_heads_round_trip_and_bad_settings(monkeypatch):
