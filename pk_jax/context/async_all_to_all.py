@@ -32,9 +32,11 @@ Axes = tuple[Hashable, ...]
 
 @dataclasses.dataclass(frozen=True)
 class Pending:
-    """An all-to-all in flight: this member's own block, and per launch (ys, token, the sent blocks, dists)."""
+    """An all-to-all in flight over `axes`: this member's own block, and per launch (ys, token, the sent blocks,
+    dists)."""
     own: jax.Array
     launches: tuple[tuple[tuple[jax.Array, ...], jax.Array, tuple[jax.Array, ...], tuple[int, ...]], ...]
+    axes: Axes
     g: int
     concat_axis: int
 
@@ -68,19 +70,19 @@ def all_to_all_start(x: jax.Array, axes: Axes, split_axis: int, concat_axis: int
         sent = tuple(_block(x, (rank + d) % g, g, split_axis) for d in ds)
         ys, token = shift_start(sent, axes, ctas=ctas, dists=ds)
         launches.append((tuple(ys), token, sent, ds))
-    return Pending(own, tuple(launches), g, concat_axis)
+    return Pending(own, tuple(launches), axes, g, concat_axis)
 
 
-def all_to_all_done(p: Pending, axes: Axes, *, after=()) -> jax.Array:
+def all_to_all_done(p: Pending, *, after=()) -> jax.Array:
     """The all-to-all's result: the G received blocks in source order along concat_axis. `after`: results that
     must be computed before the wait (the compute the exchange ran under)."""
+    if p.g == 1:
+        return p.own
     by_dist = [p.own] + [None] * (p.g - 1)
     for ys, token, sent, ds in p.launches:
         for d, y in zip(ds, shift_done(ys, token, keep_alive=sent, after=after)):
             by_dist[d] = y
-    if p.g == 1:
-        return p.own
-    rank = lax.axis_index(tuple(axes))
+    rank = lax.axis_index(p.axes)
     # Source s's block arrived at distance (rank - s) mod G.
     blocks = jnp.take(jnp.stack(by_dist), (rank - jnp.arange(p.g)) % p.g, axis=0)
     blocks = jnp.moveaxis(blocks, 0, p.concat_axis)

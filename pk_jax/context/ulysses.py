@@ -193,7 +193,7 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
     pending_in, pending_out = start(chunks[0], 2, 1), []
     res = None
     for i in range(len(chunks)):
-        xs = [all_to_all_done(p, axes, after=() if res is None else res) for p in pending_in]
+        xs = [all_to_all_done(p, after=() if res is None else res) for p in pending_in]
         issued = []
         if i + 1 < len(chunks):  # its inputs read after the wait above: started behind it on the side stream
             pending_in = start(lax.optimization_barrier((chunks[i + 1], xs))[0], 2, 1)
@@ -203,7 +203,7 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
             issued += [t for p in pending_out[-1] for t in p.tokens]
         res = compute(i, after_token(xs, *issued) if issued else xs)  # not movable above those starts
     pending_out.append(start(res, 1, 2))
-    return [[all_to_all_done(p, axes, after=res) for p in ps] for ps in pending_out]
+    return [[all_to_all_done(p, after=res) for p in ps] for ps in pending_out]
 
 
 def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):

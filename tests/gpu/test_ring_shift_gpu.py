@@ -86,7 +86,7 @@ def test_shift_distances(g):
     assert "pk_ring_shift_start" in jitted.lower(*specs).compile().as_text(), "the kernel, not the ppermute fallback"
     x = blocks(g, (4 * g, 2 * g, 64), jnp.bfloat16, seed=9)
     for split, concat in ((1, 0), (0, 1)):
-        ours, _ = run(lambda x: (all_to_all_done(all_to_all_start(x, ("sp",), split, concat), ("sp",)),), g, x)
+        ours, _ = run(lambda x: (all_to_all_done(all_to_all_start(x, ("sp",), split, concat)),), g, x)
         want, _ = run(lambda x: (jax.lax.all_to_all(x, "sp", split, concat, tiled=True),), g, x)
         np.testing.assert_array_equal(ours[0], want[0], err_msg=f"async all_to_all split {split} concat {concat}")
 
