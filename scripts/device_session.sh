@@ -52,6 +52,7 @@
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
 #   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
 #               tests, bench moe --op dispatch_gemm; SMS_SWEEP="8 16 24")                              ~7 min
+#   overlapall  (2 GPUs+) DispatchMatmul on every GPU of the machine (3 s waits): x4next's first stage alone   ~1 min
 #   x4next      (2 GPUs+) session 12's leftover tests: DispatchMatmul on every GPU (3 s waits), small_pipelined's
 #               interleave / fresh-process / replay tests, the context temp-memory and bench-shape tests   ~8 min
 #   x4rows      (2 GPUs+) a ring timeline (pk transport), then ring rows at S 12288 per RING_CFGS "dtype:ctas"
@@ -231,6 +232,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  --out "$OUT/$day-context-ring-transports.json" ;;
     sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --steps check_small \
                    check_small_replay check_moe check_ring --out "$OUT/$day-multirank-shared.json" ;;
+    overlapall) stage overlap-all 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
+                  -k on_every_gpu ;;
     x4next) # (2 GPUs+; written for the next 4-GPU lease) the tests session 12's lease left: each suspect first, bounded
             stage overlap-all 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
               -k on_every_gpu
