@@ -1,16 +1,18 @@
 // XLA FFI handler `pk_attention_bwd`: the attention backward kernel (kernels/attention_bwd.cuh) on one GPU.
 // Operands q (B, Tq, N, D), k and v (B, Tk, Nkv, D), dout (B, Tq, N, D), lse2 and delta (B, N, Tq_pad)
 // float32 (Tq_pad = Tq rounded up to 64; see attention_bwd.cuh for their contents), offsets int32[2]
-// (q_offset, kv_offset); results dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk
-// order, which pk_jax/attention.py turns into dQ), dk and dv (B, Tk, Nkv, D) in the input dtype; `variant`
-// the backward variant (0 base, 1 dqfirst, 2 l2order_dqfirst: kernels/attention_bwd_kernel.cuh).
-// Stateless per call (tensor maps rebuilt, dq_acc zeroed on the stream each time), so it can be
-// captured into command buffers.
+// (q_offset, kv_offset); results dq (B, Tq, N, D) in the input dtype or float32, dk and dv (B, Tk, Nkv, D)
+// in the input dtype, and dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk order: the
+// kernel's scratch, which a second kernel turns into dq when `convert_dq` is 1; with 0 dq is left unwritten
+// and pk_jax/attention.py converts dq_acc with XLA, the A/B baseline); `variant` the backward variant
+// (0 base, 1 dqfirst, 2 l2order_dqfirst: kernels/attention_bwd_kernel.cuh). Stateless per call (tensor
+// maps rebuilt, dq_acc zeroed on the stream each time), so it can be captured into command buffers.
 #include <cuda_runtime.h>
 
 #include <string>
 
 #include "../kernels/attention_bwd.cuh"
+#include "../kernels/attention_bwd_dq.cuh"
 #include "ffi_types.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -34,9 +36,9 @@ bool same_dims(ffi::Span<const int64_t> a, std::initializer_list<int64_t> b) {
 
 ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
-                         ffi::Result<ffi::AnyBuffer> dq_acc, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, float scale, int32_t causal, int32_t reserve_sms,
-                         int32_t variant) {
+                         ffi::Result<ffi::AnyBuffer> dq_out, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc, float scale,
+                         int32_t causal, int32_t reserve_sms, int32_t variant, int32_t convert_dq) {
   const auto dq = q.dimensions(), dkk = k.dimensions();
   if (dq.size() != 4 || dkk.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
@@ -61,6 +63,12 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   if (lse2.element_type() != ffi::DataType::F32 || delta.element_type() != ffi::DataType::F32 ||
       dq_acc->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("pk_jax attention backward: lse2, delta and dq_acc must be float32");
+  if (!same_dims(dq_out->dimensions(), {b, tq, n, d}) ||
+      (dq_out->element_type() != q.element_type() && dq_out->element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: dq " + dims_str(dq_out->dimensions()) +
+                                       " must match q " + dims_str(dq) + " in q's dtype or float32");
+  if (convert_dq != 0 && convert_dq != 1)
+    return ffi::Error::InvalidArgument("pk_jax attention backward: convert_dq must be 0 or 1");
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention backward: offsets must be int32[2] (q_offset, kv_offset)");
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention backward: causal must be 0 or 1");
@@ -88,7 +96,17 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
     return ffi::Error::Internal(std::string("pk_jax attention backward: configuring kernels: ") +
                                 cudaGetErrorString(e));
   const int sms = pk::sms_after_reserve(pk::attention_bwd::num_sms(ordinal), reserve_sms);
-  return pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); });
+  if (ffi::Error err = pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); }); err.failure())
+    return err;
+  if (!convert_dq) return ffi::Error::Success();
+  pk::attention_bwd::DqConvert c{};
+  c.acc = p.dq_acc, c.dq = dq_out->untyped_data();
+  c.batch = p.batch, c.heads = p.heads, c.tq = p.tq, c.tq_pad = p.tq_pad, c.head_dim = p.head_dim;
+  c.scale = scale;
+  c.out_type = dq_out->element_type() == ffi::DataType::F32 ? pk::ElemType::kF32 : p.type;
+  if (cudaError_t e = pk::attention_bwd::launch_dq_convert(c, stream); e != cudaSuccess)
+    return ffi::Error::Internal(std::string("pk_jax attention backward: dQ conversion: ") + cudaGetErrorString(e));
+  return ffi::Error::Success();
 }
 
 }  // namespace
@@ -104,11 +122,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
                                   .Arg<ffi::AnyBuffer>()  // lse2
                                   .Arg<ffi::AnyBuffer>()  // delta
                                   .Arg<ffi::AnyBuffer>()  // offsets
-                                  .Ret<ffi::AnyBuffer>()  // dq_acc
+                                  .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dq_acc (scratch)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("reserve_sms")
-                                  .Attr<int32_t>("variant"),
+                                  .Attr<int32_t>("variant")
+                                  .Attr<int32_t>("convert_dq"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -7,6 +7,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "attention_bwd_dq.cuh"
 #include "attention_bwd_kernel.cuh"
 #include "attention_shape.cuh"
 #include "pk/device_setup.h"
@@ -103,8 +104,9 @@ cudaError_t configure_type() {
 }  // namespace
 
 cudaError_t configure() {
-  const cudaError_t e = configure_type<__nv_bfloat16>();
-  return e == cudaSuccess ? configure_type<__half>() : e;
+  cudaError_t e = configure_type<__nv_bfloat16>();
+  if (e == cudaSuccess) e = configure_type<__half>();
+  return e == cudaSuccess ? configure_dq_convert() : e;
 }
 
 cudaError_t configure_once(int ordinal) { return setup_status<configure>(ordinal); }

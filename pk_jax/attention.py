@@ -78,6 +78,8 @@ DEFAULT_FWD_VARIANT = "fa3n160"
 BWD_VARIANT_VAR = "PK_JAX_ATTENTION_BWD_VARIANT"
 BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst")  # index = the bwd handler's `variant` attribute
 DEFAULT_BWD_VARIANT = "l2order_dqfirst"
+DQ_CONVERT_VAR = "PK_JAX_ATTENTION_DQ_CONVERT"  # "kernel" (default) or "xla": see dq_convert()
+DQ_CONVERTS = ("kernel", "xla")
 
 pk_attention_p = core.Primitive("pk_attention")
 pk_attention_p.multiple_results = True
@@ -225,16 +227,31 @@ def kernel_bwd_inputs(lse: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.
     return jnp.pad(lse2, pad, constant_values=jnp.inf), jnp.pad(delta.astype(jnp.float32), pad)
 
 
+def dq_convert() -> str:
+    """Who turns the backward kernel's dQ accumulator into dQ: $PK_JAX_ATTENTION_DQ_CONVERT, read when a program
+    is lowered. "kernel" (default): a second kernel in the same custom call (coalesced, one pass); "xla":
+    dq_from_chunks, XLA's fusion of a 10-D transpose (~0.3 TB/s: 3.8 ms per ring step at 4 GPUs, S 12288), kept
+    as the A/B baseline."""
+    value = os.environ.get(DQ_CONVERT_VAR, "kernel")
+    if value not in DQ_CONVERTS:
+        raise ValueError(f"pk_jax.attention: ${DQ_CONVERT_VAR}={value!r}; use one of {DQ_CONVERTS}")
+    return value
+
+
 def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False):
     b, tq, n, d = q.shape
     lse2, delta = kernel_bwd_inputs(lse, delta)
-    out_types = (jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype))
-    dq_acc, dk, dv = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
+    in_kernel = dq_convert() == "kernel"
+    dq_dtype = jnp.float32 if dq_f32 else q.dtype
+    out_types = (jax.ShapeDtypeStruct(q.shape, dq_dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))
+    dq, dk, dv, dq_acc = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
         q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal),
-        reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())))
-    dq = dq_from_chunks(dq_acc, tq, scale)
-    return (dq if dq_f32 else dq.astype(q.dtype)), dk, dv
+        reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())),
+        convert_dq=np.int32(in_kernel))
+    if not in_kernel:
+        dq = dq_from_chunks(dq_acc, tq, scale).astype(dq_dtype)
+    return dq, dk, dv
 
 
 pk_attention_bwd_p.def_abstract_eval(_bwd_abstract_eval)

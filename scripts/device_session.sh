@@ -62,6 +62,8 @@
 #               ULYSSES_CFGS "chunks:exchange[:local]" (default "1:pk 4:async 4:async:pk 8:async:pk 4:lax":
 #               PK_JAX_ULYSSES_CHUNKS : _A2A : _LOCAL), one bench run each                                   ~9 min
 #   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
+#   dqconvert   the backward's dQ conversion kernel: bits vs XLA's, gradient tests, ring (2 GPUs+) and attention
+#               fwd+bwd rows with PK_JAX_ATTENTION_DQ_CONVERT=xla then kernel                              ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -260,6 +262,20 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                done ;;
     x4moe) stage moe-overlap-bench 200 python3 -m pk_jax.bench moe --op dispatch_gemm --out "$OUT/$day-moe-dispatch-gemm.json"
            stage moe 330 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
+    dqconvert) # the backward's dQ conversion kernel: its bits vs XLA's conversion, the gradient tests, then A/B rows
+               stage dq-tests 200 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs \
+                 -k "dq_convert or gradients_match"
+               for conv in xla kernel; do
+                 stage ring-dq-$conv 90 env PK_JAX_ATTENTION_DQ_CONVERT=$conv python3 -m pk_jax.bench context \
+                   --op ring_attention --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 \
+                   --out "$OUT/$day-context-ring-dq-$conv.json"
+               done
+               stage context-tests 120 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k ring_attention_matches_reference
+               for conv in xla kernel; do
+                 stage attn-dq-$conv 100 env PK_JAX_ATTENTION_DQ_CONVERT=$conv python3 -m pk_jax.bench attention \
+                   --cases fwd_bwd fwd_bwd_causal --seqs 1024 4096 16384 --head-dims 128 --reps 5 \
+                   --out "$OUT/$day-attention-dq-$conv.json"
+               done ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -177,3 +177,44 @@ def test_vmap_of_grad_folds_into_one_call():
             top = float(jnp.max(jnp.abs(w)))
             np.testing.assert_allclose(np.asarray(g[i], np.float32), np.asarray(w), atol=3e-2 * top, rtol=3e-2)
     print("PASS attention bwd under vmap")
+
+
+DQ_CONVERT_CASES = [CASES[0], CASES[1], CASES[5], CASES[6], CASES[7], CASES[12]]  # D 64 / 128, odd and single rows
+
+
+@pytest.mark.parametrize("dq_f32", [False, True], ids=["dq_input_dtype", "dq_f32"])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", DQ_CONVERT_CASES, ids=[_ids(c) for c in DQ_CONVERT_CASES])
+def test_dq_convert_kernel_gives_xla_conversion_bits(case, dtype, dq_f32):
+    """The handler's dQ conversion kernel (kernels/attention_bwd_dq.cu) equals pk_jax.attention.dq_from_chunks
+    (the XLA conversion) bit for bit on the same call's accumulator, in the input dtype and in float32 (ring
+    attention's dq_f32), every row written (outputs NaN-poisoned first)."""
+    import jax.ffi
+
+    from pk_jax.attention import BWD_VARIANTS, bwd_variant, dq_from_chunks, kernel_bwd_inputs
+
+    b, tq, n, tk, kh, d, causal, qo, ko = case
+    q, dout = rand((b, tq, n, d), dtype), rand((b, tq, n, d), dtype)
+    k, v = rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
+    lse, delta = rand((b, n, tq)) + 3.0, rand((b, n, tq))
+    scale = d ** -0.5
+    dq_dtype = jnp.float32 if dq_f32 else dtype
+
+    @jax.jit
+    def call(q, k, v, dout, lse, delta):
+        lse2, delta2 = kernel_bwd_inputs(lse, delta)
+        out_types = (jax.ShapeDtypeStruct(q.shape, dq_dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                     jax.ShapeDtypeStruct(v.shape, v.dtype),
+                     jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))
+        dq, _, _, acc = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
+            q, k, v, dout, lse2, delta2, jnp.array([qo, ko], jnp.int32), scale=np.float32(scale),
+            causal=np.int32(causal), reserve_sms=np.int32(0), variant=np.int32(BWD_VARIANTS.index(bwd_variant())),
+            convert_dq=np.int32(1))
+        return dq, dq_from_chunks(acc, tq, scale).astype(dq_dtype)
+
+    poison_allocator(8 * (q.size + k.size) * 4)
+    got, want = (np.asarray(x, np.float32) for x in call(q, k, v, dout, lse, delta))
+    assert got.shape == (b, tq, n, d)
+    assert not np.isnan(got).any(), "dq rows the conversion kernel never wrote"
+    assert np.array_equal(got, want), f"max |diff| {np.max(np.abs(got - want)):.3e}"
+    print(f"PASS dq conversion kernel {_ids(case)} {jnp.dtype(dtype).name} -> {jnp.dtype(dq_dtype).name}: same bits")
