@@ -336,6 +336,20 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
     return args, ours, bases, moved, remote
 
 
+def _grouped_check(got, want, used: int, backward: bool, name: str) -> str:
+    """Ours against a ragged_dot on the rows the group sizes cover. Forward: the output rows past their sum
+    are only checked to be zero in ours (pk_jax.grouped_matmul's contract; ragged_dot_mgpu leaves them
+    unwritten: NaN there on 4 x H100, 2026-11-26, skewed [4096, 7168, 256, 8])."""
+    if not backward:
+        tail_zero = bool(jnp.all(got[used:] == 0))
+        e = results.rel_err(got[:used], want[:used])
+        ok = e < 3e-2 and tail_zero
+        return (f"{'ok' if ok else 'MISMATCH'} rel={e:.1e} vs {name} on {used} rows"
+                + ("" if tail_zero else f"; rows past {used} not zero"))
+    e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+    return f"ok rel={e:.1e} vs {name}" if e < 3e-2 else f"MISMATCH rel={e:.1e} vs {name}"
+
+
 def _sharded_weights(seed: int, shape: tuple[int, ...], sharding: NamedSharding, dtype) -> jax.Array:
     """Normal(0, 1 / shape[1]) weights drawn on the devices, each its own shard: the DeepSeek-V3 expert weights
     (256 x 7168 x 2048) are 3.8 G values, which NumPy drew and converted on the host for minutes (4 x H100,
@@ -383,7 +397,11 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
             continue
         args, ours_jit, bases, moved, remote = _contenders(c, g, mesh, dtype, variants)
         sizes = routing.routing_sizes(g, c.e, c.t, c.k, None, None)
-        path = "fused" if c.op != "grouped_matmul" and fused.use_fused(sizes, c.h, dtype) else "reference"
+        path = "fused" if fused.use_fused(sizes, c.h, dtype) else "reference"
+        if c.op == "grouped_matmul":  # one GPU, no exchange: the kernel or its XLA fallback
+            on_kernel = pk_jax._ext.available() and jax.default_backend() == "gpu" and \
+                _gm._kernel_unsupported(args[0], args[1]) is None
+            path = "kernel" if on_kernel else "xla"
         if c.op == "dispatch_gemm":
             path = (f"overlap[{overlap.comm_sms()} comm SMs]" if fused.use_fused(sizes, c.h, dtype)
                     and overlap.supported(sizes, c.h, c.f, dtype) else "emulation")
@@ -409,9 +427,8 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
                     f"rel={max(results.rel_err(a, b) for a, b in zip(first, again)):.1e}")
         same = [i for i, name in enumerate(names) if name in ("lax.ragged_dot", "pallas ragged_dot_mgpu")]
         if c.op == "grouped_matmul" and same:
-            ref = fns[1 + same[-1]]
-            e = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(fns[0](args)), jax.tree.leaves(ref(args))))
-            check = f"ok rel={e:.1e} vs {names[same[-1]]}" if e < 3e-2 else f"MISMATCH rel={e:.1e} vs {names[same[-1]]}"
+            check = _grouped_check(fns[0](args), fns[1 + same[-1]](args), int(np.asarray(args[2]).sum()),
+                                   c.backward, names[same[-1]])
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1, min_sample_ms=timing.DEVICE_SAMPLE_MS)
         base = {k: v for k, v in zip(names, times[1:]) if not k.startswith("ours[")}
         mine_ms = {k[5:-1]: v for k, v in zip(names, times[1:]) if k.startswith("ours[")}
