@@ -169,19 +169,21 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, res
 
 
 def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset, reserve: int):
-    """One block pair's (dq, dk, dv) float32 from the final lse and delta (B, Tq, N): our backward kernel
+    """One block pair's (dq float32, dk, dv) from the final lse and delta (B, Tq, N): our backward kernel
     where the forward kernel takes the call and the backward kernel is on (pk_jax.attention.
     backward_kernel_enabled; its primitive lowers to the XLA block path off CUDA), else the XLA block path
-    (which holds a (Tq_chunk, Tk) float32 score block per head in memory)."""
+    (which holds a (Tq_chunk, Tk) float32 score block per head in memory). dk and dv stay in the dtype they
+    come in (the kernel's: k's; the XLA path's: float32): a pair's part is widened to float32 where it is
+    added to something, inside that add, instead of by a pass of its own (0.2 ms per array and step at
+    4 GPUs, S 12288), and a fresh part can leave for the next member as it is (exactly)."""
     from pk_jax.attention import _kernel_refusal, backward_kernel_enabled, pk_attention_bwd_p
 
     if _kernel_refusal(q, k, scale) is not None or not backward_kernel_enabled():
         return block_attention_bwd(q, k, v, do, lse, delta, scale=scale, causal=causal, q_offset=q_offset,
                                    kv_offset=kv_offset)
     offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
-    dq, dk, dv = pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
-                                         scale=scale, causal=causal, reserve_sms=reserve, dq_f32=True)
-    return dq, dk.astype(jnp.float32), dv.astype(jnp.float32)
+    return pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
+                                   scale=scale, causal=causal, reserve_sms=reserve, dq_f32=True)
 
 
 def _forward(q, k, v, axes, causal, layout, scale):
@@ -267,19 +269,21 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     dq = full_varying(q.shape, 0.0, jnp.float32, like=like, axes=axes)
     dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
-    zero_kv = lambda: full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes)
+    zero_kv = lambda dtype=jnp.float32: full_varying(k.shape, 0.0, dtype, like=like, axes=axes)
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
         q, do, lse, delta = local
 
         def add_kv(acc, part):
-            """acc + part at the pair's key rows; acc None: a fresh (zero) accumulator, so a pair covering
-            every key row is taken as is (no zeros written and read back)."""
+            """acc + part at the pair's key rows, in float32; acc None: a fresh (zero) accumulator, so the part
+            is taken as is, in its own dtype: whole if it covers every key row, else written into zeros of
+            that dtype (exact either way; no zeros read back)."""
             if acc is None:
                 if isinstance(p.kv_start, int) and p.kv_start == 0 and p.kv_len == k.shape[1]:
                     return part
-                acc = zero_kv()
-            return _update(acc, _slice(acc, p.kv_start, p.kv_len) + part, p.kv_start)
+                return _update(zero_kv(part.dtype), part, p.kv_start)
+            acc = acc.astype(jnp.float32)
+            return _update(acc, _slice(acc, p.kv_start, p.kv_len) + part.astype(jnp.float32), p.kv_start)
 
         def run(state):
             dq, (dk, dv) = state
@@ -288,9 +292,9 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
                                                sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve)
             return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
-        if p.active is not True:  # lax.cond needs arrays on both sides
+        if p.active is not True:  # lax.cond needs arrays on both sides, of run's (float32) dtype
             dq, (dk, dv) = state
-            state = (dq, tuple(zero_kv() if a is None else a for a in (dk, dv)))
+            state = (dq, tuple(zero_kv() if a is None else a.astype(jnp.float32) for a in (dk, dv)))
         return _when(p.active, run, state)
 
     def run(pairs, kv, state, local=(q, do, lse, delta), in_flight: bool | None = None):

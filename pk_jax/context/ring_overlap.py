@@ -19,9 +19,11 @@ hop from its owner: G-1 hops, each under compute:
     step s>=1:  kv_s = done(kv shift) ; start(kv_s) (s < G-1) ; c = visiting pairs(kv_s)
                 acc = done(acc shift) + c (s >= 2; s = 1: acc = c) ; start(acc -> next member)
     end:        own pairs, last part (under the final hop) ; dK/dV = own + done(acc shift)
-The accumulators travel in float32, except the final hop into the owner, which carries the input dtype:
-the owner returns dK/dV in that dtype, so the visitors' sum is rounded once more (at most one more ulp of
-the result) for half the bytes on the one hop. Live at most: the local shard, two K/V blocks (held and
+The accumulators travel in float32, except the first hop, which carries one pair's contribution as the
+attention kernel wrote it (the input dtype: exact), and the final hop into the owner, which carries the input
+dtype: the owner returns dK/dV in that dtype, so the visitors' sum is rounded once more (at most one more ulp
+of the result) for half the bytes on the one hop. Contributions are widened to float32 inside the adds that
+take them. Live at most: the local shard, two K/V blocks (held and
 arriving), and the float32 dK/dV of the owner, the fresh contribution, the accumulator leaving and the one
 arriving.
 
@@ -90,11 +92,12 @@ def forward_steps(axes: tuple[Hashable, ...], g: int, carry, kv: KV, local, comp
 def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, local, *, own_first: Callable,
                    own_last: Callable, visiting: Callable, final_dtype) -> tuple[jax.Array, KV]:
     """The overlapped backward ring. `local`: the member's own inputs (q, dO, lse, delta), handed to
-    every callback. Callbacks (each returns float32 arrays):
+    every callback. Callbacks (dq float32; dk/dv float32 or a fresh part in its own dtype, which sums widen):
       own_first(kv, dq, local) -> (dq, own):   the first part of step 0's pairs; own = (dk, dv) of the local block
       own_last(kv, dq, own, local) -> (dq, own): the rest of step 0's pairs, added into own
       visiting(step, kv, dq, local) -> (dq, c): step s >= 1's pairs on the visiting block; c = its (dk, dv)
-    Returns (dq, (dk, dv)) float32, dk/dv of the local block summed over every member's queries."""
+    Returns (dq, (dk, dv)) float32 (at G 1 dk/dv may keep the part's dtype), dk/dv of the local block summed
+    over every member's queries."""
     if g == 1:
         dq, own = own_first(kv, dq, local)
         return own_last(kv, dq, own, local)
@@ -113,7 +116,8 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
         if acc_pending is not None:
             ys, token, sent = acc_pending
             arrived = shift_done(ys, token, keep_alive=sent, after=(dq, c))
-            c = tuple(a.astype(jnp.float32) + b for a, b in zip(arrived, c))
+            c = tuple(a.astype(jnp.float32) + b.astype(jnp.float32) for a, b in zip(arrived, c))
+        # Step 1's c is one pair's part, sent in its own dtype (the kernel's: exact, half the bytes of float32).
         acc = c if step < g - 1 and not acc_input_dtype else tuple(x.astype(final_dtype) for x in c)
         acc_ys, acc_token = shift_start(acc, axes)
         acc_pending = (acc_ys, acc_token, acc)
@@ -121,4 +125,4 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
     own_kv, local_step = _step_inputs(own_kv, local, token)
     dq, own = own_last(own_kv, dq, own, local_step)
     arrived = shift_done(ys, token, keep_alive=sent, after=(dq, own))
-    return dq, tuple(o + a.astype(jnp.float32) for o, a in zip(own, arrived))
+    return dq, tuple(o.astype(jnp.float32) + a.astype(jnp.float32) for o, a in zip(own, arrived))
