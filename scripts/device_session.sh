@@ -263,7 +263,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --cases fwd fwd_bwd --reps 10 --out "$OUT/$day-context-ulysses-${cfg//:/-}.json"
                done ;;
     x4moe) stage moe-overlap-bench 200 python3 -m pk_jax.bench moe --op dispatch_gemm --out "$OUT/$day-moe-dispatch-gemm.json"
-           stage moe 330 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
+           stage moe 420 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     dqconvert) # the backward's dQ conversion kernel: its bits vs XLA's conversion, the gradient tests, then A/B rows
                stage dq-tests 200 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs \
                  -k "dq_convert or gradients_match"

@@ -7,7 +7,8 @@ extra.remote_gbps counts the bytes the kernels move over NVLink to that receiver
 dispatch one row per (token, member) plus 4-byte src_of entries, combine by partials one float32 row per
 (token, peer member) (fused.partials_pay), else every remote choice's row; backward cases count rows. extra.path: "fused" (the
 kernels of pk_jax/moe/fused.py) or "reference" (the padded all_to_all exchange), as PK_JAX_MOE_DISPATCH picks.
-dispatch and combine also run at the DeepSeek-V3 per-GPU shape (T 4096, H 7168, E 256, top-8, uniform).
+dispatch, combine and moe_mlp also run at the DeepSeek-V3 per-GPU shape (T 4096, H 7168, E 256, top-8, F 2048,
+uniform).
 combine is timed alone: the routing handle and the rows come from a dispatch run once beforehand.
 Baselines, timed in turns in the same run:
 - dispatch and combine: the fused kernels before deduplication (PK_JAX_MOE_DEDUP=0: every choice's row
@@ -18,7 +19,11 @@ Baselines, timed in turns in the same run:
   expert's matrix), jax.lax.ragged_dot (skipped where XLA's dense emulation would need an (E, m, n) temporary
   over 8 GB) and, forward only, (GPU, if importable) jax.experimental.pallas ragged_dot_mgpu; also at the
   per-GPU shape of a DeepSeek-V3-sized layer (m 32768 = 4096 tokens x top-8, k 7168, n 2048, 64 experts);
-- moe_mlp: GShard-style dispatch + capacity-padded einsum (capacity factor 1.25; it drops, so no check).
+- moe_mlp: the JAX composition (the ratio's baseline): jax.lax.ragged_all_to_all dispatch, the rows in
+  per-expert buffers of capacity 1.25 x the mean, SwiGLU einsums, ragged_all_to_all back (_ragged_mlp; GPU only,
+  like ragged_all_to_all); and GShard-style one-hot dispatch + capacity-padded einsum over pk_jax.all_to_all
+  (capacity factor 1.25); both drop, so no check. Also at the DeepSeek-V3 per-GPU shape (uniform; there the
+  one-hot baseline is left out: its (T, K, E, C) einsums are ~19 TFLOP).
 - dispatch_gemm (--op dispatch_gemm; not in the default list): dispatch + the first grouped GEMM (gate and up)
   fused in one kernel (pk_jax/moe/overlap.py, PK_JAX_MOE_OVERLAP_SMS comm SMs) against the grouped GEMMs alone
   on already-dispatched rows (the baseline: extra.fused_over_gemm, the issue's target <= 1.1) and dispatch then
@@ -108,7 +113,7 @@ def all_cases(g: int, small: bool) -> list[Case]:
             out.append(Case("dispatch_gemm", *DEEPSEEK_EXCHANGE, kind, False))
     for op in ("dispatch", "combine", "grouped_matmul", "moe_mlp"):
         per_gpu = [] if small or op != "grouped_matmul" else [(4096, 7168, 64 * g, 8, 2048)]
-        if not small and op in ("dispatch", "combine") and DEEPSEEK_EXCHANGE[2] % g == 0:
+        if not small and op in ("dispatch", "combine", "moe_mlp") and DEEPSEEK_EXCHANGE[2] % g == 0:
             out += [Case(op, *DEEPSEEK_EXCHANGE, "uniform", backward) for backward in (False, True)]
         for t, h, e, k, f in shapes + per_gpu:
             for kind in ("uniform", "skewed"):
@@ -153,6 +158,34 @@ def _ragged_a2a_combine(y, ids, wts, e: int):
     rows = jnp.zeros_like(got).at[order].set(got)
     return jnp.einsum("tkh,tk->th", rows.reshape(t, k, -1).astype(jnp.float32),
                       wts.astype(jnp.float32)).astype(y.dtype)
+
+
+def _ragged_mlp(x, ids, wts, wg, wu, wd, cf: float = 1.25):
+    """Baseline, the JAX composition issue 27 measures moe_mlp against: jax.lax.ragged_all_to_all dispatch
+    (_ragged_a2a_dispatch: rows arrive source-major, expert-sorted within a source), the rows scattered into
+    per-expert buffers of capacity cf x the mean (rows beyond it dropped, as GShard does), SwiGLU einsums,
+    gathered back, and returned and weighted by _ragged_a2a_combine."""
+    g = jax.lax.axis_size(AX)
+    local = wg.shape[0]
+    e, (t, k) = local * g, ids.shape
+    recv = _ragged_a2a_dispatch(x, ids, e)                                     # (R, H)
+    sent = jnp.zeros(e, jnp.int32).at[ids.reshape(-1)].add(1).reshape(g, local)
+    counts = jax.lax.all_to_all(sent, AX, 0, 0, tiled=True)                    # [source, local expert]
+    flat = counts.reshape(-1)                                                  # the received runs, in order
+    ends = jnp.cumsum(flat)
+    j = jnp.arange(recv.shape[0], dtype=jnp.int32)
+    run = jnp.minimum(jnp.searchsorted(ends, j, side="right"), flat.size - 1)
+    expert = run % local
+    before = (jnp.cumsum(counts, 0) - counts).reshape(-1)                     # same expert, earlier sources
+    pos = j - (ends - flat)[run] + before[run]
+    cap = routing.expert_capacity(g * t, k, e, cf)
+    valid = (j < ends[-1]) & (pos < cap)
+    slot = jnp.where(valid, expert * cap + pos, local * cap)                   # out of range: dropped
+    buf = jnp.zeros((local * cap, x.shape[1]), x.dtype).at[slot].set(recv, mode="drop").reshape(local, cap, -1)
+    hid = jax.nn.silu(jnp.einsum("lch,lhf->lcf", buf, wg)) * jnp.einsum("lch,lhf->lcf", buf, wu)
+    y = jnp.einsum("lcf,lfh->lch", hid, wd).reshape(local * cap, -1)
+    back = jnp.where(valid[:, None], y.at[slot].get(mode="fill", fill_value=0), 0).astype(x.dtype)
+    return _ragged_a2a_combine(back, ids, wts, e)
 
 
 class _TracedPath:
@@ -330,8 +363,11 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
         mlp = lambda x, ids, wts, a, b, d: pk_jax.moe.moe_mlp(x, ids, wts, a, b, d, AX)
         ours = _program(mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))
         args = [x, ids, wts, wg, wu, wd]
-        bases.append(("dispatch + capacity-padded einsum (cf 1.25)",
-                      _program(_capacity_einsum_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
+        bases.append(("lax.ragged_all_to_all + capacity-padded einsum (cf 1.25)",
+                      _program(_ragged_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
+        if (c.t, c.h, c.e, c.k, c.f) != DEEPSEEK_EXCHANGE:  # there its (T, K, E, C) one-hot einsums are ~19 TFLOP
+            bases.append(("dispatch + capacity-padded einsum (cf 1.25)",
+                          _program(_capacity_einsum_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
         moved, remote = 2 * busiest * row_bytes, (remote_in + remote_back) * row_bytes
     return args, ours, bases, moved, remote
 
