@@ -66,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: $PK_JAX_RING_TRANSPORT, else pk), e.g. --ring-transports pk xla")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
+    p.add_argument("--compute-floor", action="store_true",
+                   help="context: ring rows also time the ring with communication off and our attention kernel on "
+                        "each member's blocks (extra.compute_over_floor: issue 26's <= 1.05)")
     p.add_argument("--head-dims", type=int, nargs="+", default=None, help="attention: only these head dims")
     p.add_argument("--fwd-variants", nargs="*", default=None, metavar="VARIANT",
                    help="attention: time the forward kernel variants (base, l2order, pingpong, fa3n160, fa3n176; "
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         if not on_gpu:
             print("  (no GPU: timings only exercise the plumbing)")
         kw = (dict(cases=args.cases, hidden=args.sizes, variants=args.variants) if args.suite == "moe"
-              else dict(names=args.cases, seqs=args.seqs, transports=args.ring_transports))
+              else dict(names=args.cases, seqs=args.seqs, transports=args.ring_transports,
+                        compute_floor=args.compute_floor))
         rows = suite.run(small=small, reps=reps, only=args.op, **kw)
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:

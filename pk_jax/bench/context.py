@@ -13,6 +13,11 @@ sequence; extra.peak_bytes = temp + arguments + outputs of the compiled per-devi
 Ring rows with `transports` (CLI --ring-transports pk xla): ours_ms is the first transport's
 (PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py), extra.transport_ms every transport's, timed in the
 same turns; extra.transport_check each later transport's difference from the first.
+--compute-floor (ring rows): issue 26's floor, in the same turns: extra.compute_only_ms, the ring program with
+its shifts returning their inputs and no SMs reserved (each step computes on the member's own K/V: the same
+blocks and glue, no transfer; timing only), extra.kernel_floor_ms, our attention kernel on each member's query
+chunks against the keys they see (one call per chunk, every member at once), and extra.compute_over_floor
+(target <= 1.05).
 """
 
 from __future__ import annotations
@@ -169,11 +174,88 @@ def _attention_alone(c: Case, g: int, dtype):
     return None if fn is None else (fn, args)
 
 
+@contextlib.contextmanager
+def _communication_off() -> Iterator[None]:
+    """While a ring program is traced: the ring shifts of pk_jax/context/ring_overlap.py return their inputs
+    (each step computes on the member's own K/V block: the same block shapes, pairs and glue, no transfer) and the
+    attention kernels leave no SMs free. Timing only: the result is not attention of the sequence."""
+    from pk_jax.context import ring_overlap
+
+    saved = ring_overlap.shift_start, ring_overlap.shift_done, os.environ.get("PK_JAX_RING_RESERVE_SMS")
+    ring_overlap.shift_start = lambda xs, axes, **kw: (tuple(xs), jnp.zeros((), jnp.int32))
+    ring_overlap.shift_done = lambda ys, token, **kw: tuple(ys)
+    os.environ["PK_JAX_RING_RESERVE_SMS"] = "0"
+    try:
+        yield
+    finally:
+        ring_overlap.shift_start, ring_overlap.shift_done = saved[:2]
+        if saved[2] is None:
+            os.environ.pop("PK_JAX_RING_RESERVE_SMS", None)
+        else:
+            os.environ["PK_JAX_RING_RESERVE_SMS"] = saved[2]
+
+
+def _member_blocks(c: Case, g: int, rank: int) -> list[tuple[int, int, int]]:
+    """The attention a ring member owes, as calls of our kernel: (first query row, rows, visible keys) of its local
+    rows, against the global sequence's first `visible keys` keys, causal with the rows' global offset."""
+    t = c.s // g
+    if not c.causal:
+        return [(0, t, c.s)]
+    if c.layout == "contiguous":
+        return [(0, t, (rank + 1) * t)]
+    half = t // 2
+    return [(0, half, (rank + 1) * half), (half, half, (2 * g - rank) * half)]
+
+
+def _kernel_floor(c: Case, g: int, mesh: Mesh):
+    """Issue 26's floor for a ring member's compute: our attention kernel (pk_jax.attention) on the member's own
+    blocks (_member_blocks), the whole key prefix at hand (k, v replicated), one call per query chunk; the program
+    runs every member's share at once, one per device (lax.switch on the rank: static shapes per member).
+    Returns (jitted program of (q sharded, k, v replicated), in_specs)."""
+    def member(rank: int):
+        def fn(q, k, v):
+            t = c.s // g
+            outs = []
+            for start, rows, keys in _member_blocks(c, g, rank):
+                offset = (rank * t + start) if c.layout == "contiguous" else \
+                    (rank * (t // 2) if start == 0 else (2 * g - 1 - rank) * (t // 2))
+                outs.append(pk_jax.attention(q[:, start:start + rows], k[:, :keys], v[:, :keys], causal=c.causal,
+                                             q_offset=offset if c.causal else 0, implementation="pk"))
+            return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+        return fn
+
+    def body(q, k, v):
+        return jax.lax.switch(jax.lax.axis_index(AX), [member(r) for r in range(g)], q, k, v)
+
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(None, AX), P(), P()), out_specs=P(None, AX), check_vma=False)
+    if c.backward:
+        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(mapped(q, k, v).astype(jnp.float32)), (0, 1, 2)))
+    return jax.jit(mapped)
+
+
+def _compute_floor_contenders(c: Case, g: int, mesh: Mesh, args):
+    """[(name, fn of the suite's args)]: the ring with communication off, and _kernel_floor (k, v replicated once)."""
+    with _communication_off():
+        off, _, err_off = _compile(_program(_ours(c), mesh, c.backward), args)
+    rep = NamedSharding(mesh, P())
+    full = [jax.device_put(x, rep) for x in args[1:]]
+    floor_args = [args[0], *full]
+    floor, _, err_floor = _compile(_kernel_floor(c, g, mesh), floor_args)
+    out = []
+    if off is not None:
+        out.append(("compute_only", off))
+    if floor is not None:
+        out.append(("kernel_floor", lambda xs, f=floor: f(floor_args)))
+    return out, {k: v for k, v in (("compute_only", err_off), ("kernel_floor", err_floor)) if v}
+
+
 def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, names: list[str] | None = None,
-        seqs: list[int] | None = None, transports: list[str] | None = None) -> list[dict]:
+        seqs: list[int] | None = None, transports: list[str] | None = None, compute_floor: bool = False) -> list[dict]:
     """Every case (or only op `only`, case names `names`, total lengths `seqs`): ours, the baseline and our
     attention alone on one member's share, in the same turns. `transports`: the ring's transports to time
-    (the first is ours_ms); None: the environment's."""
+    (the first is ours_ms); None: the environment's. compute_floor: ring rows also time the ring with
+    communication off (_communication_off: extra.compute_only_ms) and our kernel on the member's blocks
+    (_kernel_floor: extra.kernel_floor_ms); extra.compute_over_floor is issue 26's "within 5%" (<= 1.05)."""
     devices = jax.devices()
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
@@ -210,10 +292,16 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
             want = base(args)
             err_v = max(results.rel_err(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
             check = f"ok rel={err_v:.1e}" if err_v < 3e-2 else f"MISMATCH rel={err_v:.1e}"
-        fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else []) + others
+        floor_fns, floor_errs = ([], {})
+        if compute_floor and c.op == "ring_attention":
+            floor_fns, floor_errs = _compute_floor_contenders(c, g, mesh, args)
+        extras = [fn for _, fn in floor_fns]
+        fns = [ours] + ([base] if base else []) + ([lambda xs, a=alone: a[0](a[1])] if alone else []) + others + extras
         times = timing.time_interleaved(fns, args, reps=reps, ops_per_call=1, min_sample_ms=timing.DEVICE_SAMPLE_MS)
-        other_ms = times[len(fns) - len(others):]
-        times = times[:len(fns) - len(others)]
+        floor_ms = dict(zip([name for name, _ in floor_fns], times[len(times) - len(extras):]))
+        times = times[:len(times) - len(extras)]
+        other_ms = times[len(fns) - len(extras) - len(others):]
+        times = times[:len(fns) - len(extras) - len(others)]
         ours_ms = times[0]
         base_ms = times[1] if base else None
         alone_ms = times[-1] if alone else None
@@ -228,11 +316,22 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
                       **({"transport_ms": {t: round(ms, 5) for t, ms in zip(ring_transports, [ours_ms, *other_ms])},
                           "transport_check": transport_check} if others else {})},
         })
+        if compute_floor and c.op == "ring_attention":
+            e = rows[-1]["extra"]
+            e.update({f"{k}_ms": round(v, 5) for k, v in floor_ms.items()})
+            if floor_errs:
+                e["compute_floor_errors"] = floor_errs
+            if len(floor_ms) == 2:
+                e["compute_over_floor"] = round(floor_ms["compute_only"] / floor_ms["kernel_floor"], 4)
         print(f"  {c.op:<18}{c.name:<26}{str(rows[-1]['shape']):<24} ours {ours_ms:9.3f} ms  "
               f"base {'-' if base_ms is None else f'{base_ms:9.3f}'} ms  alone "
               f"{'-' if alone_ms is None else f'{alone_ms:9.3f}'} ms  peak {peak / 2**20 if peak else 0:8.1f} MiB  "
               f"{check}{'' if base_err is None else '  baseline: ' + base_err}"
-              + "".join(f"  [{t} {ms:.3f} ms]" for t, ms in zip(ring_transports, [ours_ms, *other_ms]) if others),
+              + "".join(f"  [{t} {ms:.3f} ms]" for t, ms in zip(ring_transports, [ours_ms, *other_ms]) if others)
+              + "".join(f"  {k} {v:.3f} ms" for k, v in floor_ms.items())
+              + (f"  compute/floor {rows[-1]['extra']['compute_over_floor']:.3f}"
+                 if "compute_over_floor" in rows[-1]["extra"] else "")
+              + "".join(f"  [{k}: {v}]" for k, v in floor_errs.items()),
               flush=True)
         del args
     return rows
