@@ -65,7 +65,7 @@
 #   dqconvert   the backward's dQ conversion kernel: bits vs XLA's, gradient tests, ring (2 GPUs+) and attention
 #               fwd+bwd rows with PK_JAX_ATTENTION_DQ_CONVERT=xla then kernel                              ~9 min
 #   x4ring2     (2 GPUs+) ring GPU tests (bf16 first accumulator hop), a timeline, the compute floor (issue 26's
-#               5 %), ring rows at S 12288 per SHIFT_CTAS (default "8 16 24 32": PK_JAX_RING_SHIFT_CTAS)   ~9 min
+#               5 %), ring rows at S 12288 per SHIFT_CTAS (default "8 16 32": PK_JAX_RING_SHIFT_CTAS)      ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -236,7 +236,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  --out "$OUT/$day-context-ring-transports.json" ;;
     sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --steps check_small \
                    check_small_replay check_moe check_ring --out "$OUT/$day-multirank-shared.json" ;;
-    overlapall) stage overlap-all 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
+    overlapall) stage overlap-every-gpu 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
                   -k on_every_gpu ;;
     x4next) # (2 GPUs+; written for the next 4-GPU lease) the tests session 12's lease left: each suspect first, bounded
             stage overlap-all 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
@@ -265,29 +265,29 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     x4moe) stage moe-overlap-bench 200 python3 -m pk_jax.bench moe --op dispatch_gemm --out "$OUT/$day-moe-dispatch-gemm.json"
            stage moe 420 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     dqconvert) # the backward's dQ conversion kernel: its bits vs XLA's conversion, the gradient tests, then A/B rows
-               stage dq-tests 200 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs \
+               stage dq-tests 150 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs \
                  -k "dq_convert or gradients_match"
                for conv in xla kernel; do
-                 stage ring-dq-$conv 90 env PK_JAX_ATTENTION_DQ_CONVERT=$conv python3 -m pk_jax.bench context \
+                 stage ring-dq-$conv 80 env PK_JAX_ATTENTION_DQ_CONVERT=$conv python3 -m pk_jax.bench context \
                    --op ring_attention --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 \
                    --out "$OUT/$day-context-ring-dq-$conv.json"
                done
-               stage context-tests 120 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k ring_attention_matches_reference
+               stage context-tests 100 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k ring_attention_matches_reference
                for conv in xla kernel; do
-                 stage attn-dq-$conv 100 env PK_JAX_ATTENTION_DQ_CONVERT=$conv python3 -m pk_jax.bench attention \
+                 stage attn-dq-$conv 70 env PK_JAX_ATTENTION_DQ_CONVERT=$conv python3 -m pk_jax.bench attention \
                    --cases fwd_bwd fwd_bwd_causal --seqs 1024 4096 16384 --head-dims 128 --reps 5 \
                    --out "$OUT/$day-attention-dq-$conv.json"
                done ;;
     x4ring2) # (2 GPUs+) the ring after session 13's backward changes: GPU tests, a timeline, then the shift-CTA sweep
-             stage ring-tests 150 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs \
+             stage ring-tests 120 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs \
                -k "ring_attention_matches_reference or temp_memory"
-             stage ringtimeline 120 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
+             stage ringtimeline 60 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                --cases fwd_causal_zigzag fwd_bwd_causal_zigzag fwd_bwd_contiguous
              stage ring-floor 120 python3 -m pk_jax.bench context --op ring_attention --compute-floor --seqs 12288 \
                --cases fwd_causal_zigzag fwd_bwd_causal_zigzag fwd_contiguous --reps 10 \
                --out "$OUT/$day-context-ring-compute-floor.json"
-             for ctas in ${SHIFT_CTAS:-8 16 24 32}; do  # PK_JAX_RING_SHIFT_CTAS (= SMs the attention leaves free)
-               stage ring-ctas$ctas 90 env PK_JAX_RING_SHIFT_CTAS=$ctas python3 -m pk_jax.bench context \
+             for ctas in ${SHIFT_CTAS:-8 16 32}; do  # PK_JAX_RING_SHIFT_CTAS (= SMs the attention leaves free)
+               stage ring-ctas$ctas 80 env PK_JAX_RING_SHIFT_CTAS=$ctas python3 -m pk_jax.bench context \
                  --op ring_attention --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag \
                  --seqs 12288 --reps 10 --out "$OUT/$day-context-ring-ctas$ctas.json"
              done ;;

@@ -34,3 +34,42 @@ def test_compute_floor_columns():
         assert e["compute_only_ms"] > 0 and e["kernel_floor_ms"] > 0, e
         assert e["compute_over_floor"] == pytest.approx(e["compute_only_ms"] / e["kernel_floor_ms"], rel=1e-3)
         assert r["extra"]["check"].startswith("ok")
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_kernel_floor_program_has_no_collectives(backward):
+    """The floor is one member's own work: no all-reduce of the replicated K/V's gradients, no permute."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    g = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), (context.AX,))
+    c = context.Case("ring_attention", 2, 32 * g, 4, 16, True, "zigzag", backward)
+    make = lambda i: jax.device_put(jax.random.normal(jax.random.key(i), (c.b, c.s, c.n, c.d)),
+                                    NamedSharding(mesh, P(None, context.AX)))
+    program, floor_args = context._kernel_floor(c, g, mesh, [make(0), make(1), make(2)])
+    hlo = program.lower(*floor_args).compile().as_text()
+    for op in ("all-reduce", "all-gather", "collective-permute", "all-to-all", "reduce-scatter"):
+        assert op not in hlo, f"{op} in the floor program"
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_communication_off_removes_every_transfer(monkeypatch, backward):
+    """The ring with communication off (under either transport setting) moves nothing between devices."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    monkeypatch.setenv("PK_JAX_RING_TRANSPORT", "xla")  # the floor compiles the "pk" schedule regardless
+    g = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), (context.AX,))
+    c = context.Case("ring_attention", 2, 32 * g, 4, 16, True, "zigzag", backward)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (c.b, c.s, c.n, c.d)),
+                       NamedSharding(mesh, P(None, context.AX)))
+    with context._transport("pk"), context._communication_off():
+        hlo = context._program(context._ours(c), mesh, backward).lower(x, x, x).compile().as_text()
+    permutes = [line for line in hlo.splitlines() if "collective-permute" in line]
+    assert not permutes, permutes[:3]
+    # The only all-reduce: the scalar loss of value_and_grad over the sharded output (ours has it too).
+    assert all(" f32[] all-reduce(" in line for line in hlo.splitlines() if "= " in line and " all-reduce(" in line)
+    from pk_jax.context import ring_overlap, ring_shift
+    assert ring_overlap.shift_start is ring_shift.shift_start, "the shifts are restored afterwards"

@@ -207,40 +207,54 @@ def _member_blocks(c: Case, g: int, rank: int) -> list[tuple[int, int, int]]:
     return [(0, half, (rank + 1) * half), (half, half, (2 * g - rank) * half)]
 
 
-def _kernel_floor(c: Case, g: int, mesh: Mesh):
+def _member_offset(c: Case, g: int, rank, start: int):
+    """Global position of local row `start` of member `rank` (traced or not) in the case's layout."""
+    t = c.s // g
+    if c.layout == "contiguous":
+        return rank * t + start
+    return rank * (t // 2) if start == 0 else (2 * g - 1 - rank) * (t // 2)
+
+
+def _kernel_floor(c: Case, g: int, mesh: Mesh, args):
     """Issue 26's floor for a ring member's compute: our attention kernel (pk_jax.attention) on the member's own
-    blocks (_member_blocks), the whole key prefix at hand (k, v replicated), one call per query chunk; the program
-    runs every member's share at once, one per device (lax.switch on the rank: static shapes per member).
-    Returns (jitted program of (q sharded, k, v replicated), in_specs)."""
-    def member(rank: int):
-        def fn(q, k, v):
-            t = c.s // g
-            outs = []
-            for start, rows, keys in _member_blocks(c, g, rank):
-                offset = (rank * t + start) if c.layout == "contiguous" else \
-                    (rank * (t // 2) if start == 0 else (2 * g - 1 - rank) * (t // 2))
-                outs.append(pk_jax.attention(q[:, start:start + rows], k[:, :keys], v[:, :keys], causal=c.causal,
-                                             q_offset=offset if c.causal else 0, implementation="pk"))
-            return jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
-        return fn
+    query chunks (_member_blocks; split beforehand, so no slice is copied in the program) against the whole K/V
+    (replicated beforehand; the causal mask, placed by the chunk's global offset, skips the keys the chunk does
+    not see), one call per chunk, every member at once; fwd+bwd differentiates inside shard_map, per device (no
+    cross-device sum of the replicated K/V's gradients). Values are those of the arrays as laid out (timing only).
+    Returns (jitted program, its arguments)."""
+    starts = [(start, rows) for start, rows, _ in _member_blocks(c, g, 0)]
+    split = jax.jit(lambda q: tuple(q.reshape(c.b, g, c.s // g, c.n, c.d)[:, :, a:a + r].reshape(c.b, g * r, c.n, c.d)
+                                    for a, r in starts), out_shardings=NamedSharding(mesh, P(None, AX)))
+    rep = NamedSharding(mesh, P())
+    floor_args = [split(args[0]), jax.device_put(args[1], rep), jax.device_put(args[2], rep)]
 
-    def body(q, k, v):
-        return jax.lax.switch(jax.lax.axis_index(AX), [member(r) for r in range(g)], q, k, v)
+    def chunks(qs, k, v):
+        rank = jax.lax.axis_index(AX)
+        return tuple(pk_jax.attention(q, k, v, causal=c.causal, implementation="pk",
+                                      q_offset=_member_offset(c, g, rank, a) if c.causal else 0)
+                     for q, (a, _) in zip(qs, starts))
 
-    mapped = jax.shard_map(body, mesh=mesh, in_specs=(P(None, AX), P(), P()), out_specs=P(None, AX), check_vma=False)
+    q_spec = tuple(P(None, AX) for _ in starts)
     if c.backward:
-        return jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(mapped(q, k, v).astype(jnp.float32)), (0, 1, 2)))
-    return jax.jit(mapped)
+        def body(qs, k, v):
+            loss = lambda qs, k, v: sum(jnp.sum(o.astype(jnp.float32)) for o in chunks(qs, k, v))
+            value, (dqs, dk, dv) = jax.value_and_grad(loss, (0, 1, 2))(qs, k, v)
+            return value[None], dqs, dk[None], dv[None]
+        out_specs = (P(AX), q_spec, P(AX), P(AX))
+    else:
+        body, out_specs = chunks, q_spec
+    program = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(q_spec, P(), P()), out_specs=out_specs,
+                                    check_vma=False))
+    return program, floor_args
 
 
 def _compute_floor_contenders(c: Case, g: int, mesh: Mesh, args):
-    """[(name, fn of the suite's args)]: the ring with communication off, and _kernel_floor (k, v replicated once)."""
-    with _communication_off():
+    """[(name, fn of the suite's args)]: the ring with communication off (always the "pk" transport, whose shifts
+    _communication_off removes), and _kernel_floor; {name: error} for those that did not compile."""
+    with _transport("pk"), _communication_off():
         off, _, err_off = _compile(_program(_ours(c), mesh, c.backward), args)
-    rep = NamedSharding(mesh, P())
-    full = [jax.device_put(x, rep) for x in args[1:]]
-    floor_args = [args[0], *full]
-    floor, _, err_floor = _compile(_kernel_floor(c, g, mesh), floor_args)
+    program, floor_args = _kernel_floor(c, g, mesh, args)
+    floor, _, err_floor = _compile(program, floor_args)
     out = []
     if off is not None:
         out.append(("compute_only", off))
