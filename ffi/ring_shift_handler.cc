@@ -1,5 +1,5 @@
 // XLA FFI handlers of the asynchronous ring shift (kernels/ring_shift.cuh, docs/design.md):
-//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token      [attrs ctas, dists, mesh_ids, mesh_shape, group_axes]
+//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token      [attrs ctas, unroll, dists, mesh_ids, mesh_shape, group_axes]
 //       Records an event on XLA's stream, makes the device's side stream wait for it (everything XLA
 //       issued before, including the writes of x, is done), and launches the shift kernel on the side
 //       stream with `ctas` CTAs; returns at once. y_i receives x_i of member rank - dists[i] (the predecessor
@@ -15,7 +15,9 @@
 // side stream and its events), so they are NOT command-buffer compatible.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <iterator>
 #include <mutex>
 #include <string>
 
@@ -38,12 +40,14 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
 }
 
 ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t ctas,
-                 Ids dists, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+                 int32_t unroll, Ids dists, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   const size_t n = args.size();
   if (n < 1 || n > size_t(kMaxShiftBuffers) || rets.size() != n + 1)
     return ffi::Error::InvalidArgument("pk_jax ring shift: 1.." + std::to_string(kMaxShiftBuffers) +
                                        " buffers in, as many plus a token out");
   if (ctas < 1) return ffi::Error::InvalidArgument("pk_jax ring shift: ctas must be >= 1");
+  if (std::find(std::begin(kShiftUnrolls), std::end(kShiftUnrolls), unroll) == std::end(kShiftUnrolls))
+    return ffi::Error::InvalidArgument("pk_jax ring shift: unroll must be 4, 8 or 16, got " + std::to_string(unroll));
   Group g;
   const LocalDevice* me = nullptr;
   bool invalid = false;
@@ -83,7 +87,7 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
     BufferStaging staging(*me, side.stream, StagingWindow::kSide);
     for (int i = 0; i < b.n; ++i)
       b.y[i] = static_cast<char*>(staging.reachable(b.y[i], size_t(b.bytes[i]), /*copy_in=*/false, /*copy_out=*/true));
-    cudaError_t e = launch_ring_shift(g, b, ctas, side.stream);
+    cudaError_t e = launch_ring_shift(g, b, ctas, unroll, side.stream);
     if (e == cudaSuccess) e = staging.copy_back();
     if (e != cudaSuccess) return cuda_error("launch", e);
   } catch (const std::exception& ex) {
@@ -127,6 +131,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingShiftStart, pk::start,
                                   .RemainingArgs()
                                   .RemainingRets()
                                   .Attr<int32_t>("ctas")
+                                  .Attr<int32_t>("unroll")
                                   .Attr<ffi::Span<const int64_t>>("dists")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")

@@ -5,7 +5,8 @@
 //            op-tag check catches a member whose side-channel op sequence diverged, as on the main channel.
 //   acquire: every CTA waits for every peer's ready (bounded) and takes y_i of member rank + dist_i.
 //   push:    the CTAs stride over x_i's 16-byte vectors and store them into that member's y_i (remote
-//            16-byte stores: ~43-45 GB/s per SM, so 8 CTAs on 8 SMs reach the NVLink rate).
+//            16-byte stores, UNROLL loads in flight per thread: at 4 ~43-45 GB/s per SM on 2x H200, ~25-30
+//            on 4x H100 beside the attention; 8 and 16 keep more bytes in flight per SM).
 //   finish:  the last CTA fences at system scope, signals done to every peer and waits for every
 //            peer's done: when the kernel ends, the predecessor's stores into our y have landed.
 #include "ring_shift.cuh"
@@ -14,9 +15,10 @@
 namespace pk {
 namespace {
 
-constexpr int kUnroll = 4;
 static_assert(kMaxShiftBuffers <= kMaxPublished, "a shift publishes every output in one mailbox");
 
+// UNROLL: 16-byte loads each thread keeps in flight before their stores (kShiftUnrolls).
+template <int UNROLL>
 __global__ void __launch_bounds__(kShiftThreads) ring_shift_kernel(Group g, ShiftBuffers b) {
   OpProtocolOn<kSideChannel> op(g);
   void* local[kMaxShiftBuffers];
@@ -32,15 +34,15 @@ __global__ void __launch_bounds__(kShiftThreads) ring_shift_kernel(Group g, Shif
       const uint4* src = reinterpret_cast<const uint4*>(b.x[i]);
       uint4* dst = reinterpret_cast<uint4*>(ys[i][succ]);
       const int64_t vecs = b.bytes[i] / 16;
-      // kUnroll loads in flight before their stores: the remote stores are posted, so a thread's
+      // UNROLL loads in flight before their stores: the remote stores are posted, so a thread's
       // throughput is bounded by how many loads it keeps outstanding.
       int64_t v = tid;
-      for (; v + (kUnroll - 1) * nthreads < vecs; v += kUnroll * nthreads) {
-        uint4 r[kUnroll];
+      for (; v + (UNROLL - 1) * nthreads < vecs; v += UNROLL * nthreads) {
+        uint4 r[UNROLL];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) r[u] = __ldcs(src + v + u * nthreads);
+        for (int u = 0; u < UNROLL; ++u) r[u] = __ldcs(src + v + u * nthreads);
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dst[v + u * nthreads] = r[u];
+        for (int u = 0; u < UNROLL; ++u) dst[v + u * nthreads] = r[u];
       }
       for (; v < vecs; v += nthreads) dst[v] = __ldcs(src + v);
       // A tail of < 16 bytes (sizes the handler let through that are not whole vectors).
@@ -53,12 +55,20 @@ __global__ void __launch_bounds__(kShiftThreads) ring_shift_kernel(Group g, Shif
 
 }  // namespace
 
-cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, cudaStream_t stream) {
+cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, int unroll, cudaStream_t stream) {
   if (b.n < 1 || b.n > kMaxShiftBuffers || ctas < 1) return cudaErrorInvalidValue;
-  ring_shift_kernel<<<ctas, kShiftThreads, 0, stream>>>(g, b);
+  switch (unroll) {
+    case 4: ring_shift_kernel<4><<<ctas, kShiftThreads, 0, stream>>>(g, b); break;
+    case 8: ring_shift_kernel<8><<<ctas, kShiftThreads, 0, stream>>>(g, b); break;
+    case 16: ring_shift_kernel<16><<<ctas, kShiftThreads, 0, stream>>>(g, b); break;
+    default: return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 
-std::vector<const void*> ring_shift_kernels() { return {reinterpret_cast<const void*>(&ring_shift_kernel)}; }
+std::vector<const void*> ring_shift_kernels() {
+  return {reinterpret_cast<const void*>(&ring_shift_kernel<4>), reinterpret_cast<const void*>(&ring_shift_kernel<8>),
+          reinterpret_cast<const void*>(&ring_shift_kernel<16>)};
+}
 
 }  // namespace pk

@@ -24,9 +24,13 @@ struct ShiftBuffers {
   int32_t n;
 };
 
-// Launches the shift kernel on `stream` with `ctas` CTAs. When it ends, every y_i holds the
-// x_i of member rank - dist[i] and no peer touches this member's buffers any more.
-cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, cudaStream_t stream);
+// The loads each thread of the shift kernel keeps in flight (template instances; anything else is refused).
+constexpr int kShiftUnrolls[] = {4, 8, 16};
+
+// Launches the shift kernel on `stream` with `ctas` CTAs, `unroll` (one of kShiftUnrolls) loads in flight per
+// thread. When it ends, every y_i holds the x_i of member rank - dist[i] and no peer touches this member's
+// buffers any more.
+cudaError_t launch_ring_shift(const Group& g, const ShiftBuffers& b, int ctas, int unroll, cudaStream_t stream);
 
 // The kernel(s) of this file, preloaded by the runtime with every other kernel (collectives.cu).
 std::vector<const void*> ring_shift_kernels();

@@ -64,8 +64,9 @@
 #   x4moe       (2 GPUs+) dispatch + first grouped GEMM fused vs the GEMM alone, then the whole moe suite (canonical) ~9 min
 #   dqconvert   the backward's dQ conversion kernel: bits vs XLA's, gradient tests, ring (2 GPUs+) and attention
 #               fwd+bwd rows with PK_JAX_ATTENTION_DQ_CONVERT=xla then kernel                              ~9 min
-#   x4ring2     (2 GPUs+) ring GPU tests (bf16 first accumulator hop), a timeline, the compute floor (issue 26's
-#               5 %), ring rows at S 12288 per SHIFT_CTAS (default "8 16 32": PK_JAX_RING_SHIFT_CTAS)      ~9 min
+#   x4ring2     (2 GPUs+) shift tests (every unroll), ring GPU tests (bf16 first accumulator hop), a timeline, the
+#               compute floor (issue 26's 5 %), ring rows at S 12288 per SHIFT_CFGS "ctas:unroll" (default
+#               "8:4 16:4 8:8 8:16 16:8": PK_JAX_RING_SHIFT_CTAS : PK_JAX_RING_SHIFT_UNROLL)                ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -279,17 +280,21 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --out "$OUT/$day-attention-dq-$conv.json"
                done ;;
     x4ring2) # (2 GPUs+) the ring after session 13's backward changes: GPU tests, a timeline, then the shift-CTA sweep
-             stage ring-tests 120 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs \
+             stage shift-tests 90 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_ring_shift_gpu.py -m gpu -q -x \
+               -rs -k "several_buffers"
+             stage ring-tests 100 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -x -rs \
                -k "ring_attention_matches_reference or temp_memory"
              stage ringtimeline 60 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                --cases fwd_causal_zigzag fwd_bwd_causal_zigzag fwd_bwd_contiguous
              stage ring-floor 120 python3 -m pk_jax.bench context --op ring_attention --compute-floor --seqs 12288 \
                --cases fwd_causal_zigzag fwd_bwd_causal_zigzag fwd_contiguous --reps 10 \
                --out "$OUT/$day-context-ring-compute-floor.json"
-             for ctas in ${SHIFT_CTAS:-8 16 32}; do  # PK_JAX_RING_SHIFT_CTAS (= SMs the attention leaves free)
-               stage ring-ctas$ctas 80 env PK_JAX_RING_SHIFT_CTAS=$ctas python3 -m pk_jax.bench context \
-                 --op ring_attention --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag \
-                 --seqs 12288 --reps 10 --out "$OUT/$day-context-ring-ctas$ctas.json"
+             for cfg in ${SHIFT_CFGS:-8:4 16:4 8:8 8:16 16:8}; do  # shift CTAs (= SMs the attention leaves free) : loads
+               ctas=${cfg%:*} unroll=${cfg#*:}                  # in flight per thread (PK_JAX_RING_SHIFT_UNROLL)
+               stage ring-ctas$ctas-unroll$unroll 75 env PK_JAX_RING_SHIFT_CTAS=$ctas PK_JAX_RING_SHIFT_UNROLL=$unroll \
+                 python3 -m pk_jax.bench context --op ring_attention --cases fwd_contiguous fwd_causal_zigzag \
+                 fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 \
+                 --out "$OUT/$day-context-ring-ctas$ctas-unroll$unroll.json"
              done ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;

@@ -120,6 +120,10 @@ def test_bad_settings_are_named(monkeypatch):
     monkeypatch.setenv("PK_JAX_RING_SHIFT_CTAS", "0")
     with pytest.raises(ValueError, match="PK_JAX_RING_SHIFT_CTAS"):
         jax.make_jaxpr(f)(spec, spec, spec)
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_CTAS", "8")
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_UNROLL", "6")
+    with pytest.raises(ValueError, match="PK_JAX_RING_SHIFT_UNROLL"):
+        jax.make_jaxpr(f)(spec, spec, spec)
 
 
 def test_compiled_order_overlaps_the_transfer_with_the_step(monkeypatch):
@@ -147,3 +151,9 @@ def test_ring_shift_env_defaults(monkeypatch):
     assert ring_shift.transport() == "pk" and ring_shift.shift_ctas() == 8
     monkeypatch.setenv("PK_JAX_RING_SHIFT_CTAS", "16")
     assert ring_shift.shift_ctas() == 16
+    monkeypatch.delenv("PK_JAX_RING_SHIFT_UNROLL", raising=False)
+    assert ring_shift.shift_unroll() == 4
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_UNROLL", "16")
+    assert ring_shift.shift_unroll() == 16
+    f, spec = _ring(2)
+    assert "unroll=16" in str(jax.make_jaxpr(f)(spec, spec, spec)), "the setting reaches the shift primitive"

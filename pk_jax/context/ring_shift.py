@@ -52,6 +52,8 @@ TRANSPORT_VAR = "PK_JAX_RING_TRANSPORT"
 TRANSPORTS = ("pk", "xla")
 CTAS_VAR = "PK_JAX_RING_SHIFT_CTAS"
 DEFAULT_CTAS = 8
+UNROLL_VAR = "PK_JAX_RING_SHIFT_UNROLL"
+UNROLLS = (4, 8, 16)  # kernels/ring_shift.cuh kShiftUnrolls
 MAX_BUFFERS = 4  # kernels/ring_shift.cuh kMaxShiftBuffers
 
 Axes = tuple[Hashable, ...]
@@ -74,6 +76,17 @@ def transport() -> str:
 def shift_ctas() -> int:
     """CTAs (one per SM) of the shift kernel: $PK_JAX_RING_SHIFT_CTAS, default 8, read when traced."""
     return int_setting(CTAS_VAR, DEFAULT_CTAS, minimum=1, owner="pk_jax.ring_attention", what="a count of CTAs")
+
+
+def shift_unroll() -> int:
+    """16-byte loads each thread of the shift kernel keeps in flight: $PK_JAX_RING_SHIFT_UNROLL, 4 (default), 8 or
+    16, read when traced. A thread's push rate is bounded by its outstanding loads (the remote stores are
+    posted): at 4 one SM pushed ~43-45 GB/s on 2x H200 but ~25-30 beside the attention on 4x H100 (8 CTAs: ~200-250
+    GB/s of the link's ~370); 8 and 16 keep 2x / 4x the bytes in flight. Not measured yet."""
+    value = int_setting(UNROLL_VAR, 4, minimum=1, owner="pk_jax.ring_attention", what="a load count")
+    if value not in UNROLLS:
+        raise ValueError(f"pk_jax.ring_attention: ${UNROLL_VAR}={value}; use one of {UNROLLS}")
+    return value
 
 
 def _perm(g: int, dist: int = 1) -> list[tuple[int, int]]:
@@ -104,7 +117,8 @@ def shift_start(xs: Sequence[jax.Array], axes: Axes, *, ctas: int | None = None,
     if len(dists) != len(xs) or not all(1 <= d < g for d in dists):
         raise ValueError(f"pk_jax ring shift: dists {dists} must give each of the {len(xs)} arrays a distance in 1..{g - 1}")
     xs = tuple(insert_collective_pvary(axes, x) for x in xs)
-    out = pk_ring_shift_start_p.bind(*xs, axes=axes, g=g, ctas=int(shift_ctas() if ctas is None else ctas), dists=dists)
+    out = pk_ring_shift_start_p.bind(*xs, axes=axes, g=g, ctas=int(shift_ctas() if ctas is None else ctas), dists=dists,
+                                     unroll=shift_unroll())
     return tuple(out[:-1]), out[-1]
 
 
@@ -126,7 +140,7 @@ def after_token(tree, *tokens: jax.Array):
 
 # --- primitive rules -----------------------------------------------------------------------------
 
-def _start_abstract(*xs, axes, g, ctas, dists):
+def _start_abstract(*xs, axes, g, ctas, dists, unroll):
     return [*xs, _token_aval(xs)]
 
 
@@ -140,7 +154,7 @@ pk_ring_shift_start_p.def_impl(functools.partial(dispatch.apply_primitive, pk_ri
 pk_ring_shift_done_p.def_impl(functools.partial(dispatch.apply_primitive, pk_ring_shift_done_p))
 
 
-def _start_fallback(ctx, *xs, axes, g, ctas, dists):
+def _start_fallback(ctx, *xs, axes, g, ctas, dists, unroll):
     def f(*xs):
         name = axes if len(axes) > 1 else axes[0]
         return [*(lax.ppermute(x, name, _perm(g, d)) for x, d in zip(xs, dists)), jnp.zeros((), jnp.int32)]
@@ -168,12 +182,13 @@ def _kernel_table(ctx, axes):
     return table
 
 
-def _start_cuda(ctx, *xs, axes, g, ctas, dists):
+def _start_cuda(ctx, *xs, axes, g, ctas, dists, unroll):
     table = _kernel_table(ctx, axes)
     if table is None:
-        return _start_fallback(ctx, *xs, axes=axes, g=g, ctas=ctas, dists=dists)
+        return _start_fallback(ctx, *xs, axes=axes, g=g, ctas=ctas, dists=dists, unroll=unroll)
     return jax.ffi.ffi_lowering("pk_ring_shift_start", has_side_effect=True)(
-        ctx, *xs, ctas=np.int32(ctas), dists=np.asarray(dists, np.int64), mesh_ids=np.asarray(table.mesh_ids, np.int64),
+        ctx, *xs, ctas=np.int32(ctas), unroll=np.int32(unroll), dists=np.asarray(dists, np.int64),
+        mesh_ids=np.asarray(table.mesh_ids, np.int64),
         mesh_shape=np.asarray(table.mesh_shape, np.int64), group_axes=np.asarray(table.group_axes, np.int64))
 
 
