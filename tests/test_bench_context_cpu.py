@@ -73,3 +73,23 @@ def test_communication_off_removes_every_transfer(monkeypatch, backward):
     assert all(" f32[] all-reduce(" in line for line in hlo.splitlines() if "= " in line and " all-reduce(" in line)
     from pk_jax.context import ring_overlap, ring_shift
     assert ring_overlap.shift_start is ring_shift.shift_start, "the shifts are restored afterwards"
+
+
+def test_suite_reports_write_a_ratio_plot(tmp_path):
+    """Every suite's results file gets a PNG beside it (pk_jax.bench._report -> results.plot_file), bounds drawn
+    where the rows carry them; `python -m pk_jax.bench plot FILE.json` redraws it."""
+    pytest.importorskip("matplotlib")
+    from pk_jax.bench import results
+    from pk_jax.bench.__main__ import main
+
+    rows = [{"op": "ring_attention", "case": "fwd_causal_zigzag", "shape": [1, 64, 2, 8], "group": 4, "ours_ms": 1.0,
+             "baseline": "all_gather K/V + cuDNN", "baseline_ms": 2.0, "ratio": 2.0,
+             "extra": {"attention_alone_ms": 0.5}},
+            {"op": "ring_attention", "case": "fwd_contiguous", "shape": [1, 64, 2, 8], "group": 4, "ours_ms": 2.0,
+             "baseline": "all_gather K/V + cuDNN", "baseline_ms": 1.0, "ratio": 0.5, "extra": {}}]
+    assert results._bound_ratio(rows[0]) == 4.0 and results._bound_ratio(rows[1]) is None
+    path = tmp_path / "r.json"
+    results.write(str(path), "context", rows)
+    assert main(["plot", str(path)]) == 0
+    png = tmp_path / "r.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

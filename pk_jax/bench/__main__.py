@@ -1,5 +1,7 @@
 """pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,context,moe,
-attention,multirank} [--quick] [--out FILE]`.
+attention,multirank} [--quick] [--out FILE]`. Suites write FILE (JSON, benchmarks/results format) and, beside it,
+a PNG of every row's ratio (with the overlap bound where the row has one); `python -m pk_jax.bench plot
+FILE.json...` redraws those PNGs from results files.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -40,10 +42,19 @@ def _report(out: str, suite: str, rows: list[dict], print_table, bad=None) -> in
     print()
     print_table(rows)
     print(f"\nwrote {out}")
+    results.plot_file(out)
     return 1 if any(bad(r) for r in rows) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plot"]:  # no device work: results files only
+        from pk_jax.bench import results
+
+        if len(argv) < 2:
+            print("usage: python -m pk_jax.bench plot FILE.json [FILE.json ...]", file=sys.stderr)
+            return 2
+        return 0 if all(results.plot_file(path) for path in argv[1:]) else 1
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "model", "context",

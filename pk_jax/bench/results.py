@@ -146,3 +146,55 @@ def _ms(t: float | None) -> str:
 def schedule_label(n: int | None) -> str:
     """num_comm_sms as chosen: '-' unknown, 'xla' the unfused composition (0), 'intra' no comm SMs (-1)."""
     return "-" if n is None else {0: "xla", -1: "intra"}.get(n, str(n))
+
+
+def _bound_ratio(row: dict) -> float | None:
+    """The most any overlap can reach where a row knows it: baseline / (work without communication)."""
+    e = row.get("extra", {})
+    alone = e.get("attention_alone_ms") or e.get("bound_ms")
+    return row["baseline_ms"] / alone if alone and row.get("baseline_ms") else None
+
+
+def plot_ratios(rows: Sequence[dict], path: str, title: str) -> str | None:
+    """A horizontal bar per row (op, case, shape, group): its ratio (baseline ms / ours ms, same run), the
+    overlap bound as a tick where the row has one; written to `path` (PNG). None without matplotlib or rows."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("pk_jax.bench: matplotlib not installed; no plot")
+        return None
+    done = [r for r in rows if r.get("ratio")]
+    if not done:
+        return None
+    labels = [f"{r['op']} {r['case']} {'x'.join(map(str, r['shape']))} G{r.get('group', 1)}"
+              f" vs {str(r.get('baseline') or '')[:24]}" for r in done]
+    ratios = [r["ratio"] for r in done]
+    fig, ax = plt.subplots(figsize=(12, max(2.6, 0.32 * len(done) + 1.6)))
+    ax.barh(labels, ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    bounds = [(i, b) for i, b in enumerate(_bound_ratio(r) for r in done) if b]
+    if bounds:
+        ax.scatter([b for _, b in bounds], [i for i, _ in bounds], marker="|", s=200, color="black",
+                   label="bound (baseline / work alone)")
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 if len(done) > 4 else -0.35), fontsize=8)
+    ax.axvline(1.0, color="gray", ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("speedup over the baseline (same run; log scale)")
+    fig.suptitle(title, fontsize=10)
+    ax.tick_params(axis="y", labelsize=7)
+    ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def plot_file(json_path: str) -> str | None:
+    """plot_ratios of a results file, to the same name with .png."""
+    with open(json_path) as f:
+        data = json.load(f)
+    title = f"{data.get('suite')} on {data.get('device')} ({data.get('date')}, {data.get('commit')})"
+    return plot_ratios(data.get("rows", []), os.path.splitext(json_path)[0] + ".png", title)
