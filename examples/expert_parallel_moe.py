@@ -4,7 +4,9 @@ Tokens are sharded over the "ep" axis (each device routes its own), and so are t
 experts r*L .. r*L + L - 1. A replicated router picks each token's top-k experts; pk_jax.moe.moe_mlp sends
 every token to its experts' devices (dispatch), runs their SwiGLU MLPs (grouped GEMMs) and brings the
 weighted results home (combine). jax.grad trains the router and the experts together to fit a fixed random
-function of the input. Runs on all GPUs, or on 8 virtual CPU devices:
+function of the input. The weights are float32 here, so on GPUs the experts' GEMMs run XLA's ragged_dot (our
+grouped GEMM kernel takes bf16 / f16: cast x and the expert weights to use it). Runs on all GPUs, or on 8
+virtual CPU devices (unless XLA_FLAGS is already set):
 
     python examples/expert_parallel_moe.py
 """

@@ -88,8 +88,13 @@ def test_suite_reports_write_a_ratio_plot(tmp_path):
             {"op": "ring_attention", "case": "fwd_contiguous", "shape": [1, 64, 2, 8], "group": 4, "ours_ms": 2.0,
              "baseline": "all_gather K/V + cuDNN", "baseline_ms": 1.0, "ratio": 0.5, "extra": {}}]
     assert results._bound_ratio(rows[0]) == 4.0 and results._bound_ratio(rows[1]) is None
+    rows += [dict(rows[1]), {"op": "sync", "case": "x", "shape": None, "ratio": 1.5, "extra": None}]  # same label; odd row
     path = tmp_path / "r.json"
     results.write(str(path), "context", rows)
     assert main(["plot", str(path)]) == 0
     png = tmp_path / "r.png"
     assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    png.unlink()
+    (tmp_path / "bad.json").write_text("not json")
+    assert main(["plot", str(tmp_path / "bad.json"), str(path)]) == 1  # the bad file is named, the next one drawn
+    assert png.exists()

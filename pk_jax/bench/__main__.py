@@ -42,7 +42,10 @@ def _report(out: str, suite: str, rows: list[dict], print_table, bad=None) -> in
     print()
     print_table(rows)
     print(f"\nwrote {out}")
-    results.plot_file(out)
+    try:  # the plot is a convenience: it never costs the run its exit code
+        results.plot_file(out)
+    except Exception as e:  # noqa: BLE001
+        print(f"pk_jax.bench: no plot ({type(e).__name__}: {e})")
     return 1 if any(bad(r) for r in rows) else 0
 
 
@@ -54,7 +57,14 @@ def main(argv: list[str] | None = None) -> int:
         if len(argv) < 2:
             print("usage: python -m pk_jax.bench plot FILE.json [FILE.json ...]", file=sys.stderr)
             return 2
-        return 0 if all(results.plot_file(path) for path in argv[1:]) else 1
+        ok = []
+        for path in argv[1:]:
+            try:
+                ok.append(results.plot_file(path) is not None)
+            except Exception as e:  # noqa: BLE001 - say which file, go on with the others
+                print(f"pk_jax.bench plot: {path}: {type(e).__name__}: {e}", file=sys.stderr)
+                ok.append(False)
+        return 0 if all(ok) else 1
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "model", "context",

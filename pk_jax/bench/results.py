@@ -150,14 +150,15 @@ def schedule_label(n: int | None) -> str:
 
 def _bound_ratio(row: dict) -> float | None:
     """The most any overlap can reach where a row knows it: baseline / (work without communication)."""
-    e = row.get("extra", {})
+    e = row.get("extra") or {}
     alone = e.get("attention_alone_ms") or e.get("bound_ms")
     return row["baseline_ms"] / alone if alone and row.get("baseline_ms") else None
 
 
 def plot_ratios(rows: Sequence[dict], path: str, title: str) -> str | None:
-    """A horizontal bar per row (op, case, shape, group): its ratio (baseline ms / ours ms, same run), the
-    overlap bound as a tick where the row has one; written to `path` (PNG). None without matplotlib or rows."""
+    """One line per row (op, case, shape, group) from 1x to its ratio (baseline ms / ours ms, same run) on a log
+    axis, the overlap bound as a tick where the row has one; written to `path` (PNG). None without matplotlib or
+    rows with a ratio."""
     try:
         import matplotlib
 
@@ -169,11 +170,16 @@ def plot_ratios(rows: Sequence[dict], path: str, title: str) -> str | None:
     done = [r for r in rows if r.get("ratio")]
     if not done:
         return None
-    labels = [f"{r['op']} {r['case']} {'x'.join(map(str, r['shape']))} G{r.get('group', 1)}"
-              f" vs {str(r.get('baseline') or '')[:24]}" for r in done]
+    shape = lambda r: "x".join(map(str, r["shape"])) if isinstance(r.get("shape"), (list, tuple)) else str(r.get("shape"))
+    labels = [f"{r.get('op')} {r.get('case')} {shape(r)} G{r.get('group', 1)} vs {str(r.get('baseline') or '')[:24]}"
+              for r in done]
     ratios = [r["ratio"] for r in done]
     fig, ax = plt.subplots(figsize=(12, max(2.6, 0.32 * len(done) + 1.6)))
-    ax.barh(labels, ratios, color=["tab:green" if x >= 1 else "tab:red" for x in ratios])
+    rows_at = range(len(done))  # one line per row, even where two rows' labels are equal
+    colors = ["tab:green" if x >= 1 else "tab:red" for x in ratios]
+    ax.hlines(rows_at, 1.0, ratios, colors=colors, linewidth=4)  # from 1x: on the log axis the length is log(ratio)
+    ax.scatter(ratios, rows_at, color=colors, zorder=3, s=18)
+    ax.set_yticks(rows_at, labels)
     bounds = [(i, b) for i, b in enumerate(_bound_ratio(r) for r in done) if b]
     if bounds:
         ax.scatter([b for _, b in bounds], [i for i, _ in bounds], marker="|", s=200, color="black",
@@ -181,10 +187,14 @@ def plot_ratios(rows: Sequence[dict], path: str, title: str) -> str | None:
         ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 if len(done) > 4 else -0.35), fontsize=8)
     ax.axvline(1.0, color="gray", ls="--")
     ax.set_xscale("log")
+    label = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}x")
+    ax.xaxis.set_major_formatter(label)
+    ax.xaxis.set_minor_formatter(label)
+    ax.tick_params(axis="x", which="both", labelsize=7)
     ax.set_xlabel("speedup over the baseline (same run; log scale)")
     fig.suptitle(title, fontsize=10)
     ax.tick_params(axis="y", labelsize=7)
-    ax.invert_yaxis()
+    ax.set_ylim(len(done) - 0.5, -0.5)  # first row on top, half a row of margin
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)

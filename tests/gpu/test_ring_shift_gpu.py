@@ -97,7 +97,8 @@ def test_shift_several_buffers_and_odd_sizes(g, unroll, monkeypatch):
     """Four buffers, bf16 / f32 / int8 with a size that is not a multiple of 16 bytes, 64 MiB in one; every
     kernel instance ($PK_JAX_RING_SHIFT_UNROLL: loads in flight per thread)."""
     monkeypatch.setenv("PK_JAX_RING_SHIFT_UNROLL", unroll)
-    a = blocks(g, (8192, 4096), jnp.bfloat16)            # 64 MiB per member
+    a = blocks(g, (8191, 4099), jnp.bfloat16)            # ~64 MiB per member, an odd count of 16-byte vectors:
+                                                         # the unrolled loop, then its remainder, then a tail
     b = blocks(g, (3, 7), np.float32, seed=1)            # 84 bytes: 5 vectors and a 4-byte tail
     c = (blocks(g, (1001,), np.float32, seed=2) * 50).astype(np.int8)
     d = blocks(g, (2, 128, 8), np.float32, seed=3)
