@@ -38,6 +38,7 @@ from jax._src import config, core, dispatch
 from jax.interpreters import batching, mlir
 
 from pk_jax import _ext
+from pk_jax._env import choice_setting
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -130,28 +131,19 @@ def _schedule() -> str:
     """The consumer schedule the next lowering takes ($PK_JAX_ATTENTION_SCHEDULE, read when a program is
     lowered). "pipelined" overlaps each key block's softmax with the previous block's P V, as
     FlashAttention-3 does; unmeasured, so "in_turn" stays the default."""
-    sched = os.environ.get(SCHEDULE_VAR, "in_turn")
-    if sched not in SCHEDULES:
-        raise ValueError(f"pk_jax.attention: ${SCHEDULE_VAR}={sched!r}; use one of {SCHEDULES}")
-    return sched
+    return choice_setting(SCHEDULE_VAR, "in_turn", SCHEDULES, owner="pk_jax.attention")
 
 
 def fwd_variant() -> str:
     """The forward variant the next lowering takes ($PK_JAX_ATTENTION_FWD_VARIANT, read when a program is
     lowered, like the schedule: a jitted function keeps the variant it was compiled with)."""
-    name = os.environ.get(FWD_VARIANT_VAR, "") or DEFAULT_FWD_VARIANT
-    if name not in FWD_VARIANTS:
-        raise ValueError(f"pk_jax.attention: ${FWD_VARIANT_VAR}={name!r}; use one of {FWD_VARIANTS}")
-    return name
+    return choice_setting(FWD_VARIANT_VAR, DEFAULT_FWD_VARIANT, FWD_VARIANTS, owner="pk_jax.attention")
 
 
 def bwd_variant() -> str:
     """The backward variant the next lowering takes ($PK_JAX_ATTENTION_BWD_VARIANT, read when a program is
     lowered; unset or empty: DEFAULT_BWD_VARIANT)."""
-    name = os.environ.get(BWD_VARIANT_VAR, "") or DEFAULT_BWD_VARIANT
-    if name not in BWD_VARIANTS:
-        raise ValueError(f"pk_jax.attention: ${BWD_VARIANT_VAR}={name!r}; use one of {BWD_VARIANTS}")
-    return name
+    return choice_setting(BWD_VARIANT_VAR, DEFAULT_BWD_VARIANT, BWD_VARIANTS, owner="pk_jax.attention")
 
 
 def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
@@ -232,10 +224,7 @@ def dq_convert() -> str:
     is lowered. "kernel" (default): a second kernel in the same custom call (coalesced, one pass); "xla":
     dq_from_chunks, XLA's fusion of a 10-D transpose (~0.3 TB/s: 3.8 ms per ring step at 4 GPUs, S 12288), kept
     as the A/B baseline."""
-    value = os.environ.get(DQ_CONVERT_VAR, "kernel")
-    if value not in DQ_CONVERTS:
-        raise ValueError(f"pk_jax.attention: ${DQ_CONVERT_VAR}={value!r}; use one of {DQ_CONVERTS}")
-    return value
+    return choice_setting(DQ_CONVERT_VAR, "kernel", DQ_CONVERTS, owner="pk_jax.attention")
 
 
 def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False):

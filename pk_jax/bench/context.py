@@ -122,20 +122,25 @@ def _peak_bytes(compiled) -> int | None:
 
 
 @contextlib.contextmanager
-def _transport(name: str | None) -> Iterator[None]:
-    """PK_JAX_RING_TRANSPORT while a program is traced and compiled (None: leave it as it is)."""
-    if name is None:
+def _env(var: str, value: str | None) -> Iterator[None]:
+    """$var = value while a program is traced and compiled (None: leave it as it is)."""
+    if value is None:
         yield
         return
-    old = os.environ.get("PK_JAX_RING_TRANSPORT")
-    os.environ["PK_JAX_RING_TRANSPORT"] = name
+    old = os.environ.get(var)
+    os.environ[var] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop("PK_JAX_RING_TRANSPORT", None)
+            os.environ.pop(var, None)
         else:
-            os.environ["PK_JAX_RING_TRANSPORT"] = old
+            os.environ[var] = old
+
+
+def _transport(name: str | None):
+    """PK_JAX_RING_TRANSPORT while a program is traced and compiled (None: leave it as it is)."""
+    return _env("PK_JAX_RING_TRANSPORT", name)
 
 
 def _compile(jitted, args):
@@ -181,18 +186,14 @@ def _communication_off() -> Iterator[None]:
     attention kernels leave no SMs free. Timing only: the result is not attention of the sequence."""
     from pk_jax.context import ring_overlap
 
-    saved = ring_overlap.shift_start, ring_overlap.shift_done, os.environ.get("PK_JAX_RING_RESERVE_SMS")
+    saved = ring_overlap.shift_start, ring_overlap.shift_done
     ring_overlap.shift_start = lambda xs, axes, **kw: (tuple(xs), jnp.zeros((), jnp.int32))
     ring_overlap.shift_done = lambda ys, token, **kw: tuple(ys)
-    os.environ["PK_JAX_RING_RESERVE_SMS"] = "0"
     try:
-        yield
+        with _env("PK_JAX_RING_RESERVE_SMS", "0"):
+            yield
     finally:
-        ring_overlap.shift_start, ring_overlap.shift_done = saved[:2]
-        if saved[2] is None:
-            os.environ.pop("PK_JAX_RING_RESERVE_SMS", None)
-        else:
-            os.environ["PK_JAX_RING_RESERVE_SMS"] = saved[2]
+        ring_overlap.shift_start, ring_overlap.shift_done = saved
 
 
 def _member_blocks(c: Case, g: int, rank: int) -> list[tuple[int, int, int]]:

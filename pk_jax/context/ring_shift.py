@@ -32,7 +32,6 @@ PK_JAX_RING_TRANSPORT=xla makes ring attention skip these primitives (its earlie
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Hashable, Sequence
 
@@ -45,7 +44,7 @@ from jax._src.lax.parallel import insert_collective_pvary
 from jax.interpreters import mlir
 
 from pk_jax import _ext, runtime
-from pk_jax._env import int_setting
+from pk_jax._env import choice_setting, int_setting
 from pk_jax.sharding import group_size
 
 TRANSPORT_VAR = "PK_JAX_RING_TRANSPORT"
@@ -67,10 +66,7 @@ pk_ring_shift_done_p.multiple_results = True
 def transport() -> str:
     """How ring attention moves its blocks: $PK_JAX_RING_TRANSPORT, read when the ring is traced. "pk"
     (default): these primitives, overlapped with the attention; "xla": lax.ppermute between the steps."""
-    value = os.environ.get(TRANSPORT_VAR, "pk")
-    if value not in TRANSPORTS:
-        raise ValueError(f"pk_jax.ring_attention: ${TRANSPORT_VAR}={value!r}; use one of {TRANSPORTS}")
-    return value
+    return choice_setting(TRANSPORT_VAR, "pk", TRANSPORTS, owner="pk_jax.ring_attention")
 
 
 def shift_ctas() -> int:

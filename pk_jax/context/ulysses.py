@@ -14,8 +14,9 @@ schedule asynchronously) or "async" (pk_jax/context/async_all_to_all.py: shifts 
 stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's attention, as the issue's "a head's
 attention starts as soon as its slices have landed"; the backward pipelines its exchanges the same way).
 $PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels, which leave the shift its SMs (cuDNN's may hold
-every SM until they end). Same result for every setting (the same per-head attention); their speeds are for the
-multi-GPU runs to show (not measured yet).
+every SM until they end). Same result for every setting (the same per-head attention). On 4x H100 (2026-11-26)
+every chunked setting was slower than the default one exchange each way (forward 1.08-1.54x the lax composition
+against 1.42-1.91x; docs/benchmarks.md), so the defaults stay.
 """
 
 from __future__ import annotations
@@ -23,14 +24,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pk_jax._env import int_setting
+from pk_jax._env import choice_setting, int_setting
 from pk_jax.collectives import all_to_all
 from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
 from pk_jax.context.ring import check_attention_args
@@ -67,20 +67,14 @@ def head_chunks() -> int:
 def exchange() -> str:
     """$PK_JAX_ULYSSES_A2A: "pk" (default, pk_jax.all_to_all), "lax" (jax.lax.all_to_all) or "async" (the head
     chunks' exchanges on the side stream under the previous chunk's attention), read when traced."""
-    value = os.environ.get(A2A_VAR, "pk")
-    if value not in EXCHANGES:
-        raise ValueError(f"pk_jax.ulysses_attention: ${A2A_VAR}={value!r}; use one of {EXCHANGES}")
-    return value
+    return choice_setting(A2A_VAR, "pk", EXCHANGES, owner="pk_jax.ulysses_attention")
 
 
 def local_kernel() -> bool:
     """$PK_JAX_ULYSSES_LOCAL=pk: the local attention is our kernel (pk_jax.attention's, forward and backward),
     which leaves the side stream's shift its SMs under PK_JAX_ULYSSES_A2A=async (cuDNN's kernels may hold every
     SM until they end); "" or "default": jax.nn.dot_product_attention with `implementation`. Read when traced."""
-    value = os.environ.get(LOCAL_VAR, "default")
-    if value not in ("", "default", "pk"):
-        raise ValueError(f"pk_jax.ulysses_attention: ${LOCAL_VAR}={value!r}; use 'default' or 'pk'")
-    return value == "pk"
+    return choice_setting(LOCAL_VAR, "default", ("default", "pk"), owner="pk_jax.ulysses_attention") == "pk"
 
 
 def chunk_heads(x: jax.Array, g: int, c: int, i: int) -> jax.Array:
