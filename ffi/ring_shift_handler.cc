@@ -1,8 +1,10 @@
 // XLA FFI handlers of the asynchronous ring shift (kernels/ring_shift.cuh, docs/design.md):
-//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token      [attrs ctas, unroll, dists, mesh_ids, mesh_shape, group_axes]
+//   pk_ring_shift_start: x_0..x_{n-1} -> y_0..y_{n-1}, token [attrs engine, ctas, unroll, dists, mesh_ids, mesh_shape,
+//                                                             group_axes]
 //       Records an event on XLA's stream, makes the device's side stream wait for it (everything XLA
 //       issued before, including the writes of x, is done), and launches the shift kernel on the side
-//       stream with `ctas` CTAs; returns at once. y_i receives x_i of member rank - dists[i] (the predecessor
+//       stream with `ctas` CTAs (engine 0), or, with engine 1 and every member in this process, enqueues
+//       copy-engine copies and cross-device event waits there (ffi/copy_shift.h); returns at once. y_i receives x_i of member rank - dists[i] (the predecessor
 //       for distance 1). The token is never
 //       written: it only carries the dependency that keeps XLA from moving the step's attention before
 //       this call (pk_jax/context/ring_shift.py).
@@ -20,8 +22,10 @@
 #include <iterator>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "../kernels/ring_shift.cuh"
+#include "copy_shift.h"
 #include "group_builder.h"
 #include "runtime.h"
 #include "side_stream.h"
@@ -39,13 +43,27 @@ ffi::Error cuda_error(const char* what, cudaError_t e) {
   return ffi::Error::Internal(std::string("pk_jax ring shift: ") + what + ": " + cudaGetErrorString(e));
 }
 
-ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t ctas,
-                 int32_t unroll, Ids dists, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+// The CUDA ordinals of the group's members by rank when every one is a GPU of this process, else empty.
+std::vector<int> local_ordinals(const Group& g) {
+  std::vector<int> out;
+  const Runtime& rt = Runtime::get();
+  if (rt.multiprocess()) return out;
+  for (int r = 0; r < g.size; ++r)
+    for (const LocalDevice& d : rt.devices())
+      if (d.slot == g.slot[r]) out.push_back(d.ordinal);
+  if (out.size() != size_t(g.size)) out.clear();
+  return out;
+}
+
+ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t engine,
+                 int32_t ctas, int32_t unroll, Ids dists, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   const size_t n = args.size();
   if (n < 1 || n > size_t(kMaxShiftBuffers) || rets.size() != n + 1)
     return ffi::Error::InvalidArgument("pk_jax ring shift: 1.." + std::to_string(kMaxShiftBuffers) +
                                        " buffers in, as many plus a token out");
   if (ctas < 1) return ffi::Error::InvalidArgument("pk_jax ring shift: ctas must be >= 1");
+  if (engine != 0 && engine != 1)
+    return ffi::Error::InvalidArgument("pk_jax ring shift: engine must be 0 (SM kernel) or 1 (copy engine)");
   if (std::find(std::begin(kShiftUnrolls), std::end(kShiftUnrolls), unroll) == std::end(kShiftUnrolls))
     return ffi::Error::InvalidArgument("pk_jax ring shift: unroll must be 4, 8 or 16, got " + std::to_string(unroll));
   Group g;
@@ -82,6 +100,14 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
     if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
     if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
       return cuda_error("side stream wait", e);
+    // Copy engines where every member is a GPU of this process (their buffers are addresses here);
+    // multi-process jobs keep the kernel, which learns the peers' addresses from their mailboxes.
+    if (engine == 1) {
+      if (const std::vector<int> ordinals = local_ordinals(g); !ordinals.empty()) {
+        const std::string err = copy_engine_shift(g, ordinals.data(), b, side.stream);
+        return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
+      }
+    }
     // Multi-process: an output the predecessor cannot reach goes through the staging heap's side window,
     // copied back on the side stream (so before `done`'s event).
     BufferStaging staging(*me, side.stream, StagingWindow::kSide);
@@ -130,6 +156,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingShiftStart, pk::start,
                                   .Ctx<ffi::DeviceOrdinal>()
                                   .RemainingArgs()
                                   .RemainingRets()
+                                  .Attr<int32_t>("engine")
                                   .Attr<int32_t>("ctas")
                                   .Attr<int32_t>("unroll")
                                   .Attr<ffi::Span<const int64_t>>("dists")

@@ -37,6 +37,9 @@
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
+#   copyengine  (2 GPUs+) the ring shift by copy engines (PK_JAX_RING_SHIFT_ENGINE=copy): its first test alone (5 s
+#               waits), the shift tests (both engines), ring GPU tests with it, a timeline, then ring rows at S 12288
+#               with pk-copy vs pk (SM kernel) in the same turns, and Ulysses fwd async:copy vs one exchange  ~8 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -195,7 +198,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                done
              fi ;;
     ringshift) stage ringshift-first 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs \
-                 "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[2]"
+                 "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[sm-2]"
                if grep -q " passed" "$OUT/ringshift-first.log" && ! grep -q "failed" "$OUT/ringshift-first.log"; then
                  stage ringshift-tests 240 python3 -m pytest -x -q -rs tests/gpu/test_ring_shift_gpu.py tests/gpu/test_context_gpu.py
                  stage ringshift-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
@@ -279,6 +282,21 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --cases fwd_bwd fwd_bwd_causal --seqs 1024 4096 16384 --head-dims 128 --reps 5 \
                    --out "$OUT/$day-attention-dq-$conv.json"
                done ;;
+    copyengine) stage copy-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
+                  "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[copy-2]"
+                if grep -q " passed" "$OUT/copy-first.log" && ! grep -qE "failed|rror" "$OUT/copy-first.log"; then
+                  stage copy-shift-tests 150 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_ring_shift_gpu.py
+                  stage copy-ring-tests 120 env PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest tests/gpu/test_context_gpu.py \
+                    -m gpu -q -x -rs -k "ring_attention_matches_reference"
+                  stage copy-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy python3 scripts/ring_timeline.py \
+                    --cases fwd_causal_zigzag fwd_bwd_causal_zigzag
+                  stage copy-ring-bench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                    fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy pk \
+                    --reps 10 --out "$OUT/$day-context-ring-copy-engine.json"
+                  stage copy-ulysses 120 env PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk \
+                    PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention --cases fwd \
+                    --reps 10 --out "$OUT/$day-context-ulysses-async-copy.json"
+                fi ;;
     x4ring2) # (2 GPUs+) the ring after session 13's backward changes: GPU tests, a timeline, then the shift-CTA sweep
              stage shift-tests 90 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_ring_shift_gpu.py -m gpu -q -x \
                -rs -k "several_buffers"

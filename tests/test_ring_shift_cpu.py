@@ -157,3 +157,20 @@ def test_ring_shift_env_defaults(monkeypatch):
     assert ring_shift.shift_unroll() == 16
     f, spec = _ring(2)
     assert "unroll=16" in str(jax.make_jaxpr(f)(spec, spec, spec)), "the setting reaches the shift primitive"
+
+
+def test_shift_engine_setting(monkeypatch):
+    """PK_JAX_RING_SHIFT_ENGINE: "sm" by default, "copy" reaches the primitive and frees the SMs the ring's
+    attention would leave to the shift kernel; anything else is refused by name."""
+    from pk_jax.context import ring
+
+    for var in ("PK_JAX_RING_SHIFT_ENGINE", "PK_JAX_RING_TRANSPORT", "PK_JAX_RING_RESERVE_SMS", "PK_JAX_RING_SHIFT_CTAS"):
+        monkeypatch.delenv(var, raising=False)
+    assert ring_shift.shift_engine() == "sm" and ring.reserve_sms() == 8
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "copy")
+    assert ring_shift.shift_sms() == 0 and ring.reserve_sms() == 0
+    f, spec = _ring(2)
+    assert "engine=copy" in str(jax.make_jaxpr(f)(spec, spec, spec)), "the setting reaches the shift primitive"
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "dma")
+    with pytest.raises(ValueError, match="PK_JAX_RING_SHIFT_ENGINE"):
+        ring_shift.shift_engine()

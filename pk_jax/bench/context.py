@@ -10,8 +10,8 @@ issued back to back for about timing.DEVICE_SAMPLE_MS and one sync):
   jax.nn.dot_product_attention over the whole sequence for B/G sequences (same FLOPs per device).
 `case` = fwd | fwd_bwd, + _causal, + _zigzag | _contiguous (ring); `shape` = [B, S, N, D], S the whole
 sequence; extra.peak_bytes = temp + arguments + outputs of the compiled per-device program.
-Ring rows with `transports` (CLI --ring-transports pk xla): ours_ms is the first transport's
-(PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py), extra.transport_ms every transport's, timed in the
+Ring rows with `transports` (CLI --ring-transports pk pk-copy xla): ours_ms is the first transport's
+(PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py; "pk-copy": "pk" with the copy engines moving the bytes), extra.transport_ms every transport's, timed in the
 same turns; extra.transport_check each later transport's difference from the first.
 --compute-floor (ring rows): issue 26's floor, in the same turns: extra.compute_only_ms, the ring program with
 its shifts returning their inputs and no SMs reserved (each step computes on the member's own K/V: the same
@@ -138,9 +138,16 @@ def _env(var: str, value: str | None) -> Iterator[None]:
             os.environ[var] = old
 
 
-def _transport(name: str | None):
-    """PK_JAX_RING_TRANSPORT while a program is traced and compiled (None: leave it as it is)."""
-    return _env("PK_JAX_RING_TRANSPORT", name)
+# --ring-transports names: the ring's transport, and for "pk" what moves the bytes (PK_JAX_RING_SHIFT_ENGINE).
+TRANSPORTS = {"pk": ("pk", "sm"), "pk-copy": ("pk", "copy"), "xla": ("xla", None)}
+
+
+@contextlib.contextmanager
+def _transport(name: str | None) -> Iterator[None]:
+    """The settings of transport `name` (TRANSPORTS) while a program is traced and compiled (None: leave them)."""
+    transport, engine = TRANSPORTS[name] if name is not None else (None, None)
+    with _env("PK_JAX_RING_TRANSPORT", transport), _env("PK_JAX_RING_SHIFT_ENGINE", engine):
+        yield
 
 
 def _compile(jitted, args):

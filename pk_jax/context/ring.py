@@ -35,7 +35,7 @@ from pk_jax.context._varying import full_varying
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
 from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs, zigzag_whole_chunks
-from pk_jax.context.ring_shift import shift_ctas, transport
+from pk_jax.context.ring_shift import shift_sms, transport
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 
@@ -138,10 +138,10 @@ RESERVE_SMS_VAR = "PK_JAX_RING_RESERVE_SMS"
 def reserve_sms() -> int:
     """SMs the ring's attention kernels leave free for the block transfers running beside them:
     $PK_JAX_RING_RESERVE_SMS, read when the ring is traced. Default: with the "pk" transport the ring
-    shift's CTA count ($PK_JAX_RING_SHIFT_CTAS, 8), so its kernel gets SMs while the attention runs;
-    with "xla" 0 (on 2x H200, 2026-11-23, S 12288, leaving 8 SMs free did not hide XLA's permute: forward
+    shift's CTA count ($PK_JAX_RING_SHIFT_CTAS, 8), so its kernel gets SMs while the attention runs (0 with
+    $PK_JAX_RING_SHIFT_ENGINE=copy: the copy engines take none); with "xla" 0 (on 2x H200, 2026-11-23, S 12288, leaving 8 SMs free did not hide XLA's permute: forward
     20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9; XLA does not run it under our kernel)."""
-    default = shift_ctas() if transport() == "pk" else 0
+    default = shift_sms() if transport() == "pk" else 0
     return int_setting(RESERVE_SMS_VAR, default, minimum=0, owner="pk_jax.ring_attention", what="a count of SMs")
 
 

@@ -10,8 +10,9 @@ Two primitives, used as a pair inside `jax.shard_map` (pk_jax/context/ring_overl
 On GPUs (the extension built, the group on this host) start is the `pk_ring_shift_start` FFI call: it
 records an event on XLA's stream, makes the device's side stream wait for it and launches the shift
 kernel there with `PK_JAX_RING_SHIFT_CTAS` CTAs (default 8; each pushes ~43-45 GB/s with 16-byte remote
-stores, so 8 reach the NVLink rate), then returns. XLA's stream goes on with the step's attention,
-which leaves that many SMs free (`reserve_sms`), so the transfer runs under it. done is
+stores on 2x H200), then returns. XLA's stream goes on with the step's attention, which leaves that many
+SMs free (`reserve_sms`), so the transfer runs under it. `PK_JAX_RING_SHIFT_ENGINE=copy` moves the bytes
+with the copy engines instead (every member a GPU of this process; ffi/copy_shift.h): no SM is reserved. done is
 `pk_ring_shift_done`: XLA's stream waits for the side stream; its outputs alias ys. Handshakes use the
 control block's side channel (kernels/pk/control_block.h), so a pk collective that XLA runs on its own
 stream while a shift is in flight never takes the shift's epochs (docs/design.md).
@@ -51,6 +52,8 @@ TRANSPORT_VAR = "PK_JAX_RING_TRANSPORT"
 TRANSPORTS = ("pk", "xla")
 CTAS_VAR = "PK_JAX_RING_SHIFT_CTAS"
 DEFAULT_CTAS = 8
+ENGINE_VAR = "PK_JAX_RING_SHIFT_ENGINE"
+ENGINES = ("sm", "copy")  # the handler's `engine` attribute is the index
 UNROLL_VAR = "PK_JAX_RING_SHIFT_UNROLL"
 UNROLLS = (4, 8, 16)  # kernels/ring_shift.cuh kShiftUnrolls
 MAX_BUFFERS = 4  # kernels/ring_shift.cuh kMaxShiftBuffers
@@ -67,6 +70,22 @@ def transport() -> str:
     """How ring attention moves its blocks: $PK_JAX_RING_TRANSPORT, read when the ring is traced. "pk"
     (default): these primitives, overlapped with the attention; "xla": lax.ppermute between the steps."""
     return choice_setting(TRANSPORT_VAR, "pk", TRANSPORTS, owner="pk_jax.ring_attention")
+
+
+def shift_engine() -> str:
+    """What moves a shift's bytes: $PK_JAX_RING_SHIFT_ENGINE, read when traced. "sm" (default): the shift kernel on
+    `shift_ctas()` SMs the attention leaves free; beside the attention on 4x H100 it pushed 166-221 GB/s whatever
+    its CTAs and loads in flight (2026-11-26), so the ring's forward waited for it. "copy": the copy engines
+    (cudaMemcpyPeerAsync on the side stream, handshakes by CUDA events between the members; 396 GB/s to a peer on
+    4x H200), no SM taken, so the attention keeps them all; where a member is in another process the kernel runs
+    instead. Not yet measured beside the attention."""
+    return choice_setting(ENGINE_VAR, "sm", ENGINES, owner="pk_jax.ring_attention")
+
+
+def shift_sms() -> int:
+    """SMs a shift in flight takes from the work beside it: shift_ctas() for the SM kernel, 0 for the copy
+    engines."""
+    return shift_ctas() if shift_engine() == "sm" else 0
 
 
 def shift_ctas() -> int:
@@ -114,7 +133,7 @@ def shift_start(xs: Sequence[jax.Array], axes: Axes, *, ctas: int | None = None,
         raise ValueError(f"pk_jax ring shift: dists {dists} must give each of the {len(xs)} arrays a distance in 1..{g - 1}")
     xs = tuple(insert_collective_pvary(axes, x) for x in xs)
     out = pk_ring_shift_start_p.bind(*xs, axes=axes, g=g, ctas=int(shift_ctas() if ctas is None else ctas), dists=dists,
-                                     unroll=shift_unroll())
+                                     unroll=shift_unroll(), engine=shift_engine())
     return tuple(out[:-1]), out[-1]
 
 
@@ -136,7 +155,7 @@ def after_token(tree, *tokens: jax.Array):
 
 # --- primitive rules -----------------------------------------------------------------------------
 
-def _start_abstract(*xs, axes, g, ctas, dists, unroll):
+def _start_abstract(*xs, axes, g, ctas, dists, unroll, engine):
     return [*xs, _token_aval(xs)]
 
 
@@ -150,7 +169,7 @@ pk_ring_shift_start_p.def_impl(functools.partial(dispatch.apply_primitive, pk_ri
 pk_ring_shift_done_p.def_impl(functools.partial(dispatch.apply_primitive, pk_ring_shift_done_p))
 
 
-def _start_fallback(ctx, *xs, axes, g, ctas, dists, unroll):
+def _start_fallback(ctx, *xs, axes, g, ctas, dists, unroll, engine):
     def f(*xs):
         name = axes if len(axes) > 1 else axes[0]
         return [*(lax.ppermute(x, name, _perm(g, d)) for x, d in zip(xs, dists)), jnp.zeros((), jnp.int32)]
@@ -178,12 +197,12 @@ def _kernel_table(ctx, axes):
     return table
 
 
-def _start_cuda(ctx, *xs, axes, g, ctas, dists, unroll):
+def _start_cuda(ctx, *xs, axes, g, ctas, dists, unroll, engine):
     table = _kernel_table(ctx, axes)
     if table is None:
-        return _start_fallback(ctx, *xs, axes=axes, g=g, ctas=ctas, dists=dists, unroll=unroll)
+        return _start_fallback(ctx, *xs, axes=axes, g=g, ctas=ctas, dists=dists, unroll=unroll, engine=engine)
     return jax.ffi.ffi_lowering("pk_ring_shift_start", has_side_effect=True)(
-        ctx, *xs, ctas=np.int32(ctas), unroll=np.int32(unroll), dists=np.asarray(dists, np.int64),
+        ctx, *xs, engine=np.int32(ENGINES.index(engine)), ctas=np.int32(ctas), unroll=np.int32(unroll), dists=np.asarray(dists, np.int64),
         mesh_ids=np.asarray(table.mesh_ids, np.int64),
         mesh_shape=np.asarray(table.mesh_shape, np.int64), group_axes=np.asarray(table.group_axes, np.int64))
 

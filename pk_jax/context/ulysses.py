@@ -35,7 +35,7 @@ from pk_jax.collectives import all_to_all
 from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
 from pk_jax.context.ring import check_attention_args
 from pk_jax.context.ring_schedule import Layout
-from pk_jax.context.ring_shift import after_token, shift_ctas
+from pk_jax.context.ring_shift import after_token, shift_sms
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 from pk_jax.sharding.zigzag import from_zigzag, to_zigzag
@@ -131,7 +131,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
     mode = exchange()
-    pk_reserve = (shift_ctas() if mode == "async" else 0) if local_kernel() else None
+    pk_reserve = (shift_sms() if mode == "async" else 0) if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
         static = dataclasses.replace(cfg, scale=None if scale is None else float(scale))

@@ -1,12 +1,14 @@
 """The asynchronous ring shift kernel (pk_ring_shift_start / _done) on GPUs: values against np.roll, a size
 that is not whole 16-byte vectors, two shifts in flight, a pk collective on XLA's stream while a shift is in
 flight on the side stream (separate protocol channels), the compiled order around ring attention, and ring
-attention with the "pk" transport against the "xla" one.
+attention with the "pk" transport against the "xla" one. Each with both engines ($PK_JAX_RING_SHIFT_ENGINE: the
+shift kernel, "sm", and the copy engines, "copy", whose handshakes are CUDA events between the members).
 
 Run the first test alone with a short timeout before the others (a new kernel that hangs costs every later
 test its full limit; waits are bounded by PK_JAX_TIMEOUT_MS, so a protocol bug should end in an error):
     PK_JAX_TIMEOUT_MS=5000 timeout 120 python -m pytest -x -q \
-        "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[2]"
+        "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[sm-2]"
+(and `...[copy-2]` for the copy engines: their host waits are bounded by the same timeout).
 """
 
 from __future__ import annotations
@@ -23,6 +25,14 @@ from pk_jax.context.ring_shift import after_token, shift_done, shift_start
 from .devices import gpus
 
 MIN_GPUS = 2
+ENGINES = ["sm", "copy"]
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, monkeypatch):
+    """$PK_JAX_RING_SHIFT_ENGINE for the test (read when the shift is traced)."""
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", request.param)
+    return request.param
 
 
 def mesh(g: int) -> Mesh:
@@ -52,8 +62,8 @@ def group_sizes() -> list[int]:
 
 
 @pytest.mark.parametrize("g", [2])
-def test_shift_alone_small(g):
-    """The first call of the kernel: one small buffer, group of 2."""
+def test_shift_alone_small(engine, g):
+    """The first call of the kernel (or of the copy engines' handshakes): one small buffer, group of 2."""
     x = blocks(g, (4, 64), np.float32)
 
     def f(x):
@@ -67,7 +77,7 @@ def test_shift_alone_small(g):
 
 
 @pytest.mark.parametrize("g", group_sizes())
-def test_shift_distances(g):
+def test_shift_distances(engine, g):
     """Buffers at distances 1..G-1 in one launch (the asynchronous all-to-all's building block): buffer d is
     member rank - d's; then that all-to-all (pk_jax/context/async_all_to_all.py) against jax.lax.all_to_all."""
     from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
@@ -91,11 +101,13 @@ def test_shift_distances(g):
         np.testing.assert_array_equal(ours[0], want[0], err_msg=f"async all_to_all split {split} concat {concat}")
 
 
-@pytest.mark.parametrize("unroll", ["4", "8", "16"])
+@pytest.mark.parametrize("engine_unroll", ["sm:4", "sm:8", "sm:16", "copy:4"])
 @pytest.mark.parametrize("g", group_sizes())
-def test_shift_several_buffers_and_odd_sizes(g, unroll, monkeypatch):
+def test_shift_several_buffers_and_odd_sizes(g, engine_unroll, monkeypatch):
     """Four buffers, bf16 / f32 / int8 with a size that is not a multiple of 16 bytes, 64 MiB in one; every
-    kernel instance ($PK_JAX_RING_SHIFT_UNROLL: loads in flight per thread)."""
+    kernel instance ($PK_JAX_RING_SHIFT_UNROLL: loads in flight per thread) and the copy engines."""
+    engine, unroll = engine_unroll.split(":")
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", engine)
     monkeypatch.setenv("PK_JAX_RING_SHIFT_UNROLL", unroll)
     a = blocks(g, (8191, 4099), jnp.bfloat16)            # ~64 MiB per member, an odd count of 16-byte vectors:
                                                          # the unrolled loop, then its remainder, then a tail
@@ -113,7 +125,7 @@ def test_shift_several_buffers_and_odd_sizes(g, unroll, monkeypatch):
 
 
 @pytest.mark.parametrize("g", group_sizes())
-def test_two_shifts_in_flight(g):
+def test_two_shifts_in_flight(engine, g):
     a, b = blocks(g, (256, 512), np.float32), blocks(g, (128, 64), np.float32, seed=1)
 
     def f(a, b):
@@ -130,9 +142,26 @@ def test_two_shifts_in_flight(g):
     np.testing.assert_allclose(work, np.sin(a) * 2, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("g", group_sizes())
+def test_many_shifts_in_a_row(engine, g):
+    """40 dependent shifts in one program, the program run twice: more shifts than the copy engines' board has
+    slots (16), so every slot and its events are reused; the result is the input moved 40 members on."""
+    x = blocks(g, (64, 96), np.float32, seed=7)
+
+    def f(x):
+        for _ in range(40):
+            ys, token = shift_start((x,), ("sp",))
+            (x,) = shift_done(ys, token, keep_alive=x)
+        return (x,)
+
+    for _ in range(2):
+        (got,), _ = run(f, g, x)
+        np.testing.assert_array_equal(got, rolled(x, g, 40 % g))
+
+
 @pytest.mark.parametrize("algorithm", ["one_shot", "two_shot"])
 @pytest.mark.parametrize("g", group_sizes())
-def test_pk_collective_on_the_main_stream_while_a_shift_is_in_flight(g, algorithm):
+def test_pk_collective_on_the_main_stream_while_a_shift_is_in_flight(engine, g, algorithm):
     """all_reduce and all_gather (main channel, XLA's stream) between start and done of a large shift
     (side channel, side stream): both right, several times in a row (epochs stay in step)."""
     big = blocks(g, (4096, 4096), jnp.bfloat16)  # 32 MiB per member: in flight for a while
@@ -155,7 +184,7 @@ def test_pk_collective_on_the_main_stream_while_a_shift_is_in_flight(g, algorith
         np.testing.assert_array_equal(gathered.reshape(g, *z.shape), np.broadcast_to(z, (g, *z.shape)))
 
 
-def test_ring_attention_compiled_order_and_transports_agree(monkeypatch):
+def test_ring_attention_compiled_order_and_transports_agree(engine, monkeypatch):
     """Ring attention (bf16, causal zigzag, G = 2) with the "pk" transport: in the compiled program each
     shift's start comes before an attention call and its done after it; outputs and gradients match the
     "xla" transport's (same kernels, same pairs, same order of merges)."""
