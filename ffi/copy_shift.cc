@@ -1,11 +1,13 @@
 #include "copy_shift.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <condition_variable>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "../kernels/pk/group.cuh"
@@ -20,6 +22,9 @@ constexpr int kBoardSlots = 16;
 // One member's post for one shift.
 struct Post {
   uint64_t seq = ~uint64_t(0);  // which shift of the group this slot holds
+  int n = 0;                    // its buffers, their sizes and distances: a sender checks it pairs with the same op
+  int64_t bytes[kMaxShiftBuffers] = {};
+  int32_t dist[kMaxShiftBuffers] = {};
   char* y[kMaxShiftBuffers] = {};
   cudaEvent_t ready = nullptr;   // created once per slot on the member's device, recorded per shift
   cudaEvent_t copied = nullptr;
@@ -31,17 +36,26 @@ struct Post {
 struct Board {
   std::mutex mutex;
   std::condition_variable changed;
+  // A failed shift stops every shift of the group until Runtime::reset (members may have stopped at different
+  // shifts, and a late peer must not pair with a dead post); reset bumps the generation, so a thread still
+  // inside a shift from before it writes nothing more.
+  std::string failed;
+  uint64_t generation = 0;
   std::vector<uint64_t> next_seq;                   // per rank: the next shift this member starts
   std::vector<std::array<Post, kBoardSlots>> post;  // per rank, per slot
 };
 
 std::mutex boards_mutex;
 
+std::map<std::vector<int>, std::unique_ptr<Board>>& boards() {
+  static auto* b = new std::map<std::vector<int>, std::unique_ptr<Board>>();  // kept for the process
+  return *b;
+}
+
 Board& board_of(const Group& g) {
-  static auto* boards = new std::map<std::vector<int>, std::unique_ptr<Board>>();  // kept for the process
   std::vector<int> key(g.slot, g.slot + g.size);
   std::lock_guard<std::mutex> lock(boards_mutex);
-  auto& b = (*boards)[key];
+  auto& b = boards()[key];
   if (!b) {
     b = std::make_unique<Board>();
     b->next_seq.assign(size_t(g.size), 0);
@@ -54,11 +68,14 @@ std::string cuda_message(const char* what, cudaError_t e) {
   return std::string("pk_jax ring shift (copy engine): ") + what + ": " + cudaGetErrorString(e);
 }
 
-// Waits on `board` (its mutex held by `lock`) until `ready()` or the runtime's timeout.
+// Waits on `board` (its mutex held by `lock`) until `ready()`, a failure, a reset or the runtime's timeout;
+// true only for `ready()`.
 template <class Pred>
-bool wait_for(Board& board, std::unique_lock<std::mutex>& lock, const Group& g, Pred ready) {
+bool wait_for(Board& board, std::unique_lock<std::mutex>& lock, const Group& g, uint64_t generation, Pred ready) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::nanoseconds(g.timeout_ns);
-  return board.changed.wait_until(lock, deadline, ready);
+  board.changed.wait_until(lock, deadline,
+                           [&] { return !board.failed.empty() || board.generation != generation || ready(); });
+  return board.failed.empty() && board.generation == generation && ready();
 }
 
 std::string late(const Group& g, int member, const char* what, uint64_t seq) {
@@ -71,11 +88,25 @@ std::string late(const Group& g, int member, const char* what, uint64_t seq) {
 std::string create_events(Post& p, int ordinal) {
   int prev = 0;
   cudaGetDevice(&prev);
+  cudaEvent_t ready = nullptr, copied = nullptr;
   cudaError_t e = cudaSetDevice(ordinal);
-  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&p.ready, cudaEventDisableTiming);
-  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&p.copied, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&ready, cudaEventDisableTiming);
+  if (e == cudaSuccess) e = cudaEventCreateWithFlags(&copied, cudaEventDisableTiming);
   cudaSetDevice(prev);
-  return e == cudaSuccess ? "" : cuda_message("creating events", e);
+  if (e != cudaSuccess) {
+    if (ready) cudaEventDestroy(ready);
+    return cuda_message("creating events", e);
+  }
+  p.ready = ready, p.copied = copied;  // both or neither
+  return "";
+}
+
+// The first failure of a shift of `board`'s group: kept (every later shift of the group refuses) and returned.
+std::string fail(Board& board, std::unique_lock<std::mutex>& lock, uint64_t generation, std::string why) {
+  if (!lock.owns_lock()) lock.lock();
+  if (board.generation == generation && board.failed.empty()) board.failed = why;
+  board.changed.notify_all();
+  return why + " (the group's copy-engine shifts stop until pk_jax.runtime.reset())";
 }
 
 }  // namespace
@@ -86,63 +117,104 @@ std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBu
   Board& board = board_of(g);
   const int me = g.rank;
   std::unique_lock<std::mutex> lock(board.mutex);
+  if (!board.failed.empty())
+    return "pk_jax ring shift (copy engine): an earlier shift of this group failed (" + board.failed +
+           "); call pk_jax.runtime.reset()";
+  const uint64_t gen = board.generation;
   const uint64_t seq = board.next_seq[size_t(me)]++;
   Post& mine = board.post[size_t(me)][seq % kBoardSlots];
   // 0. The slot's previous shift must have been read by every member before its events are recorded again.
-  if (!wait_for(board, lock, g, [&] { return mine.reads_left == 0; }))
-    return "pk_jax ring shift (copy engine): a member did not finish shift " + std::to_string(mine.seq) +
-           " within the timeout (did every member run the same program?)";
+  if (!wait_for(board, lock, g, gen, [&] { return mine.reads_left == 0; }))
+    return fail(board, lock, gen, "pk_jax ring shift (copy engine): a member did not finish shift " +
+                                      std::to_string(mine.seq) + " in time (did every member run the same program?)");
   lock.unlock();
   if (!mine.ready)
-    if (std::string err = create_events(mine, ordinals[me]); !err.empty()) return err;
+    if (std::string err = create_events(mine, ordinals[me]); !err.empty()) return fail(board, lock, gen, err);
   // 1. Post y and `ready` (the side stream is past XLA's: this member's outputs may be written).
-  if (cudaError_t e = cudaEventRecord(mine.ready, side); e != cudaSuccess) return cuda_message("record ready", e);
+  if (cudaError_t e = cudaEventRecord(mine.ready, side); e != cudaSuccess)
+    return fail(board, lock, gen, cuda_message("record ready", e));
   lock.lock();
+  if (board.generation != gen) return "pk_jax ring shift (copy engine): reset while a shift was in flight";
   mine.seq = seq;
-  for (int i = 0; i < b.n; ++i) mine.y[i] = b.y[i];
+  mine.n = b.n;
+  for (int i = 0; i < kMaxShiftBuffers; ++i) {
+    mine.y[i] = i < b.n ? b.y[i] : nullptr;
+    mine.bytes[i] = i < b.n ? b.bytes[i] : 0;
+    mine.dist[i] = i < b.n ? b.dist[i] : 0;
+  }
   mine.copied_posted = false;
   mine.reads_left = 2 * b.n;  // per buffer: its sender reads y and ready, its receiver reads copied
   board.changed.notify_all();
-  // 2. Each buffer into its target's y, once the target's XLA stream reached this shift.
-  for (int i = 0; i < b.n; ++i) {
+  // 2. Each buffer into its target's y, once the target's XLA stream reached this shift. After a failure from
+  // here on, `copied` is still recorded, so what was queued is covered by `done`'s wait.
+  std::string err;
+  for (int i = 0; i < b.n && err.empty(); ++i) {
     const int t = (me + b.dist[i]) % g.size;
     Post& theirs = board.post[size_t(t)][seq % kBoardSlots];
-    if (!wait_for(board, lock, g, [&] { return theirs.seq == seq; })) return late(g, t, "start", seq);
+    if (!wait_for(board, lock, g, gen, [&] { return theirs.seq == seq; })) {
+      err = late(g, t, "start", seq);
+      break;
+    }
+    if (theirs.n != b.n || theirs.bytes[i] != b.bytes[i] || theirs.dist[i] != b.dist[i]) {
+      err = "pk_jax ring shift (copy engine): member " + std::to_string(t) + "'s shift " + std::to_string(seq) +
+            " has other buffers than member " + std::to_string(me) + "'s (two programs' shifts over one group in "
+            "different orders?)";
+      break;
+    }
     const cudaEvent_t their_ready = theirs.ready;
     char* dst = theirs.y[i];
     lock.unlock();
-    if (cudaError_t e = cudaStreamWaitEvent(side, their_ready, 0); e != cudaSuccess)
-      return cuda_message("wait for the target", e);
+    cudaError_t e = cudaStreamWaitEvent(side, their_ready, 0);
     lock.lock();
     --theirs.reads_left;  // the wait above holds the record it needs: the event may be recorded again
     board.changed.notify_all();
     lock.unlock();
-    if (cudaError_t e = cudaMemcpyPeerAsync(dst, ordinals[t], b.x[i], ordinals[me], size_t(b.bytes[i]), side);
-        e != cudaSuccess)
-      return cuda_message("cudaMemcpyPeerAsync", e);
+    if (e == cudaSuccess)
+      e = cudaMemcpyPeerAsync(dst, ordinals[t], b.x[i], ordinals[me], size_t(b.bytes[i]), side);
+    if (e != cudaSuccess) err = cuda_message("copy to the target", e);
     lock.lock();
   }
   lock.unlock();
   // 3. Post `copied`: what this member sent has landed once it completes.
-  if (cudaError_t e = cudaEventRecord(mine.copied, side); e != cudaSuccess) return cuda_message("record copied", e);
+  if (cudaError_t e = cudaEventRecord(mine.copied, side); e != cudaSuccess && err.empty())
+    err = cuda_message("record copied", e);
   lock.lock();
+  if (board.generation != gen) return "pk_jax ring shift (copy engine): reset while a shift was in flight";
   mine.copied_posted = true;
   board.changed.notify_all();
+  if (!err.empty()) return fail(board, lock, gen, err);
   // 4. This member's y is whole once every sender's copy into it completed.
   for (int i = 0; i < b.n; ++i) {
     const int s = (me - b.dist[i] + g.size) % g.size;
     Post& sender = board.post[size_t(s)][seq % kBoardSlots];
-    if (!wait_for(board, lock, g, [&] { return sender.seq == seq && sender.copied_posted; }))
-      return late(g, s, "finish sending", seq);
+    if (!wait_for(board, lock, g, gen, [&] { return sender.seq == seq && sender.copied_posted; }))
+      return fail(board, lock, gen, late(g, s, "finish sending", seq));
     const cudaEvent_t their_copied = sender.copied;
     lock.unlock();
-    if (cudaError_t e = cudaStreamWaitEvent(side, their_copied, 0); e != cudaSuccess)
-      return cuda_message("wait for the sender", e);
+    const cudaError_t e = cudaStreamWaitEvent(side, their_copied, 0);
     lock.lock();
     --sender.reads_left;
     board.changed.notify_all();
+    if (e != cudaSuccess) return fail(board, lock, gen, cuda_message("wait for the sender", e));
   }
   return "";
+}
+
+void reset_copy_shift_boards() {
+  std::lock_guard<std::mutex> lock(boards_mutex);
+  for (auto& [key, board] : boards()) {
+    std::lock_guard<std::mutex> board_lock(board->mutex);
+    board->failed.clear();
+    ++board->generation;
+    board->changed.notify_all();
+    std::fill(board->next_seq.begin(), board->next_seq.end(), 0);
+    for (auto& slots : board->post)
+      for (Post& p : slots) {
+        p.seq = ~uint64_t(0);
+        p.copied_posted = false;
+        p.reads_left = 0;  // the events stay: created once per slot
+      }
+  }
 }
 
 }  // namespace pk

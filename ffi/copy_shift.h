@@ -30,4 +30,8 @@ namespace pk {
 // that does not reach the same shift within the runtime's timeout is an error, not a hang).
 std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBuffers& b, cudaStream_t side);
 
+// Forgets every shift posted so far (Runtime::reset, after a timeout: members may have stopped at different
+// shifts). No shift may be in flight.
+void reset_copy_shift_boards();
+
 }  // namespace pk

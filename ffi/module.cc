@@ -30,6 +30,7 @@ extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkGroupedMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkAttentionAccumulate(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttentionBwd(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeDispatch(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeSend(XLA_FFI_CallFrame*);
@@ -108,6 +109,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_grouped_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkGroupedMatmul));
     d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
     d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
+    d["pk_attention_accumulate"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionAccumulate));
     d["pk_attention_bwd"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionBwd));
     d["pk_moe_dispatch"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatch));
     d["pk_moe_send"] = handler_capsule(reinterpret_cast<void*>(&PkMoeSend));

@@ -105,7 +105,10 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
     if (engine == 1) {
       if (const std::vector<int> ordinals = local_ordinals(g); !ordinals.empty()) {
         const std::string err = copy_engine_shift(g, ordinals.data(), b, side.stream);
-        return err.empty() ? ffi::Error::Success() : ffi::Error::Internal(err);
+        if (err.empty()) return ffi::Error::Success();
+        // Copies already queued read x: XLA's stream waits for them before x can be reused.
+        if (cudaEventRecord(side.side_done, side.stream) == cudaSuccess) cudaStreamWaitEvent(stream, side.side_done, 0);
+        return ffi::Error::Internal(err);
       }
     }
     // Multi-process: an output the predecessor cannot reach goes through the staging heap's side window,

@@ -15,6 +15,7 @@
 #include "../kernels/multimem_collectives.cuh"
 #include "../kernels/tp_gemm.cuh"
 #include "../kernels/moe_gemm.cuh"
+#include "copy_shift.h"
 #include "cuda_check.h"
 #include "peer_memory.h"
 
@@ -335,6 +336,7 @@ void Runtime::reset() {
     PK_CUDA(cudaDeviceSynchronize());
   }
   std::fill(errors_, errors_ + kMaxSlots, ErrorRecord{});
+  reset_copy_shift_boards();
 }
 
 }  // namespace pk

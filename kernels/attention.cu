@@ -90,6 +90,9 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   g.o = make_tensor_map_bthd(p.o, p.type, p.batch, p.tq, p.heads, D, 64);
   g.o_ptr = p.o;
   g.lse = p.lse;
+  g.acc = p.acc;
+  g.acc_mode = p.acc_mode;
+  g.lse_seq = p.lse_seq > 0 ? p.lse_seq : p.tq;
   g.offsets = p.offsets;
   g.batch = p.batch, g.tq = p.tq, g.tk = p.tk, g.heads = p.heads, g.kv_heads = p.kv_heads;
   g.scale = p.scale;
@@ -173,6 +176,9 @@ int num_sms(int ordinal) { return setup_sms<configure>(ordinal); }
 void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
   attention_shape::check("pk_jax attention", p.type, p.batch, p.tq, p.tk, p.heads, p.kv_heads, p.head_dim, p.scale);
   if (p.offsets == nullptr) throw std::invalid_argument("pk_jax attention: offsets buffer missing");
+  if (p.acc_mode < 0 || p.acc_mode > 2) throw std::invalid_argument("pk_jax attention: acc_mode must be 0, 1 or 2");
+  if (p.acc_mode != 0 && (p.acc == nullptr || p.lse == nullptr || p.lse_seq < p.tq))
+    throw std::invalid_argument("pk_jax attention: an accumulating call needs acc, lse and lse_seq >= tq");
   attention_shape::dispatch(p.type, p.head_dim, [&](auto t, auto d) {
     run_variant<decltype(t), decltype(d)::value>(p, compute_sms, stream);
   });

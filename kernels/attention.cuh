@@ -10,8 +10,13 @@ struct Problem {
   const void* q;  // (batch, tq, heads, head_dim)
   const void* k;  // (batch, tk, kv_heads, head_dim)
   const void* v;  // (batch, tk, kv_heads, head_dim)
-  void* o;        // (batch, tq, heads, head_dim), the input dtype
-  float* lse;     // (batch, heads, tq) float32, or nullptr
+  void* o;        // (batch, tq, heads, head_dim), the input dtype (unused when acc_mode != 0)
+  float* lse;     // (batch, heads, lse_seq) float32 from this call's row 0, or nullptr
+  // Ring attention's float32 accumulator (attention_kernel.cuh Globals): acc_mode 0 none, 1 write O and LSE into
+  // acc (batch, lse_seq, heads, head_dim) and lse from this call's row 0, 2 merge them with what is there.
+  float* acc = nullptr;
+  int acc_mode = 0;
+  int lse_seq = 0;  // 0: tq
   const int* offsets;  // device int32[2]: q_offset, kv_offset (global positions of row 0 and key 0)
   int batch, tq, tk, heads, kv_heads, head_dim;
   ElemType type;  // bf16 or f16

@@ -65,7 +65,14 @@ namespace pk::attention {
 struct Globals {
   CUtensorMap q, k, v, o;  // 4-D maps (d, head, t, batch); boxes of 64 d x rows (q: BM, k/v: BKV, o: 64)
   void* o_ptr;             // (B, Tq, N, D): variant fa3n176 stores O from registers (the others through `o`)
-  float* lse;              // (B, N, Tq) float32, or nullptr
+  float* lse;              // (B, N, lse_seq) float32 from this call's row 0, or nullptr
+  // Ring attention's accumulator (acc_mode != 0; every variant): O goes, in float32 and from registers, into
+  // `acc` (B, lse_seq, N, D) from this call's row 0 (a window of the ring's state), no O tile is stored, and
+  // LSE into `lse`. acc_mode 1 writes them; 2 merges them with what is there (online softmax: weights
+  // exp(lse_old - lse_new_total), exp(lse_block - lse_new_total)), in place.
+  float* acc;
+  int acc_mode;
+  int lse_seq;             // rows of `lse` (and `acc`) per (batch, head): tq, or the ring state's length
   const int* offsets;      // device int32[2]: q_offset, kv_offset
   int batch, tq, tk, heads, kv_heads;
   float scale, scale_log2;  // softmax scale, and scale * log2(e) for exp2
@@ -641,6 +648,7 @@ struct Kernel {
   // O /= l, the LSE rows (natural log) to global memory, and O to this warpgroup's output slot.
   __device__ static void finish_rows(const Globals& g, Shared& s, ConsumerState& st, const Work& w, int row0,
                                      int lane, float (&o)[D / 2], const float (&m)[2], float (&l)[2]) {
+    float block_lse[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[h] = quad_sum(l[h]);
@@ -649,10 +657,13 @@ struct Kernel {
       for (int i = 0; i < D / 2; ++i)
         if (row_half(i) == h) o[i] *= inv;
       const int row = row0 + 8 * h;
-      if (g.lse != nullptr && lane % 4 == 0 && row < g.tq) {
-        const float lse = l[h] > 0.f ? m[h] * g.scale + logf(l[h]) : -CUDART_INF_F;
-        g.lse[(size_t(w.batch) * g.heads + w.head) * g.tq + row] = lse;
-      }
+      block_lse[h] = l[h] > 0.f ? m[h] * g.scale + logf(l[h]) : -CUDART_INF_F;
+      if (g.acc_mode == 0 && g.lse != nullptr && lane % 4 == 0 && row < g.tq)
+        g.lse[(size_t(w.batch) * g.heads + w.head) * g.lse_seq + row] = block_lse[h];
+    }
+    if (g.acc_mode != 0) {
+      accumulate_rows(g, w, row0, lane, o, block_lse);
+      return;
     }
     if constexpr (kDirectO) {
       store_rows_direct(g, w, row0, o);
@@ -681,8 +692,54 @@ struct Kernel {
     }
   }
 
+  // acc_mode != 0: the thread's normalized O values (and, per quad, the rows' LSE) into the ring's float32
+  // accumulator, written (1) or merged with it (2). Every lane of a quad reads the row's old LSE before one
+  // writes the new one (__syncwarp, reached by every lane: the loop is uniform). An old LSE of -inf means the
+  // row holds nothing yet: its old O is not read into the sum (it may be anything).
+  __device__ static void accumulate_rows(const Globals& g, const Work& w, int row0, int lane, const float (&o)[D / 2],
+                                         const float (&block_lse)[2]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + 8 * h;
+      const bool in_range = row < g.tq;
+      float* lse_at = g.lse + (size_t(w.batch) * g.heads + w.head) * g.lse_seq + row;
+      float w_old = 0.f, w_block = 1.f, lse_total = block_lse[h];
+      if (in_range && g.acc_mode == 2) {
+        const float old = *lse_at;
+        const float top = fmaxf(old, block_lse[h]);
+        if (top == -CUDART_INF_F) {
+          w_block = 0.f;  // neither saw a key: O = 0, LSE = -inf
+        } else {
+          w_old = __expf(old - top);
+          w_block = __expf(block_lse[h] - top);
+          const float sum = w_old + w_block;
+          lse_total = top + __logf(sum);
+          w_old /= sum;
+          w_block /= sum;
+        }
+      }
+      __syncwarp();
+      if (!in_range) continue;
+      if (lane % 4 == 0) *lse_at = lse_total;
+      float* out = g.acc + ((size_t(w.batch) * g.lse_seq + row) * g.heads + w.head) * D;
+#pragma unroll
+      for (int i = 0; i < D / 2; i += 2)
+        if (row_half(i) == h) {
+          float2* at = reinterpret_cast<float2*>(out + col_of(i, lane));
+          float2 v = make_float2(o[i] * w_block, o[i + 1] * w_block);
+          if (w_old != 0.f) {
+            const float2 prev = *at;
+            v.x += prev.x * w_old;
+            v.y += prev.y * w_old;
+          }
+          *at = v;
+        }
+    }
+  }
+
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     if constexpr (kDirectO) return;  // the consumers store O themselves
+    if (g.acc_mode != 0) return;     // the consumers accumulate O in float32 themselves
     const Work w = work_of(g, task);
     for (int wg = 0; wg < WGS; ++wg) {
       wait_bar(g, s, &s.o_slot[wg].full, st.o_phase, "o_slot.full", wg);

@@ -137,6 +137,53 @@ def test_ring_blocks_take_the_attention_kernel_for_16_bit_inputs(g, layout, caus
     assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2)
 
 
+@pytest.mark.parametrize("g,kv_heads", [(2, 4), (4, 2), (8, 1)])
+def test_ring_forward_accumulated_in_place(monkeypatch, g, kv_heads):
+    """PK_JAX_RING_FWD_ACC=kernel (zigzag causal, 16-bit inputs): every block goes through
+    pk_attention_accumulate into one float32 state (its XLA lowering here); output and gradients match the
+    whole-sequence float32 reference to bf16 accuracy and the default path's closely; a bad value is refused
+    by name."""
+    from pk_jax.context import block_accumulate
+
+    q, k, v, d_out = random_qkv(40 + g, 1, g * T_LOCAL, 4, kv_heads, 64, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True, layout="zigzag")
+    default = sharded(attn, g, "zigzag", q, k, v, d_out)
+    monkeypatch.setenv(block_accumulate.ACC_VAR, "kernel")
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    jaxpr = str(jax.make_jaxpr(f)(q, k, v))
+    assert jaxpr.count("pk_attention_accumulate") == 2 + 2 * (g - 1), "step 0's two pairs, then low / high per step"
+    got = sharded(attn, g, "zigzag", q, k, v, d_out)
+    assert_all_close(got, reference(q, k, v, d_out, True), 3e-2)
+    assert_all_close(got[:1], default[:1], 1e-2)  # the blocks are no longer rounded to bf16 before the merge
+    monkeypatch.setenv(block_accumulate.ACC_VAR, "cuda")
+    with pytest.raises(ValueError, match=block_accumulate.ACC_VAR):
+        sharded(attn, g, "zigzag", q, k, v, d_out)
+
+
+def test_accumulate_reference_writes_and_merges_rows():
+    """block_accumulate.reference: mode write puts the block's attention in its rows only; merging two key
+    halves in turn equals attention over all keys (rows elsewhere untouched); bad shapes name the argument."""
+    from pk_jax.context.block_accumulate import accumulate
+
+    q, k, v, _ = random_qkv(5, 2, 32, 4, 2, 64, jnp.bfloat16)
+    acc = jnp.full((2, 48, 4, 64), 7.0, jnp.float32)
+    lse = jnp.full((2, 4, 48), -jnp.inf, jnp.float32)
+    off = jnp.zeros(2, jnp.int32)
+    kw = dict(scale=0.125, causal=False)
+    a1, l1 = accumulate(q, k[:, :16], v[:, :16], off, acc, lse, row_start=8, merge=False, **kw)
+    a2, l2 = accumulate(q, k[:, 16:], v[:, 16:], off, a1, l1, row_start=8, merge=True, **kw)
+    want = jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                                        scale=0.125, implementation="xla")
+    assert_all_close([a2[:, 8:40]], [want], 1e-2, names=("merged",))  # P is rounded to bf16 as in the kernel
+    np.testing.assert_array_equal(np.asarray(a2[:, :8]), 7.0)
+    np.testing.assert_array_equal(np.asarray(a2[:, 40:]), 7.0)
+    assert np.isneginf(np.asarray(l2[:, :, :8])).all() and np.isfinite(np.asarray(l2[:, :, 8:40])).all()
+    with pytest.raises(ValueError, match="outside the state"):
+        accumulate(q, k, v, off, acc, lse, row_start=20, merge=True, **kw)
+    with pytest.raises(ValueError, match="lse"):
+        accumulate(q, k, v, off, acc, lse[:, :, :40], row_start=0, merge=True, **kw)
+
+
 def test_ring_attention_group_of_one_is_plain_attention():
     q, k, v, d_out = random_qkv(1, 1, 2 * T_LOCAL, 4, 2, 8)
     got = sharded(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True), 1, "zigzag", q, k, v, d_out)

@@ -10,8 +10,9 @@ issued back to back for about timing.DEVICE_SAMPLE_MS and one sync):
   jax.nn.dot_product_attention over the whole sequence for B/G sequences (same FLOPs per device).
 `case` = fwd | fwd_bwd, + _causal, + _zigzag | _contiguous (ring); `shape` = [B, S, N, D], S the whole
 sequence; extra.peak_bytes = temp + arguments + outputs of the compiled per-device program.
-Ring rows with `transports` (CLI --ring-transports pk pk-copy xla): ours_ms is the first transport's
-(PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py; "pk-copy": "pk" with the copy engines moving the bytes), extra.transport_ms every transport's, timed in the
+Ring rows with `transports` (CLI --ring-transports pk pk-copy pk-acc pk-copy-acc xla): ours_ms is the first
+transport's (PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py; "-copy": the copy engines move the bytes,
+"-acc": the zigzag causal forward's blocks merged in the attention kernel, TRANSPORTS), extra.transport_ms every transport's, timed in the
 same turns; extra.transport_check each later transport's difference from the first.
 --compute-floor (ring rows): issue 26's floor, in the same turns: extra.compute_only_ms, the ring program with
 its shifts returning their inputs and no SMs reserved (each step computes on the member's own K/V: the same
@@ -138,15 +139,21 @@ def _env(var: str, value: str | None) -> Iterator[None]:
             os.environ[var] = old
 
 
-# --ring-transports names: the ring's transport, and for "pk" what moves the bytes (PK_JAX_RING_SHIFT_ENGINE).
-TRANSPORTS = {"pk": ("pk", "sm"), "pk-copy": ("pk", "copy"), "xla": ("xla", None)}
+# --ring-transports names: the ring's transport; for "pk" what moves the bytes (PK_JAX_RING_SHIFT_ENGINE) and
+# how the zigzag causal forward folds its blocks ("-acc": PK_JAX_RING_FWD_ACC=kernel, in the attention kernel).
+TRANSPORTS = {name: {"PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine,
+                     "PK_JAX_RING_FWD_ACC": "kernel" if acc else "xla"}
+              for name, engine, acc in (("pk", "sm", False), ("pk-copy", "copy", False), ("pk-acc", "sm", True),
+                                        ("pk-copy-acc", "copy", True))}
+TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla"}
 
 
 @contextlib.contextmanager
 def _transport(name: str | None) -> Iterator[None]:
     """The settings of transport `name` (TRANSPORTS) while a program is traced and compiled (None: leave them)."""
-    transport, engine = TRANSPORTS[name] if name is not None else (None, None)
-    with _env("PK_JAX_RING_TRANSPORT", transport), _env("PK_JAX_RING_SHIFT_ENGINE", engine):
+    with contextlib.ExitStack() as stack:
+        for var, value in (TRANSPORTS[name] if name is not None else {}).items():
+            stack.enter_context(_env(var, value))
         yield
 
 

@@ -32,6 +32,7 @@ from jax import lax
 from pk_jax._env import int_setting
 from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
+from pk_jax.context.block_accumulate import accumulate, fwd_acc
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
 from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs, zigzag_whole_chunks
@@ -187,6 +188,8 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
 
 
 def _forward(q, k, v, axes, causal, layout, scale):
+    from pk_jax.attention import _kernel_refusal  # pk_jax.attention imports this package
+
     g = group_size(axes)
     rank = lax.axis_index(axes)
     out = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
@@ -249,9 +252,40 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
+    elif causal and layout == "zigzag" and fwd_acc() == "kernel" and _kernel_refusal(q, k, scale) is None:
+        return _zigzag_causal_accumulated(q, k, v, axes, g, rank, scale)
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
     return out.astype(q.dtype), lse
+
+
+def _zigzag_causal_accumulated(q, k, v, axes, g: int, rank, scale: float):
+    """The zigzag causal forward with every block folded into one float32 state by the attention kernel in place
+    (block_accumulate; PK_JAX_RING_FWD_ACC=kernel): the same pairs as zigzag_causal (ring_schedule.
+    zigzag_whole_chunks), no concatenation, merge pass or dynamic-update-slice between the kernels. The state's
+    LSE stays in the kernel's (B, N, T) layout until the end."""
+    b, t, n, _ = q.shape
+    acc = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
+    lse = full_varying((b, n, t), -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
+    own, (low, high) = zigzag_whole_chunks(g=g, t_local=t, rank=rank)
+
+    def block(p: BlockPair, q, kv, state, merge: bool, causal: bool, reserve: int):
+        offsets = jnp.stack([jnp.asarray(p.q_offset, jnp.int32), jnp.asarray(p.kv_offset, jnp.int32)])
+        return accumulate(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
+                          _slice(kv[1], p.kv_start, p.kv_len), offsets, *state, row_start=p.q_start, merge=merge,
+                          scale=scale, causal=causal, reserve_sms=reserve)
+
+    def compute(step: int, kv, state, q_local):
+        reserve = _reserve(step < g - 1)  # the last step sends nothing
+        if step == 0:
+            for p in own:  # each query row written once
+                state = block(p, q_local, kv, state, False, True, reserve)
+            return state
+        return lax.cond((rank - step) % g < rank, lambda s: block(low, q_local, kv, s, True, False, reserve),
+                        lambda s: block(high, q_local, kv, s, True, False, reserve), state)
+
+    acc, lse = ring_overlap.forward_steps(axes, g, (acc, lse), (k, v), q, compute)
+    return acc.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
 
 
 def _fwd_rule(q, k, v, axes, causal, layout, scale):

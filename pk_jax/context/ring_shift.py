@@ -84,8 +84,10 @@ def shift_engine() -> str:
 
 def shift_sms() -> int:
     """SMs a shift in flight takes from the work beside it: shift_ctas() for the SM kernel, 0 for the copy
-    engines."""
-    return shift_ctas() if shift_engine() == "sm" else 0
+    engines (multi-process jobs run the kernel whatever the setting)."""
+    from pk_jax.distributed import is_multiprocess
+
+    return shift_ctas() if shift_engine() == "sm" or is_multiprocess() else 0
 
 
 def shift_ctas() -> int:

@@ -1,0 +1,104 @@
+"""One ring step's attention block written or merged into the ring's float32 state in place.
+
+    acc, lse = accumulate(q, k, v, offsets, acc, lse, row_start=r, merge=m, scale=s, causal=c)
+
+q (B, Tq, N, D) are rows [r, r + Tq) of the state: acc (B, S, N, D) float32 and lse (B, N, S) float32 (the
+attention kernel's layout). merge=False writes those rows (attention of q against k, v and its LSE); merge=True
+combines them with what the rows hold (online softmax, as online_softmax.merge). On GPUs this is the attention
+kernel with its float32 accumulating epilogue (`pk_attention_accumulate`, acc and lse aliased: no copy of the
+state, no merge pass, no dynamic-update-slice, no conversion of the block); elsewhere the same thing in XLA.
+
+Why: on 4x H100 the ring's causal zigzag forward spent ~1.9 ms of 7.6 in XLA glue around 4.8 ms of attention
+kernels (the step-0 concatenation, merges, dynamic-update-slices, a copy of the whole state per lax.cond step),
+issue 26's "partial outputs merged with the LSE in-kernel". Used by ring attention's zigzag causal forward when
+$PK_JAX_RING_FWD_ACC=kernel (default "xla": the earlier merges; not yet measured on a GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import config, core, dispatch
+from jax.interpreters import mlir
+
+from pk_jax import _ext
+from pk_jax._env import choice_setting
+from pk_jax.context.block_attention import block_attention
+from pk_jax.context.online_softmax import merge as merge_blocks
+
+ACC_VAR = "PK_JAX_RING_FWD_ACC"
+ACC_MODES = ("xla", "kernel")
+
+pk_attention_accumulate_p = core.Primitive("pk_attention_accumulate")
+pk_attention_accumulate_p.multiple_results = True
+
+
+def fwd_acc() -> str:
+    """How ring attention's zigzag causal forward folds each block into its state: $PK_JAX_RING_FWD_ACC, read
+    when traced. "xla" (default): the block's output, then XLA's merge and dynamic-update-slice; "kernel": the
+    attention kernel merges into the float32 state in place (accumulate)."""
+    return choice_setting(ACC_VAR, "xla", ACC_MODES, owner="pk_jax.ring_attention")
+
+
+def accumulate(q, k, v, offsets, acc, lse, *, row_start: int, merge: bool, scale: float, causal: bool,
+               reserve_sms: int = 0) -> tuple[jax.Array, jax.Array]:
+    """(acc, lse) with rows [row_start, row_start + Tq) written (merge False) or merged with q's attention over
+    k, v (module docstring). offsets: int32[2] (q_offset, kv_offset) of the causal mask; reserve_sms: SMs the
+    kernel leaves free for a transfer beside it."""
+    b, tq, n, d = q.shape
+    if acc.shape[0] != b or acc.shape[2:] != (n, d) or acc.dtype != jnp.float32:
+        raise ValueError(f"pk_jax ring accumulate: acc {acc.shape} {acc.dtype} must be float32 (B, S, N, D) for q {q.shape}")
+    if lse.shape != (b, n, acc.shape[1]) or lse.dtype != jnp.float32:
+        raise ValueError(f"pk_jax ring accumulate: lse {lse.shape} must be float32 {(b, n, acc.shape[1])}")
+    if not 0 <= row_start <= acc.shape[1] - tq:
+        raise ValueError(f"pk_jax ring accumulate: rows [{row_start}, {row_start + tq}) outside the state's {acc.shape[1]}")
+    return tuple(pk_attention_accumulate_p.bind(q, k, v, offsets, acc, lse, row_start=int(row_start),
+                                                merge=bool(merge), scale=float(scale), causal=bool(causal),
+                                                reserve_sms=int(reserve_sms)))
+
+
+def _abstract(q, k, v, offsets, acc, lse, **_):
+    outs = [acc.update(shape=acc.shape, dtype=acc.dtype), lse.update(shape=lse.shape, dtype=lse.dtype)]
+    if config._check_vma.value:
+        varying = frozenset().union(*(x.mat.varying for x in (q, k, v, offsets, acc, lse)))
+        outs = [o.update(manual_axis_type=acc.mat.update(varying=varying)) for o in outs]
+    return outs
+
+
+pk_attention_accumulate_p.def_abstract_eval(_abstract)
+pk_attention_accumulate_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_accumulate_p))
+
+
+def reference(q, k, v, offsets, acc, lse, *, row_start: int, merge: bool, scale: float, causal: bool):
+    """The XLA composition with the kernel's semantics (float32 block output, never rounded to q's dtype)."""
+    tq = q.shape[1]
+    out, blk = block_attention(q, k, v, scale=scale, causal=causal, q_offset=offsets[0], kv_offset=offsets[1])
+    if merge:
+        old = lax.dynamic_slice_in_dim(acc, row_start, tq, axis=1)
+        old_lse = jnp.swapaxes(lax.dynamic_slice_in_dim(lse, row_start, tq, axis=2), 1, 2)
+        out, blk = merge_blocks(old, old_lse, out, blk)
+    acc = lax.dynamic_update_slice_in_dim(acc, out.astype(jnp.float32), row_start, axis=1)
+    return acc, lax.dynamic_update_slice_in_dim(lse, jnp.swapaxes(blk, 1, 2), row_start, axis=2)
+
+
+def _lax_lowering(ctx, *args, row_start, merge, scale, causal, reserve_sms):
+    f = functools.partial(reference, row_start=row_start, merge=merge, scale=scale, causal=causal)
+    return mlir.lower_fun(lambda *a: list(f(*a)), multiple_results=True)(ctx, *args)
+
+
+def _cuda_lowering(ctx, *args, row_start, merge, scale, causal, reserve_sms):
+    from pk_jax.attention import FWD_VARIANTS, fwd_variant
+
+    return jax.ffi.ffi_lowering("pk_attention_accumulate", operand_output_aliases={4: 0, 5: 1})(
+        ctx, *args, scale=np.float32(scale), causal=np.int32(causal), mode=np.int32(2 if merge else 1),
+        row_start=np.int64(row_start), variant=np.int32(FWD_VARIANTS.index(fwd_variant())),
+        reserve_sms=np.int32(reserve_sms))
+
+
+mlir.register_lowering(pk_attention_accumulate_p, _lax_lowering)
+if _ext.available():
+    mlir.register_lowering(pk_attention_accumulate_p, _cuda_lowering, platform="cuda")
