@@ -7,6 +7,7 @@
 // and pk_jax/attention.py converts dq_acc with XLA, the A/B baseline); `variant` the backward variant
 // (0 base, 1 dqfirst, 2 l2order_dqfirst: kernels/attention_bwd_kernel.cuh). Stateless per call (tensor
 // maps rebuilt, dq_acc zeroed on the stream each time), so it can be captured into command buffers.
+// `pk_attention_bwd_accumulate` (below): the same, with dQ added into ring attention's float32 dQ state in place.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -34,11 +35,22 @@ bool same_dims(ffi::Span<const int64_t> a, std::initializer_list<int64_t> b) {
   return true;
 }
 
-ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
-                         ffi::Result<ffi::AnyBuffer> dq_out, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc, float scale,
-                         int32_t causal, int32_t reserve_sms, int32_t variant, int32_t convert_dq) {
+// Where dQ goes after the kernel: `ptr` (the row of this call's first query) in `type`, rows of `seq` per batch;
+// add: float32 only, added to what is there (ring attention's dQ state, in place); convert 0: left unwritten.
+struct DqTarget {
+  void* ptr;
+  pk::ElemType type;
+  int64_t seq;
+  bool add;
+  bool convert;
+};
+
+// Checks every operand but dq (checked by the entry points) and runs the kernel, then the dQ conversion into
+// `dq_target` (dq_target.seq 0: the query length).
+ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                    ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
+                    ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv, ffi::Result<ffi::AnyBuffer>& dq_acc,
+                    float scale, int32_t causal, int32_t reserve_sms, int32_t variant, DqTarget dq_target) {
   const auto dq = q.dimensions(), dkk = k.dimensions();
   if (dq.size() != 4 || dkk.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
@@ -63,12 +75,6 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   if (lse2.element_type() != ffi::DataType::F32 || delta.element_type() != ffi::DataType::F32 ||
       dq_acc->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("pk_jax attention backward: lse2, delta and dq_acc must be float32");
-  if (!same_dims(dq_out->dimensions(), {b, tq, n, d}) ||
-      (dq_out->element_type() != q.element_type() && dq_out->element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument("pk_jax attention backward: dq " + dims_str(dq_out->dimensions()) +
-                                       " must match q " + dims_str(dq) + " in q's dtype or float32");
-  if (convert_dq != 0 && convert_dq != 1)
-    return ffi::Error::InvalidArgument("pk_jax attention backward: convert_dq must be 0 or 1");
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention backward: offsets must be int32[2] (q_offset, kv_offset)");
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention backward: causal must be 0 or 1");
@@ -98,15 +104,61 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   const int sms = pk::sms_after_reserve(pk::attention_bwd::num_sms(ordinal), reserve_sms);
   if (ffi::Error err = pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); }); err.failure())
     return err;
-  if (!convert_dq) return ffi::Error::Success();
+  if (!dq_target.convert) return ffi::Error::Success();
   pk::attention_bwd::DqConvert c{};
-  c.acc = p.dq_acc, c.dq = dq_out->untyped_data();
+  c.acc = p.dq_acc, c.dq = dq_target.ptr;
   c.batch = p.batch, c.heads = p.heads, c.tq = p.tq, c.tq_pad = p.tq_pad, c.head_dim = p.head_dim;
   c.scale = scale;
-  c.out_type = dq_out->element_type() == ffi::DataType::F32 ? pk::ElemType::kF32 : p.type;
+  c.out_type = dq_target.type;
+  c.dq_seq = int(dq_target.seq);
+  c.add = dq_target.add;
   if (cudaError_t e = pk::attention_bwd::launch_dq_convert(c, stream); e != cudaSuccess)
     return ffi::Error::Internal(std::string("pk_jax attention backward: dQ conversion: ") + cudaGetErrorString(e));
   return ffi::Error::Success();
+}
+
+ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
+                         ffi::Result<ffi::AnyBuffer> dq_out, ffi::Result<ffi::AnyBuffer> dk,
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc, float scale,
+                         int32_t causal, int32_t reserve_sms, int32_t variant, int32_t convert_dq) {
+  const auto dq = q.dimensions();
+  if (dq.size() != 4 || !same_dims(dq_out->dimensions(), {dq[0], dq[1], dq[2], dq[3]}) ||
+      (dq_out->element_type() != q.element_type() && dq_out->element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: dq " + dims_str(dq_out->dimensions()) +
+                                       " must match q " + dims_str(dq) + " in q's dtype or float32");
+  if (convert_dq != 0 && convert_dq != 1)
+    return ffi::Error::InvalidArgument("pk_jax attention backward: convert_dq must be 0 or 1");
+  pk::ElemType type;
+  if (!pk::to_elem_type(dq_out->element_type(), type))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: dq must be bfloat16, float16 or float32");
+  return backward(stream, ordinal, q, k, v, dout, lse2, delta, offsets, dk, dv, dq_acc, scale, causal, reserve_sms,
+                  variant, DqTarget{dq_out->untyped_data(), type, 0, false, convert_dq == 1});
+}
+
+// pk_attention_bwd_accumulate: the same kernels, with dQ added into ring attention's float32 dQ state in place:
+// operands as pk_attention_bwd's plus dq_state (B, S, N, D) float32 (q's rows are its rows [row_start,
+// row_start + Tq)); results dq_state (aliased to that operand), dk, dv, dq_acc.
+ffi::Error attention_bwd_accumulate(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                                    ffi::AnyBuffer v, ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta,
+                                    ffi::AnyBuffer offsets, ffi::AnyBuffer dq_state_in,
+                                    ffi::Result<ffi::AnyBuffer> dq_state, ffi::Result<ffi::AnyBuffer> dk,
+                                    ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc, float scale,
+                                    int32_t causal, int32_t reserve_sms, int32_t variant, int64_t row_start) {
+  const auto dq = q.dimensions(), ds = dq_state->dimensions();
+  if (dq.size() != 4 || ds.size() != 4 || ds[0] != dq[0] || ds[2] != dq[2] || ds[3] != dq[3] ||
+      dq_state->element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("pk_jax attention backward accumulate: dq_state " + dims_str(ds) +
+                                       " must be float32 (B, S, N, D) for q " + dims_str(dq));
+  if (row_start < 0 || row_start + dq[1] > ds[1])
+    return ffi::Error::InvalidArgument("pk_jax attention backward accumulate: rows [" + std::to_string(row_start) +
+                                       ", " + std::to_string(row_start + dq[1]) + ") outside the state's " +
+                                       std::to_string(ds[1]));
+  if (dq_state->untyped_data() != dq_state_in.untyped_data())
+    return ffi::Error::Internal("pk_jax attention backward accumulate: dq_state must alias its operand");
+  float* at = static_cast<float*>(dq_state->untyped_data()) + size_t(row_start) * size_t(dq[2]) * size_t(dq[3]);
+  return backward(stream, ordinal, q, k, v, dout, lse2, delta, offsets, dk, dv, dq_acc, scale, causal, reserve_sms,
+                  variant, DqTarget{at, pk::ElemType::kF32, ds[1], true, true});
 }
 
 }  // namespace
@@ -131,4 +183,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
                                   .Attr<int32_t>("reserve_sms")
                                   .Attr<int32_t>("variant")
                                   .Attr<int32_t>("convert_dq"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwdAccumulate, attention_bwd_accumulate,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .Arg<ffi::AnyBuffer>()  // q
+                                  .Arg<ffi::AnyBuffer>()  // k
+                                  .Arg<ffi::AnyBuffer>()  // v
+                                  .Arg<ffi::AnyBuffer>()  // dout
+                                  .Arg<ffi::AnyBuffer>()  // lse2
+                                  .Arg<ffi::AnyBuffer>()  // delta
+                                  .Arg<ffi::AnyBuffer>()  // offsets
+                                  .Arg<ffi::AnyBuffer>()  // dq_state
+                                  .Ret<ffi::AnyBuffer>()  // dq_state (aliased)
+                                  .Ret<ffi::AnyBuffer>()  // dk
+                                  .Ret<ffi::AnyBuffer>()  // dv
+                                  .Ret<ffi::AnyBuffer>()  // dq_acc (scratch)
+                                  .Attr<float>("scale")
+                                  .Attr<int32_t>("causal")
+                                  .Attr<int32_t>("reserve_sms")
+                                  .Attr<int32_t>("variant")
+                                  .Attr<int64_t>("row_start"),
                               {ffi::Traits::kCmdBufferCompatible});

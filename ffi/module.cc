@@ -32,6 +32,7 @@ extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttentionAccumulate(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttentionBwd(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkAttentionBwdAccumulate(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeDispatch(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeSend(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeCombine(XLA_FFI_CallFrame*);
@@ -111,6 +112,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
     d["pk_attention_accumulate"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionAccumulate));
     d["pk_attention_bwd"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionBwd));
+    d["pk_attention_bwd_accumulate"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionBwdAccumulate));
     d["pk_moe_dispatch"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatch));
     d["pk_moe_send"] = handler_capsule(reinterpret_cast<void*>(&PkMoeSend));
     d["pk_moe_combine"] = handler_capsule(reinterpret_cast<void*>(&PkMoeCombine));

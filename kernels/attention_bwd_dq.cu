@@ -33,7 +33,8 @@ __device__ __forceinline__ void store_pair(Out* p, float a, float b) {
 
 template <typename Out, int D>
 __global__ void __launch_bounds__(kThreads) dq_convert_kernel(const float* __restrict__ acc, Out* __restrict__ dq,
-                                                              int heads, int tq, int tq_pad, float scale) {
+                                                              int heads, int tq, int tq_pad, int dq_seq, float scale,
+                                                              bool add) {
   __shared__ float4 block[kRows * D / 4];
   const int blocks = tq_pad / kRows;
   const int blk = blockIdx.x % blocks, bn = blockIdx.x / blocks;
@@ -48,7 +49,15 @@ __global__ void __launch_bounds__(kThreads) dq_convert_kernel(const float* __res
     const int row = blk * kRows + r;
     if (row >= tq) break;  // rows only grow with i
     const float2 v = *reinterpret_cast<const float2*>(s + chunk_offset(r, col));
-    store_pair(dq + ((size_t(b) * tq + row) * heads + n) * D + col, v.x * scale, v.y * scale);
+    Out* at = dq + ((size_t(b) * dq_seq + row) * heads + n) * D + col;
+    if constexpr (std::is_same_v<Out, float>) {
+      if (add) {
+        const float2 old = *reinterpret_cast<const float2*>(at);
+        store_pair(at, old.x + v.x * scale, old.y + v.y * scale);
+        continue;
+      }
+    }
+    store_pair(at, v.x * scale, v.y * scale);
   }
 }
 
@@ -56,7 +65,7 @@ template <typename Out, int D>
 cudaError_t launch_typed(const DqConvert& c, cudaStream_t stream) {
   const unsigned grid = unsigned(size_t(c.batch) * c.heads * (c.tq_pad / kRows));
   dq_convert_kernel<Out, D><<<grid, kThreads, 0, stream>>>(c.acc, static_cast<Out*>(c.dq), c.heads, c.tq, c.tq_pad,
-                                                           c.scale);
+                                                           c.dq_seq > 0 ? c.dq_seq : c.tq, c.scale, c.add);
   return cudaGetLastError();
 }
 
@@ -79,6 +88,7 @@ cudaError_t launch_dq_convert(const DqConvert& c, cudaStream_t stream) {
       c.tq > c.tq_pad || c.batch <= 0 || c.heads <= 0 || c.tq <= 0)
     return cudaErrorInvalidValue;
   if (size_t(c.batch) * c.heads * (c.tq_pad / kRows) >= (1ull << 31)) return cudaErrorInvalidConfiguration;
+  if ((c.add && c.out_type != ElemType::kF32) || (c.dq_seq != 0 && c.dq_seq < c.tq)) return cudaErrorInvalidValue;
   switch (c.out_type) {
     case ElemType::kBF16: return launch_out<__nv_bfloat16>(c, stream);
     case ElemType::kF16: return launch_out<__half>(c, stream);

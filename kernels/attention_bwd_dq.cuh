@@ -12,10 +12,12 @@ namespace pk::attention_bwd {
 
 struct DqConvert {
   const float* acc;  // (batch, heads, tq_pad, head_dim) float32, the kernel's chunk order
-  void* dq;          // (batch, tq, heads, head_dim), `out_type`
+  void* dq;          // (batch, dq_seq, heads, head_dim) from this call's row 0, `out_type`
   int batch, heads, tq, tq_pad, head_dim;
   float scale;
   ElemType out_type;
+  int dq_seq = 0;    // rows of dq per batch: tq (0), or a ring's float32 dQ state's length
+  bool add = false;  // float32 only: dq += dQ (ring attention's dQ state, in place) instead of dq = dQ
 };
 
 // Launches the conversion on `stream` (after the backward kernel, same stream).

@@ -37,12 +37,14 @@
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
-#   acctests    the attention kernel's accumulating epilogue (ring attention's in-place merge): first look, tests ~1 min
-#   copyengine  (2 GPUs+) the ring shift by copy engines (PK_JAX_RING_SHIFT_ENGINE=copy): its first test alone (5 s
-#               waits), the shift tests (both engines), ring GPU tests with it, a timeline; the accumulating attention
-#               epilogue (PK_JAX_RING_FWD_ACC=kernel): first look, its tests, ring tests with both; then ring rows at
-#               S 12288 with pk-copy, pk (SM kernel) and, if those tests passed, pk-acc and pk-copy-acc in the same
-#               turns, and Ulysses fwd async:copy vs one exchange                                   ~9 min
+#   acctests    the attention kernels merging into ring attention's float32 states (forward epilogue, backward dQ add):
+#               first look, tests (1 GPU)                                                        ~2 min
+#   copyengine  (2 GPUs+) tests of the copy-engine ring shift (PK_JAX_RING_SHIFT_ENGINE=copy: first test alone, 5 s
+#               waits, then the shift tests of both engines) and of the kernels merging into the ring's states
+#               (PK_JAX_RING_MERGE=kernel: first look, their tests), then the ring GPU tests with both on  ~8 min
+#   copybench   (2 GPUs+) after copyengine: a timeline with both, ring rows at S 12288 per transport (pk-copy-acc,
+#               pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops, Ulysses async over
+#               copies                                                                            ~8 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -288,30 +290,31 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     acctests) stage acc-first 80 timeout 70 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -x \
                 -rs -k first_look
               stage acc-tests 120 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs ;;
-    copyengine) acc=()
+    copyengine) # (2 GPUs+) tests only; copybench times them (a later call)
                 stage copy-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
                   "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[copy-2]"
                 if grep -q " passed" "$OUT/copy-first.log" && ! grep -qE "failed|rror" "$OUT/copy-first.log"; then
                   stage copy-shift-tests 150 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_ring_shift_gpu.py
-                  stage copy-ring-tests 120 env PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest tests/gpu/test_context_gpu.py \
-                    -m gpu -q -x -rs -k "ring_attention_matches_reference"
-                  stage copy-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy python3 scripts/ring_timeline.py \
-                    --cases fwd_causal_zigzag fwd_bwd_causal_zigzag
-                  stage acc-first 80 timeout 70 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -x \
-                    -rs -k first_look
-                  if grep -q " passed" "$OUT/acc-first.log" && ! grep -qE "failed|rror" "$OUT/acc-first.log"; then
-                    stage acc-tests 120 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs
-                    stage acc-ring-tests 120 env PK_JAX_RING_FWD_ACC=kernel PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
-                      tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"
-                    acc=(pk-acc pk-copy-acc)
-                  fi
-                  stage copy-ring-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
-                    fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy pk \
-                    "${acc[@]}" --reps 10 --out "$OUT/$day-context-ring-copy-engine.json"
-                  stage copy-ulysses 120 env PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk \
-                    PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention --cases fwd \
-                    --reps 10 --out "$OUT/$day-context-ulysses-async-copy.json"
-                fi ;;
+                fi
+                stage acc-first 80 timeout 70 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -x \
+                  -rs -k first_look
+                if grep -q " passed" "$OUT/acc-first.log" && ! grep -qE "failed|rror" "$OUT/acc-first.log"; then
+                  stage acc-tests 120 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs
+                fi
+                stage merge-ring-tests 150 env PK_JAX_RING_MERGE=kernel PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
+                  tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference" ;;
+    copybench) # (2 GPUs+) after copyengine's tests passed: a timeline, ring rows per transport, Ulysses with copies
+               stage copy-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_RING_MERGE=kernel \
+                 python3 scripts/ring_timeline.py --cases fwd_causal_zigzag fwd_bwd_causal_zigzag
+               stage copy-ring-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                 fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk \
+                 pk-copy pk-acc --reps 10 --out "$OUT/$day-context-ring-copy-engine.json"
+               stage copy-ring-bf16acc 100 env PK_JAX_RING_ACC_DTYPE=input python3 -m pk_jax.bench context --op ring_attention \
+                 --seqs 12288 --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk --reps 10 \
+                 --out "$OUT/$day-context-ring-copy-engine-bf16acc.json"
+               stage copy-ulysses 120 env PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk \
+                 PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention --cases fwd \
+                 --reps 10 --out "$OUT/$day-context-ulysses-async-copy.json" ;;
     x4ring2) # (2 GPUs+) the ring after session 13's backward changes: GPU tests, a timeline, then the shift-CTA sweep
              stage shift-tests 90 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_ring_shift_gpu.py -m gpu -q -x \
                -rs -k "several_buffers"

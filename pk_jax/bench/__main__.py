@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
                    default=None,
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: the environment's settings; -copy: $PK_JAX_RING_SHIFT_ENGINE=copy, -acc: "
-                        "$PK_JAX_RING_FWD_ACC=kernel), e.g. --ring-transports pk pk-copy-acc xla")
+                        "$PK_JAX_RING_MERGE=kernel), e.g. --ring-transports pk pk-copy-acc xla")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--compute-floor", action="store_true",
                    help="context: ring rows also time the ring with communication off and our attention kernel on "

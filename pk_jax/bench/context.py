@@ -140,9 +140,9 @@ def _env(var: str, value: str | None) -> Iterator[None]:
 
 
 # --ring-transports names: the ring's transport; for "pk" what moves the bytes (PK_JAX_RING_SHIFT_ENGINE) and
-# how the zigzag causal forward folds its blocks ("-acc": PK_JAX_RING_FWD_ACC=kernel, in the attention kernel).
+# where the ring folds blocks into its states ("-acc": PK_JAX_RING_MERGE=kernel, in the attention kernels).
 TRANSPORTS = {name: {"PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine,
-                     "PK_JAX_RING_FWD_ACC": "kernel" if acc else "xla"}
+                     "PK_JAX_RING_MERGE": "kernel" if acc else "xla"}
               for name, engine, acc in (("pk", "sm", False), ("pk-copy", "copy", False), ("pk-acc", "sm", True),
                                         ("pk-copy-acc", "copy", True))}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla"}

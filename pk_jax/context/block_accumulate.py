@@ -1,4 +1,4 @@
-"""One ring step's attention block written or merged into the ring's float32 state in place.
+"""One ring step's attention block written or merged into the ring's float32 state in place, forward and backward.
 
     acc, lse = accumulate(q, k, v, offsets, acc, lse, row_start=r, merge=m, scale=s, causal=c)
 
@@ -11,7 +11,14 @@ state, no merge pass, no dynamic-update-slice, no conversion of the block); else
 Why: on 4x H100 the ring's causal zigzag forward spent ~1.9 ms of 7.6 in XLA glue around 4.8 ms of attention
 kernels (the step-0 concatenation, merges, dynamic-update-slices, a copy of the whole state per lax.cond step),
 issue 26's "partial outputs merged with the LSE in-kernel". Used by ring attention's zigzag causal forward when
-$PK_JAX_RING_FWD_ACC=kernel (default "xla": the earlier merges; not yet measured on a GPU).
+$PK_JAX_RING_MERGE=kernel (default "xla": the earlier merges; not yet measured on a GPU).
+
+    dq, dk, dv = accumulate_bwd(q, k, v, do, lse, delta, offsets, dq, row_start=r, scale=s, causal=c)
+
+The backward's counterpart: a block pair's dK, dV, and its dQ added into rows [r, r + Tq) of the ring's float32
+dQ state (B, S, N, D) by the dQ conversion kernel in place (`pk_attention_bwd_accumulate`); on 4x H100 the add,
+its dynamic-update-slice and a copy of the state took ~0.6 ms per visiting step of the causal backward. Used by
+every ring backward pair whose rows are known at trace time, with the same setting.
 """
 
 from __future__ import annotations
@@ -30,17 +37,20 @@ from pk_jax._env import choice_setting
 from pk_jax.context.block_attention import block_attention
 from pk_jax.context.online_softmax import merge as merge_blocks
 
-ACC_VAR = "PK_JAX_RING_FWD_ACC"
+ACC_VAR = "PK_JAX_RING_MERGE"
 ACC_MODES = ("xla", "kernel")
 
 pk_attention_accumulate_p = core.Primitive("pk_attention_accumulate")
 pk_attention_accumulate_p.multiple_results = True
+pk_attention_bwd_accumulate_p = core.Primitive("pk_attention_bwd_accumulate")
+pk_attention_bwd_accumulate_p.multiple_results = True
 
 
-def fwd_acc() -> str:
-    """How ring attention's zigzag causal forward folds each block into its state: $PK_JAX_RING_FWD_ACC, read
-    when traced. "xla" (default): the block's output, then XLA's merge and dynamic-update-slice; "kernel": the
-    attention kernel merges into the float32 state in place (accumulate)."""
+def merge_in_kernel() -> str:
+    """Where ring attention folds each block's result into its state: $PK_JAX_RING_MERGE, read when traced.
+    "xla" (default): the block's output, then XLA's merge / add and dynamic-update-slice; "kernel": the attention
+    kernels merge into the float32 states in place (accumulate: the zigzag causal forward; accumulate_bwd: the
+    backward's dQ)."""
     return choice_setting(ACC_VAR, "xla", ACC_MODES, owner="pk_jax.ring_attention")
 
 
@@ -102,3 +112,69 @@ def _cuda_lowering(ctx, *args, row_start, merge, scale, causal, reserve_sms):
 mlir.register_lowering(pk_attention_accumulate_p, _lax_lowering)
 if _ext.available():
     mlir.register_lowering(pk_attention_accumulate_p, _cuda_lowering, platform="cuda")
+
+
+def accumulate_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool,
+                   reserve_sms: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) of one block pair: dk, dv (B, Tk, Nkv, D) in k's dtype, and dq, the float32 state (B, S, N, D)
+    with the pair's dQ added into rows [row_start, row_start + Tq). lse, delta: (B, Tq, N) float32 (the final LSE
+    and rowsum(dO * O)), as ring attention keeps them."""
+    b, tq, n, d = q.shape
+    if dq.shape[0] != b or dq.shape[2:] != (n, d) or dq.dtype != jnp.float32:
+        raise ValueError(f"pk_jax ring accumulate_bwd: dq {dq.shape} {dq.dtype} must be float32 (B, S, N, D) for q {q.shape}")
+    if not 0 <= row_start <= dq.shape[1] - tq:
+        raise ValueError(f"pk_jax ring accumulate_bwd: rows [{row_start}, {row_start + tq}) outside the state's {dq.shape[1]}")
+    return tuple(pk_attention_bwd_accumulate_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2),
+                                                    offsets, dq, row_start=int(row_start), scale=float(scale),
+                                                    causal=bool(causal), reserve_sms=int(reserve_sms)))
+
+
+def _abstract_bwd(q, k, v, do, lse, delta, offsets, dq, **_):
+    outs = [dq.update(shape=dq.shape, dtype=dq.dtype), k.update(shape=k.shape, dtype=k.dtype),
+            v.update(shape=v.shape, dtype=v.dtype)]
+    if config._check_vma.value:
+        varying = frozenset().union(*(x.mat.varying for x in (q, k, v, do, lse, delta, offsets, dq)))
+        outs = [o.update(manual_axis_type=o.mat.update(varying=varying)) for o in outs]
+    return outs
+
+
+pk_attention_bwd_accumulate_p.def_abstract_eval(_abstract_bwd)
+pk_attention_bwd_accumulate_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_bwd_accumulate_p))
+
+
+def _add_rows(dq, part, row_start: int):
+    tq = part.shape[1]
+    return lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, row_start, tq, axis=1) + part, row_start,
+                                           axis=1)
+
+
+def reference_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0):
+    """The XLA composition (lse, delta in the kernel's (B, N, Tq) layout): the pair's gradients, dQ added in."""
+    from pk_jax.attention import reference_bwd as pair_reference
+
+    dq_b, dk, dv = pair_reference(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal, dq_f32=True)
+    return _add_rows(dq, dq_b, row_start), dk, dv
+
+
+def _kernel_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0):
+    from pk_jax.attention import (BWD_VARIANTS, _kernel_bwd_call, bwd_variant, dq_convert, kernel_bwd_inputs)
+
+    if dq_convert() != "kernel":  # the A/B baseline of the conversion: XLA converts, XLA adds
+        dq_b, dk, dv = _kernel_bwd_call(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal,
+                                        reserve_sms=reserve_sms, dq_f32=True)
+        return _add_rows(dq, dq_b, row_start), dk, dv
+    b, _, n, d = q.shape
+    lse2, delta2 = kernel_bwd_inputs(lse, delta)
+    out_types = (jax.ShapeDtypeStruct(dq.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))
+    dq, dk, dv, _ = jax.ffi.ffi_call("pk_attention_bwd_accumulate", out_types, input_output_aliases={7: 0})(
+        q, k, v, do, lse2, delta2, offsets, dq, scale=np.float32(scale), causal=np.int32(causal),
+        reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())),
+        row_start=np.int64(row_start))
+    return dq, dk, dv
+
+
+mlir.register_lowering(pk_attention_bwd_accumulate_p, mlir.lower_fun(reference_bwd, multiple_results=True))
+if _ext.available():
+    mlir.register_lowering(pk_attention_bwd_accumulate_p, mlir.lower_fun(_kernel_bwd, multiple_results=True),
+                           platform="cuda")

@@ -32,7 +32,7 @@ from jax import lax
 from pk_jax._env import int_setting
 from pk_jax.context import ring_overlap
 from pk_jax.context._varying import full_varying
-from pk_jax.context.block_accumulate import accumulate, fwd_acc
+from pk_jax.context.block_accumulate import accumulate, accumulate_bwd, merge_in_kernel
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
 from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs, zigzag_whole_chunks
@@ -252,7 +252,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
-    elif causal and layout == "zigzag" and fwd_acc() == "kernel" and _kernel_refusal(q, k, scale) is None:
+    elif causal and layout == "zigzag" and merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None:
         return _zigzag_causal_accumulated(q, k, v, axes, g, rank, scale)
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
@@ -261,7 +261,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
 def _zigzag_causal_accumulated(q, k, v, axes, g: int, rank, scale: float):
     """The zigzag causal forward with every block folded into one float32 state by the attention kernel in place
-    (block_accumulate; PK_JAX_RING_FWD_ACC=kernel): the same pairs as zigzag_causal (ring_schedule.
+    (block_accumulate; PK_JAX_RING_MERGE=kernel): the same pairs as zigzag_causal (ring_schedule.
     zigzag_whole_chunks), no concatenation, merge pass or dynamic-update-slice between the kernels. The state's
     LSE stays in the kernel's (B, N, T) layout until the end."""
     b, t, n, _ = q.shape
@@ -304,6 +304,12 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
     zero_kv = lambda dtype=jnp.float32: full_varying(k.shape, 0.0, dtype, like=like, axes=axes)
+    from pk_jax.attention import _kernel_refusal, backward_kernel_enabled  # pk_jax.attention imports this package
+
+    # PK_JAX_RING_MERGE=kernel: each pair's dQ added into the float32 state by the backward's dQ conversion kernel
+    # (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
+    dq_in_kernel = (merge_in_kernel() == "kernel" and transport() == "pk" and _kernel_refusal(q, k, scale) is None
+                    and backward_kernel_enabled())
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
         q, do, lse, delta = local
@@ -323,6 +329,12 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             dq, (dk, dv) = state
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
+            if dq_in_kernel and isinstance(p.q_start, int):  # the dQ conversion adds into the state in place
+                offsets = jnp.stack([jnp.asarray(p.q_offset, jnp.int32), jnp.asarray(p.kv_offset, jnp.int32)])
+                dq, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse), sl_q(delta),
+                                                offsets, dq, row_start=p.q_start, scale=scale, causal=causal,
+                                                reserve_sms=reserve)
+                return dq, (add_kv(dk, dk_b), add_kv(dv, dv_b))
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
                                                sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve)
             return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))

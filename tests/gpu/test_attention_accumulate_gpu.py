@@ -1,9 +1,11 @@
-"""The attention kernel's accumulating epilogue (pk_attention_accumulate, kernels/attention_kernel.cuh
-accumulate_rows) on one GPU: a block written (mode 1) into rows of a float32 state, then a second key range
-merged into them (mode 2), against the float32 reference of attention over both key ranges; rows outside the
-window keep their poison; rows that see no key (causal offsets) get LSE -inf and O 0 in both modes; bf16 / f16,
-head_dim 64 / 128, GQA, odd lengths; two runs give the same bits. First look (a broken epilogue should fail,
-not hang: the kernel's waits are those of the forward):
+"""The attention kernels writing into ring attention's float32 states in place, on one GPU.
+Forward (pk_attention_accumulate, kernels/attention_kernel.cuh accumulate_rows): a block written (mode 1) into
+rows of a float32 state, then a second key range merged into them (mode 2), against the float32 reference of
+attention over both key ranges; rows outside the window keep their poison; rows that see no key (causal offsets)
+get LSE -inf and O 0 in both modes; bf16 / f16, head_dim 64 / 128, GQA, odd lengths; two runs give the same bits.
+Backward (pk_attention_bwd_accumulate: the dQ conversion adding into the state): dQ rows, dK, dV against the
+XLA composition; rows outside the window keep their bits. First look (a broken epilogue should fail, not hang:
+the kernel's waits are those of the forward):
     timeout 60 python -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -x -k first_look
 """
 
@@ -88,3 +90,37 @@ def check(case, dtype):
         assert err < 2e-2, f"{name}: max error {err:.2e} relative to max |ref|"
     again = run(q, k, v, acc, lse)[1]
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(m_acc), err_msg="same bits on a second run")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
+def test_backward_adds_dq_into_rows(case, dtype):
+    """accumulate_bwd (pk_attention_bwd_accumulate): dK, dV of the pair and its dQ added into rows of a float32
+    state holding random values, against the XLA composition (block_accumulate.reference_bwd) on the same
+    inputs; rows outside the window keep their bits."""
+    from pk_jax.context.block_accumulate import accumulate_bwd, reference_bwd
+
+    b, tq, n, tk, kh, d, causal, qo, ko, start, rows = case
+    q, do = rand((b, tq, n, d), dtype), rand((b, tq, n, d), dtype)
+    k, v = rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
+    scale = d ** -0.5
+    off = jnp.asarray([qo, ko], jnp.int32)
+    out, lse = attention_f32(q, k, v, scale=scale, causal=causal, q_offset=qo, kv_offset=ko)
+    lse = jnp.swapaxes(jnp.asarray(lse), 1, 2)                       # (B, Tq, N), as ring attention keeps it
+    delta = jnp.sum(jnp.asarray(out) * do.astype(jnp.float32), -1)   # (B, Tq, N)
+    state = rand((b, rows, n, d), jnp.float32)
+    kw = dict(row_start=start, scale=scale, causal=causal)
+    ours = jax.jit(lambda *a: accumulate_bwd(*a, **kw))
+    assert "pk_attention_bwd_accumulate" in ours.lower(q, k, v, do, lse, delta, off, state).compile().as_text()
+    got = [np.asarray(x, np.float32) for x in ours(q, k, v, do, lse, delta, off, state)]
+    ref = jax.jit(lambda q, k, v, do, lse, delta, off, st: reference_bwd(
+        q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), off, st, **kw))
+    want = [np.asarray(x, np.float32) for x in ref(q, k, v, do, lse, delta, off, state)]
+    st = np.asarray(state)
+    np.testing.assert_array_equal(got[0][:, :start], st[:, :start], err_msg="rows before the window")
+    np.testing.assert_array_equal(got[0][:, start + tq:], st[:, start + tq:], err_msg="rows after the window")
+    for name, a, w in (("dq rows", got[0][:, start:start + tq] - st[:, start:start + tq],
+                        want[0][:, start:start + tq] - st[:, start:start + tq]), ("dk", got[1], want[1]),
+                       ("dv", got[2], want[2])):
+        err = np.abs(a - w).max() / max(np.abs(w).max(), 1e-30)
+        assert err < 3e-2, f"{name}: max error {err:.2e} relative to max |ref|"
