@@ -351,6 +351,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
                 e["compute_floor_errors"] = floor_errs
             if len(floor_ms) == 2:
                 e["compute_over_floor"] = round(floor_ms["compute_only"] / floor_ms["kernel_floor"], 4)
+        results.add_partial(rows[-1])  # before its line: a run killed once the line is out keeps the row
         print(f"  {c.op:<18}{c.name:<26}{str(rows[-1]['shape']):<24} ours {ours_ms:9.3f} ms  "
               f"base {'-' if base_ms is None else f'{base_ms:9.3f}'} ms  alone "
               f"{'-' if alone_ms is None else f'{alone_ms:9.3f}'} ms  peak {peak / 2**20 if peak else 0:8.1f} MiB  "
