@@ -38,7 +38,9 @@ def _ensure_flags() -> None:
 
 
 def _exit_on_sigterm(signum: int, frame) -> None:
-    """SIGTERM (e.g. from `timeout N`) as SystemExit: the suite's finally blocks run on the way out."""
+    """SIGTERM (e.g. from `timeout N`) as SystemExit: the suite's finally blocks run on the way out. Python runs it
+    only when the main thread is back in the interpreter: a call hung in C (a kernel that never ends) outlives the
+    SIGTERM, so wrap runs in `timeout -k SECONDS N` (SIGKILL after the grace)."""
     raise SystemExit(128 + signum)
 
 
