@@ -20,7 +20,8 @@ PYTHONPATH=$ROOT timeout "${TEST_S:-330}" python3 -m pytest tests/gpu/test_atten
 echo "tests rc $? after $SECONDS s"; tail -2 "$O/tests.log"
 for side in new base; do
   dir=$ROOT; [ $side = base ] && dir=/tmp/basetree
-  (cd "$dir" && PYTHONPATH=$dir timeout "${BENCH_S:-200}" python3 -m pk_jax.bench attention $BENCH_ARGS --out "$O/ab-$side.json" \
+  # -k: the bench turns SIGTERM into SystemExit, which waits for the Python interpreter; a hung kernel never returns.
+  (cd "$dir" && PYTHONPATH=$dir timeout -k 20 "${BENCH_S:-200}" python3 -m pk_jax.bench attention $BENCH_ARGS --out "$O/ab-$side.json" \
      > "$O/bench-$side.log" 2>&1; echo "bench $side rc $? after $SECONDS s")
 done
 python3 - "$O" <<'PY'

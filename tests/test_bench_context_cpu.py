@@ -98,3 +98,28 @@ def test_suite_reports_write_a_ratio_plot(tmp_path):
     (tmp_path / "bad.json").write_text("not json")
     assert main(["plot", str(tmp_path / "bad.json"), str(path)]) == 1  # the bad file is named, the next one drawn
     assert png.exists()
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_communication_off_keeps_every_steps_attention(backward):
+    """Non-causal, every step of the ring with communication off attends the same blocks; XLA must not merge those
+    steps into one (CSE: a compute_only time below one kernel's). Each step's dots survive: as many as in the ring
+    with communication on, whose steps differ by the blocks that arrive."""
+    import re
+
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    g = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), (context.AX,))
+    c = context.Case("ring_attention", 2, 32 * g, 4, 16, False, "contiguous", backward)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (c.b, c.s, c.n, c.d)),
+                       NamedSharding(mesh, P(None, context.AX)))
+    dots = lambda: len(re.findall(r" dot\(", context._program(context._ours(c), mesh, backward)
+                                  .lower(x, x, x).compile().as_text()))
+    with context._transport("pk"):
+        on = dots()
+        with context._communication_off():
+            off = dots()
+    assert on >= 2 * g, f"{on} dots for {g} steps"  # at least QK^T and PV per step
+    assert off == on, f"communication off: {off} dots, on: {on} (steps merged)"

@@ -1,7 +1,9 @@
 """pk_jax benchmarks: `python -m pk_jax.bench {demo,collectives,gemm,tp_gemm,transfer,sync,model,context,moe,
 attention,multirank} [--quick] [--out FILE]`. Suites write FILE (JSON, benchmarks/results format) and, beside it,
 a PNG of every row's ratio (with the overlap bound where the row has one); `python -m pk_jax.bench plot
-FILE.json...` redraws those PNGs from results files.
+FILE.json...` redraws those PNGs from results files. context, moe and attention keep the rows finished so far in
+FILE without .json + .partial.json ("partial": true), rewritten after every row and removed once FILE is written:
+what a run killed by `timeout N` leaves.
 
 On GPUs it uses every visible GPU as one group; without GPUs it runs on 8 virtual CPU devices
 (small sizes; semantics and plumbing only, the timings mean nothing there).
@@ -13,7 +15,9 @@ import argparse
 import datetime
 import os
 import re
+import signal
 import sys
+from collections.abc import Callable
 
 
 # Without GPUs, XLA gets 8 virtual CPU devices. XLA's combiners would merge the K independent
@@ -33,12 +37,37 @@ def _ensure_flags() -> None:
     os.environ["XLA_FLAGS"] = flags.strip()
 
 
+def _exit_on_sigterm(signum: int, frame) -> None:
+    """SIGTERM (e.g. from `timeout N`) as SystemExit: the suite's finally blocks run on the way out. Python runs it
+    only when the main thread is back in the interpreter: a call hung in C (a kernel that never ends) outlives the
+    SIGTERM, so wrap runs in `timeout -k SECONDS N` (SIGKILL after the grace)."""
+    raise SystemExit(128 + signum)
+
+
+def _run_keeping_rows(out: str, suite: str, run: Callable[[], list[dict]]) -> list[dict]:
+    """run() of a suite that hands each finished row to results.add_partial: the rows are kept in
+    results.partial_path(out) as they finish (a run killed by a timeout, or failing, leaves them there; _report
+    removes the file once `out` holds every row). SIGTERM raises SystemExit while it runs; the partial file does
+    not depend on that: it is whole after every row."""
+    from pk_jax.bench import results
+
+    results.start_partial(out, suite)
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        return run()
+    finally:  # main() may run in a longer-lived process (tests): leave no handler, no file kept open for rows
+        signal.signal(signal.SIGTERM, previous)
+        results.stop_partial()
+
+
 def _report(out: str, suite: str, rows: list[dict], print_table, bad=None) -> int:
-    """Writes the results file and prints the table; the exit code is 1 when a row's check failed."""
+    """Writes the results file, removes the partial one (_run_keeping_rows; or an earlier run's, killed, of the
+    same name: the new file replaces it) and prints the table; the exit code is 1 when a row's check failed."""
     from pk_jax.bench import results
 
     bad = bad or (lambda r: "MISMATCH" in str(r.get("extra", {}).get("check", "")))
     results.write(out, suite, rows)
+    results.discard_partial(out)
     print()
     print_table(rows)
     print(f"\nwrote {out}")
@@ -213,9 +242,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pk_jax.bench attention: {results.device_description()} (uses GPU 0), {reps} reps", flush=True)
         if not on_gpu:
             print("  (no GPU: both sides run XLA at tiny sizes; timings only exercise the plumbing)")
-        rows = attention.run(quick=args.quick, reps=reps, full=args.variants, cases=args.cases,
-                             seqs=args.seqs, head_dims=args.head_dims, fwd_variants=args.fwd_variants,
-                             bwd_variants=args.bwd_variants)
+        rows = _run_keeping_rows(out, args.suite, lambda: attention.run(
+            quick=args.quick, reps=reps, full=args.variants, cases=args.cases, seqs=args.seqs,
+            head_dims=args.head_dims, fwd_variants=args.fwd_variants, bwd_variants=args.bwd_variants))
         return _report(out, args.suite, rows, attention.print_table, bad=attention.bad_row)
     if args.suite in ("context", "moe"):  # both run at group 1 too
         import importlib
@@ -230,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         kw = (dict(cases=args.cases, hidden=args.sizes, variants=args.variants) if args.suite == "moe"
               else dict(names=args.cases, seqs=args.seqs, transports=args.ring_transports,
                         compute_floor=args.compute_floor))
-        rows = suite.run(small=small, reps=reps, only=args.op, **kw)
+        rows = _run_keeping_rows(out, args.suite, lambda: suite.run(small=small, reps=reps, only=args.op, **kw))
         return _report(out, args.suite, rows, suite.print_table)
     if len(jax.devices()) < 2:
         print("pk_jax.bench: needs at least 2 devices (GPUs, or virtual CPU devices)", file=sys.stderr)

@@ -36,7 +36,7 @@ import numpy as np
 import pk_jax
 from pk_jax.attention import (BWD_VARIANT_VAR, BWD_VARIANTS, DEFAULT_BWD_VARIANT, DEFAULT_FWD_VARIANT,
                               FWD_VARIANT_VAR, FWD_VARIANTS, FWD_VARIANTS_SAME_BITS, SCHEDULE_VAR)
-from pk_jax.bench import timing
+from pk_jax.bench import results, timing
 from pk_jax.bench.progress import Progress
 
 CASES = {"fwd": (False, 1), "fwd_causal": (True, 1), "fwd_gqa": (False, 8), "fwd_causal_gqa": (True, 8)}
@@ -200,10 +200,11 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
             ours_ms, base_ms = times[:2]
             other_ms = times[2:]
         except Exception as e:  # noqa: BLE001 (a failing shape is a row, not the end of the sweep)
-            print(f"  attention {[b, s, n, d]} {case}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             rows.append({"op": "attention", "case": case, "shape": [b, s, n, d], "dtype": "bfloat16", "group": 1,
                          "ours_ms": None, "baseline": base_name, "baseline_ms": None, "ratio": None,
                          "extra": {"check": f"FAILED {type(e).__name__}"}})
+            results.add_partial(rows[-1])
+            print(f"  attention {[b, s, n, d]} {case}: FAILED {type(e).__name__}: {str(e)[:200]}", flush=True)
             bar.step(f"{case} {b}x{s}x{n}x{d}")
             continue
         ratio = base_ms / ours_ms
@@ -221,6 +222,7 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
                 f"{name}_tflops": round(flops / ms / 1e9, 1), f"{name}_rel_err": float(f"{e_:.2e}"),
                 f"{name}_same_bits": same, f"{name}_bits_expected": bits_expected(name),
                 f"{name}_check": "ok" if e_ < 2e-2 else "MISMATCH"})
+        results.add_partial(rows[-1])  # before its line: a run killed once the line is out keeps the row
         print(f"  attention {str([b, s, n, d]):<22} {case:<15} ours {ours_ms:8.3f} ms {flops / ours_ms / 1e9:6.0f} TF/s  "
               f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}"
               + "".join(f"  {name} {flops / ms / 1e9:4.0f} TF/s x{base_ms / ms:5.3f}"

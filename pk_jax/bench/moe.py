@@ -488,6 +488,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, cas
             ex = rows[-1]["extra"]
             check = (f"{ex['check']}  fused/GEMM-alone {ex.get('fused_over_gemm')}  unfused/GEMM-alone "
                      f"{ex.get('unfused_over_gemm')}  {ex['tflops']} TFLOP/s  ({ex['comm_sms']} comm SMs)")
+        results.add_partial(rows[-1])  # before its line: a run killed once the line is out keeps the row
         print(f"  {c.op:<15}{c.name:<18}{str(rows[-1]['shape']):<24} ours ({path}) {times[0]:9.3f} ms  "
               f"{rows[-1]['extra']['gbps']:8.1f} GB/s ({rows[-1]['extra']['remote_gbps']:.1f} remote)  "
               + "  ".join(f"{k} {v:9.3f} ms" for k, v in base.items())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -45,10 +46,10 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write(path: str, suite: str, rows: Sequence[dict], device: str | None = None, command: str | None = None) -> dict:
-    """`device`: as in device_description() (pass it where this process must not start a jax backend);
-    `command`: what produced the rows (default: this bench CLI's command line)."""
-    doc = {
+def document(suite: str, rows: Sequence[dict], device: str | None = None, command: str | None = None) -> dict:
+    """A results file's contents. `device`: as in device_description() (pass it where this process must not start
+    a jax backend); `command`: what produced the rows (default: this bench CLI's command line)."""
+    return {
         "suite": suite,
         "device": device or device_description(),
         "commit": git_commit(),
@@ -56,10 +57,68 @@ def write(path: str, suite: str, rows: Sequence[dict], device: str | None = None
         "command": command or "python -m pk_jax.bench " + " ".join(sys.argv[1:]),
         "rows": list(rows),
     }
+
+
+def _dump(path: str, doc: dict) -> None:
+    """Writes `doc` to `path` atomically: a temporary file in the same directory, then os.replace, so a process
+    killed mid-write leaves the previous file whole (or none), never a truncated one."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(doc, f, indent=1)
+    tmp = f"{path}.{os.getpid()}.tmp"  # beside `path`: os.replace is atomic within one file system
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:  # SystemExit from a SIGTERM handler too: no temporary file left behind
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def write(path: str, suite: str, rows: Sequence[dict], device: str | None = None, command: str | None = None) -> dict:
+    """Writes document(suite, rows, device, command) to `path` (atomically) and returns it."""
+    doc = document(suite, rows, device, command)
+    _dump(path, doc)
     return doc
+
+
+def partial_path(path: str) -> str:
+    """Where the rows finished so far are kept while the results file `path` is being made:
+    <path without .json>.partial.json."""
+    root = path[:-len(".json")] if path.endswith(".json") else path
+    return root + ".partial.json"
+
+
+# The partial file being kept: (its path, its document); None when no suite run keeps one.
+_partial: tuple[str, dict] | None = None
+
+
+def start_partial(path: str, suite: str) -> None:
+    """From now on every add_partial(row) rewrites partial_path(path) (first written at the first row): results
+    `path`'s document with the rows added so far and "partial": true. A suite killed by a timeout then leaves the
+    rows it finished."""
+    global _partial
+    _partial = (partial_path(path), {"partial": True, **document(suite, [])})
+
+
+def add_partial(row: dict) -> None:
+    """Adds a finished row to the partial file; nothing without start_partial (a suite run from Python)."""
+    if _partial is None:
+        return
+    path, doc = _partial
+    doc["rows"].append(row)
+    _dump(path, doc)
+
+
+def stop_partial() -> None:
+    """No more rows are kept; the partial file stays (for a run that did not finish, it is what is left)."""
+    global _partial
+    _partial = None
+
+
+def discard_partial(path: str) -> None:
+    """Removes partial_path(path): called once the results file `path` holds every row."""
+    with contextlib.suppress(FileNotFoundError):  # no row was finished (or the suite keeps none)
+        os.unlink(partial_path(path))
 
 
 def print_table(rows: Sequence[dict]) -> None:
