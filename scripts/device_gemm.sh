@@ -13,4 +13,4 @@ if command -v cuobjdump > /dev/null; then
   python3 scripts/sass_summary.py "$OUT/sass.txt" | tee "$OUT/sass-summary.txt"
 fi
 [ -n "${SKIP_TESTS:-}" ] || OUT=$OUT timeout "${TEST_TIMEOUT:-300}" bash tests/gpu/run.sh -x -q ${TEST_K:+-k "$TEST_K"}
-[ -n "${SKIP_BENCH:-}" ] || timeout "${BENCH_TIMEOUT:-400}" python3 -m pk_jax.bench gemm --out "$OUT/gemm.json" "$@" 2>&1 | tee "$OUT/gemm.log"
+[ -n "${SKIP_BENCH:-}" ] || timeout -k 15 "${BENCH_TIMEOUT:-400}" python3 -m pk_jax.bench gemm --out "$OUT/gemm.json" "$@" 2>&1 | tee "$OUT/gemm.log"

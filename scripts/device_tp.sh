@@ -22,6 +22,6 @@ if [ -z "${SKIP_TESTS:-}" ]; then
     2>&1 | tee "$OUT/tests.log" | tail -5
 fi
 if [ -z "${SKIP_BENCH:-}" ]; then
-  PK_JAX_CACHE_DIR="$OUT/cache" timeout "${BENCH_TIMEOUT:-330}" python3 -m pk_jax.bench tp_gemm \
+  PK_JAX_CACHE_DIR="$OUT/cache" timeout -k 15 "${BENCH_TIMEOUT:-330}" python3 -m pk_jax.bench tp_gemm \
     --out "$OUT/tp_gemm.json" "$@" 2>&1 | tr '\r' '\n' | grep -v '^tp_gemm \[' | tee "$OUT/bench.log" | tail -16
 fi

@@ -10,7 +10,7 @@ step() {
   fi
   echo "=== $name (limit ${limit}s) ==="
   local t0=$SECONDS
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 15 "$limit" "$@" > "$OUT/$name.log" 2>&1  # -k: the bench traps SIGTERM (rows kept); a hung kernel does not return to Python
   local rc=$?
   tail -25 "$OUT/$name.log"
   echo "=== $name: exit $rc after $((SECONDS - t0)) s ==="
