@@ -189,6 +189,37 @@ def test_accumulate_reference_writes_and_merges_rows():
         accumulate(q, k, v, off, acc, lse[:, :, :40], row_start=0, merge=True, **kw)
 
 
+def test_accumulate_under_vmap_equals_a_loop():
+    """The two in-place primitives under jax.vmap (the mapped axis folded into the batch axis; a mapped offsets
+    runs the XLA composition per element): the same values as one call per element."""
+    from pk_jax.context.block_accumulate import accumulate, accumulate_bwd
+
+    q, k, v, _ = random_qkv(9, 2, 16, 4, 2, 64, jnp.bfloat16)
+    qs, ks, vs = (jnp.stack([x, x[::-1]]) for x in (q, k, v))  # a mapped axis of 2
+    acc = jnp.stack([jnp.zeros((2, 24, 4, 64), jnp.float32)] * 2)
+    lse = jnp.full((2, 2, 4, 24), -jnp.inf, jnp.float32)
+    off = jnp.asarray([4, 0], jnp.int32)
+    kw = dict(row_start=4, merge=False, scale=0.125, causal=True)
+    got = jax.vmap(lambda q, k, v, a, l: accumulate(q, k, v, off, a, l, **kw))(qs, ks, vs, acc, lse)
+    for i in range(2):
+        want = accumulate(qs[i], ks[i], vs[i], off, acc[i], lse[i], **kw)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=1e-6, atol=1e-6)
+    offs = jnp.asarray([[4, 0], [8, 0]], jnp.int32)  # mapped offsets
+    got = jax.vmap(lambda q, k, v, o, a, l: accumulate(q, k, v, o, a, l, **kw))(qs, ks, vs, offs, acc, lse)
+    want = accumulate(qs[1], ks[1], vs[1], offs[1], acc[1], lse[1], **kw)
+    np.testing.assert_allclose(np.asarray(got[0][1]), np.asarray(want[0]), rtol=1e-6, atol=1e-6)
+    do = qs.astype(jnp.float32)
+    stats = jnp.ones((2, 2, 16, 4), jnp.float32)
+    dq = jnp.zeros((2, 2, 24, 4, 64), jnp.float32)
+    bkw = dict(row_start=8, scale=0.125, causal=False)
+    got = jax.vmap(lambda q, k, v, do, l, d, dq: accumulate_bwd(q, k, v, do, l, d, off, dq, **bkw))(
+        qs, ks, vs, do.astype(jnp.bfloat16), stats, stats * 0.5, dq)
+    want = accumulate_bwd(qs[0], ks[0], vs[0], do[0].astype(jnp.bfloat16), stats[0], stats[0] * 0.5, off, dq[0], **bkw)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a[0], np.float32), np.asarray(b, np.float32), rtol=1e-5, atol=1e-5)
+
+
 def test_ring_attention_group_of_one_is_plain_attention():
     q, k, v, d_out = random_qkv(1, 1, 2 * T_LOCAL, 4, 2, 8)
     got = sharded(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True), 1, "zigzag", q, k, v, d_out)

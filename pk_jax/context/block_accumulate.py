@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax._src import config, core, dispatch
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 from pk_jax import _ext
 from pk_jax._env import choice_setting
@@ -83,13 +83,14 @@ pk_attention_accumulate_p.def_abstract_eval(_abstract)
 pk_attention_accumulate_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_accumulate_p))
 
 
-def reference(q, k, v, offsets, acc, lse, *, row_start: int, merge: bool, scale: float, causal: bool):
+def reference(q, k, v, offsets, acc, lse, *, row_start: int, merge: bool, scale: float, causal: bool, reserve_sms=0):
     """The XLA composition with the kernel's semantics (float32 block output, never rounded to q's dtype)."""
     tq = q.shape[1]
     out, blk = block_attention(q, k, v, scale=scale, causal=causal, q_offset=offsets[0], kv_offset=offsets[1])
     if merge:
         old = lax.dynamic_slice_in_dim(acc, row_start, tq, axis=1)
         old_lse = jnp.swapaxes(lax.dynamic_slice_in_dim(lse, row_start, tq, axis=2), 1, 2)
+        old = jnp.where(jnp.isneginf(old_lse)[..., None], 0.0, old)  # a row holding nothing: its O is never read
         out, blk = merge_blocks(old, old_lse, out, blk)
     acc = lax.dynamic_update_slice_in_dim(acc, out.astype(jnp.float32), row_start, axis=1)
     return acc, lax.dynamic_update_slice_in_dim(lse, jnp.swapaxes(blk, 1, 2), row_start, axis=2)
@@ -107,6 +108,25 @@ def _cuda_lowering(ctx, *args, row_start, merge, scale, causal, reserve_sms):
         ctx, *args, scale=np.float32(scale), causal=np.int32(causal), mode=np.int32(2 if merge else 1),
         row_start=np.int64(row_start), variant=np.int32(FWD_VARIANTS.index(fwd_variant())),
         reserve_sms=np.int32(reserve_sms))
+
+
+def _folding_batcher(primitive, reference_fn, n_out: int):
+    """vmap: the mapped axis folds into every operand's batch axis (axis 0) and one call runs; a mapped `offsets`
+    (operand 6 of the backward, 3 of the forward) runs the XLA composition under vmap instead."""
+    offsets_at = 3 if primitive is pk_attention_accumulate_p else 6
+
+    def batch(args, dims, **params):
+        size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+        if dims[offsets_at] is not None:
+            outs = jax.vmap(lambda *a: reference_fn(*a, **params), in_axes=dims)(*args)
+            return list(outs), (0,) * n_out
+        front = [a if i == offsets_at else batching.bdim_at_front(a, d, size)
+                 for i, (a, d) in enumerate(zip(args, dims))]
+        fold = lambda x: x.reshape(size * x.shape[1], *x.shape[2:])
+        outs = primitive.bind(*(a if i == offsets_at else fold(a) for i, a in enumerate(front)), **params)
+        return [o.reshape(size, -1, *o.shape[1:]) for o in outs], (0,) * n_out
+
+    return batch
 
 
 mlir.register_lowering(pk_attention_accumulate_p, _lax_lowering)
@@ -178,3 +198,7 @@ mlir.register_lowering(pk_attention_bwd_accumulate_p, mlir.lower_fun(reference_b
 if _ext.available():
     mlir.register_lowering(pk_attention_bwd_accumulate_p, mlir.lower_fun(_kernel_bwd, multiple_results=True),
                            platform="cuda")
+
+batching.primitive_batchers[pk_attention_accumulate_p] = _folding_batcher(pk_attention_accumulate_p, reference, 2)
+batching.primitive_batchers[pk_attention_bwd_accumulate_p] = _folding_batcher(pk_attention_bwd_accumulate_p,
+                                                                              reference_bwd, 3)

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pk_jax.attention import DEFAULT_FWD_VARIANT, FWD_VARIANT_VAR, FWD_VARIANTS
 from pk_jax.context.block_accumulate import accumulate
 
 from .attention_reference import attention_f32
@@ -44,8 +45,13 @@ def _ids(c):
     return "B{}-Tq{}-N{}-Tk{}-K{}-D{}-{}-off{}_{}-at{}-of{}".format(*c[:6], "causal" if c[6] else "full", *c[7:])
 
 
-def test_first_look():
+@pytest.mark.parametrize("variant", [DEFAULT_FWD_VARIANT] + [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT])
+def test_first_look(variant, monkeypatch):
+    """Every forward variant (read at lowering): the storer idles in accumulate mode whatever its barrier
+    protocol; the default variant first."""
+    monkeypatch.setenv(FWD_VARIANT_VAR, variant)
     check(CASES[0], jnp.bfloat16)
+    check(CASES[4], jnp.bfloat16)  # causal, rows that see no key, a window inside the state
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
