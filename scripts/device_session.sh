@@ -45,6 +45,8 @@
 #   copybench   (2 GPUs+) after copyengine: a timeline with both, ring rows at S 12288 per transport (pk-copy-acc,
 #               pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops, Ulysses async over
 #               copies                                                                            ~8 min
+#   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
+#               with PK_JAX_RING_SHIFT_ENGINE=copy: head chunks exchanged by copy engines under the attention ~8 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -315,6 +317,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage copy-ulysses 120 env PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk \
                  PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention --cases fwd \
                  --reps 10 --out "$OUT/$day-context-ulysses-async-copy.json" ;;
+    ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
+                 for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
+                   IFS=: read -r chunks a2a local <<< "$cfg"
+                   stage ulysses-copy-${cfg//:/-} 120 env PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_ULYSSES_CHUNKS=$chunks \
+                     PK_JAX_ULYSSES_A2A=$a2a PK_JAX_ULYSSES_LOCAL=${local:-default} python3 -m pk_jax.bench context \
+                     --op ulysses_attention --cases fwd fwd_bwd --reps 10 --out "$OUT/$day-context-ulysses-copy-${cfg//:/-}.json"
+                 done ;;
     x4ring2) # (2 GPUs+) the ring after session 13's backward changes: GPU tests, a timeline, then the shift-CTA sweep
              stage shift-tests 90 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_ring_shift_gpu.py -m gpu -q -x \
                -rs -k "several_buffers"
