@@ -45,6 +45,8 @@
 #   copybench   (2 GPUs+) after copyengine: a timeline with both, ring rows at S 12288 per transport (pk-copy-acc,
 #               pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops, Ulysses async over
 #               copies                                                                            ~8 min
+#   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
+#               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
 #               with PK_JAX_RING_SHIFT_ENGINE=copy: head chunks exchanged by copy engines under the attention ~8 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
@@ -317,6 +319,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage copy-ulysses 120 env PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk \
                  PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention --cases fwd \
                  --reps 10 --out "$OUT/$day-context-ulysses-async-copy.json" ;;
+    moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
                    IFS=: read -r chunks a2a local <<< "$cfg"

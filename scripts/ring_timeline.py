@@ -8,9 +8,7 @@ kernel runs under the attention kernel and what the glue between the attention c
 from __future__ import annotations
 
 import argparse
-import glob
 import os
-import tempfile
 
 import jax
 import jax.numpy as jnp
@@ -19,29 +17,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import pk_jax
+from timeline import print_timeline, trace_events  # scripts/timeline.py (this script's directory is on sys.path)
 
 AX = "x"
-
-
-def trace_events(run) -> list[tuple[str, str, float, float]]:
-    """(line, event name, start us, duration us) of device 0's GPU events during one run()."""
-    from jax.profiler import ProfileData
-
-    run()
-    d = tempfile.mkdtemp(prefix="pk_ring_")
-    jax.profiler.start_trace(d)
-    run()
-    jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-    out = []
-    for plane in ProfileData.from_file(files[0]).planes:
-        if not plane.name.startswith("/device:GPU:0"):
-            continue
-        for line in plane.lines:
-            for e in line.events:
-                out.append((line.name, e.name, e.start_ns / 1e3, e.duration_ns / 1e3))
-    out.sort(key=lambda t: t[2])
-    return out
 
 
 def main() -> None:
@@ -52,7 +30,6 @@ def main() -> None:
     ap.add_argument("--min-us", type=float, default=20.0, help="list events at least this long (others summed)")
     args = ap.parse_args()
     devices = jax.devices()
-    g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     shape = (args.batch, args.seq, 16, 128)
     make = jax.jit(lambda k: jax.random.normal(k, shape, jnp.float32).astype(jnp.bfloat16),
@@ -67,21 +44,7 @@ def main() -> None:
             if backward else attn
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, AX), out_specs=P(None, AX), check_vma=False))
         evs = trace_events(lambda: jax.block_until_ready(f(q, k, v)))
-        if not evs:
-            print(f"{case}: no GPU events traced")
-            continue
-        t0 = evs[0][2]
-        end = max(s + d for _, _, s, d in evs)
-        print(f"== {case} ({os.environ.get('PK_JAX_RING_TRANSPORT', 'pk')}): {len(evs)} events, span {end - t0:9.1f} us")
-        small = {}
-        for line, name, s, d in evs:
-            if d >= args.min_us:
-                print(f"  {line[:22]:<22} {s - t0:10.1f} +{d:9.1f} us  {name[:90]}")
-            else:
-                small[line] = small.get(line, 0.0) + d
-        for line, tot in small.items():
-            print(f"  {line[:22]:<22} events < {args.min_us} us: {tot:9.1f} us in all")
-
+        print_timeline(f"{case} ({os.environ.get('PK_JAX_RING_TRANSPORT', 'pk')})", evs, args.min_us)
 
 if __name__ == "__main__":
     main()
