@@ -41,10 +41,9 @@
 #               first look, tests (1 GPU)                                                        ~2 min
 #   copyengine  (2 GPUs+) tests of the copy-engine ring shift (PK_JAX_RING_SHIFT_ENGINE=copy: first test alone, 5 s
 #               waits, then the shift tests of both engines) and of the kernels merging into the ring's states
-#               (PK_JAX_RING_MERGE=kernel: first look, their tests), then the ring GPU tests with both on  ~8 min
-#   copybench   (2 GPUs+) after copyengine: a timeline with both, ring rows at S 12288 per transport (pk-copy-acc,
-#               pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops, Ulysses async over
-#               copies                                                                            ~8 min
+#               (PK_JAX_RING_MERGE=kernel: first look at every forward variant, their tests)      ~5 min
+#   copybench   (2 GPUs+) after copyengine: ring GPU tests with both on, a timeline, ring rows at S 12288 per
+#               transport (pk-copy-acc, pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops ~9 min
 #   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
 #               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
@@ -304,10 +303,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   -rs -k first_look
                 if grep -q " passed" "$OUT/acc-first.log" && ! grep -qE "failed|rror" "$OUT/acc-first.log"; then
                   stage acc-tests 120 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs
-                fi
-                stage merge-ring-tests 150 env PK_JAX_RING_MERGE=kernel PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
-                  tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference" ;;
-    copybench) # (2 GPUs+) after copyengine's tests passed: a timeline, ring rows per transport, Ulysses with copies
+                fi ;;
+    copybench) # (2 GPUs+) after copyengine's tests passed: ring tests with both, a timeline, ring rows per transport
+               stage merge-ring-tests 150 env PK_JAX_RING_MERGE=kernel PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
+                 tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"
                stage copy-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_RING_MERGE=kernel \
                  python3 scripts/ring_timeline.py --cases fwd_causal_zigzag fwd_bwd_causal_zigzag
                stage copy-ring-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
@@ -315,10 +314,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  pk-copy pk-acc --reps 10 --out "$OUT/$day-context-ring-copy-engine.json"
                stage copy-ring-bf16acc 100 env PK_JAX_RING_ACC_DTYPE=input python3 -m pk_jax.bench context --op ring_attention \
                  --seqs 12288 --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk --reps 10 \
-                 --out "$OUT/$day-context-ring-copy-engine-bf16acc.json"
-               stage copy-ulysses 120 env PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk \
-                 PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention --cases fwd \
-                 --reps 10 --out "$OUT/$day-context-ulysses-async-copy.json" ;;
+                 --out "$OUT/$day-context-ring-copy-engine-bf16acc.json" ;;
     moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
