@@ -140,8 +140,9 @@ def reserve_sms() -> int:
     """SMs the ring's attention kernels leave free for the block transfers running beside them:
     $PK_JAX_RING_RESERVE_SMS, read when the ring is traced. Default: with the "pk" transport the ring
     shift's CTA count ($PK_JAX_RING_SHIFT_CTAS, 8), so its kernel gets SMs while the attention runs (0 with
-    $PK_JAX_RING_SHIFT_ENGINE=copy: the copy engines take none); with "xla" 0 (on 2x H200, 2026-11-23, S 12288, leaving 8 SMs free did not hide XLA's permute: forward
-    20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9; XLA does not run it under our kernel)."""
+    $PK_JAX_RING_SHIFT_ENGINE=copy: the copy engines take none); with "xla" 0 (on 2x H200, 2026-11-23, S 12288,
+    leaving 8 SMs free did not hide XLA's permute: forward 20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9; XLA does not
+    run it under our kernel)."""
     default = shift_sms() if transport() == "pk" else 0
     return int_setting(RESERVE_SMS_VAR, default, minimum=0, owner="pk_jax.ring_attention", what="a count of SMs")
 
@@ -151,6 +152,12 @@ def _reserve(shift_in_flight: bool) -> int:
     transport, whose permutes are XLA's), else none (the forward's last step, a backward step with nothing in
     flight): no transfer needs them then."""
     return reserve_sms() if shift_in_flight or transport() == "xla" else 0
+
+
+def _offsets(q_offset, kv_offset) -> jax.Array:
+    """The attention kernels' int32[2] (q_offset, kv_offset) operand: global positions of a block's first query
+    and key (traced or not), read by the kernel from device memory."""
+    return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
 
 
 def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, reserve: int):
@@ -164,7 +171,7 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, res
 
     if _kernel_refusal(q, k, scale) is not None:
         return block_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset)
-    offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    offsets = _offsets(q_offset, kv_offset)
     out, lse = _bind(q, k, v, offsets, scale, causal, True, reserve)
     return out, jnp.swapaxes(lse, 1, 2)
 
@@ -182,7 +189,7 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
     if _kernel_refusal(q, k, scale) is not None or not backward_kernel_enabled():
         return block_attention_bwd(q, k, v, do, lse, delta, scale=scale, causal=causal, q_offset=q_offset,
                                    kv_offset=kv_offset)
-    offsets = jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+    offsets = _offsets(q_offset, kv_offset)
     return pk_attention_bwd_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), offsets,
                                    scale=scale, causal=causal, reserve_sms=reserve, dq_f32=True)
 
@@ -270,7 +277,7 @@ def _zigzag_causal_accumulated(q, k, v, axes, g: int, rank, scale: float):
     own, (low, high) = zigzag_whole_chunks(g=g, t_local=t, rank=rank)
 
     def block(p: BlockPair, q, kv, state, merge: bool, causal: bool, reserve: int):
-        offsets = jnp.stack([jnp.asarray(p.q_offset, jnp.int32), jnp.asarray(p.kv_offset, jnp.int32)])
+        offsets = _offsets(p.q_offset, p.kv_offset)
         return accumulate(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
                           _slice(kv[1], p.kv_start, p.kv_len), offsets, *state, row_start=p.q_start, merge=merge,
                           scale=scale, causal=causal, reserve_sms=reserve)
@@ -294,6 +301,8 @@ def _fwd_rule(q, k, v, axes, causal, layout, scale):
 
 
 def _bwd_rule(axes, causal, layout, scale, res, d_out):
+    from pk_jax.attention import _kernel_refusal, backward_kernel_enabled  # pk_jax.attention imports this package
+
     q, k, v, out, lse = res
     g = group_size(axes)
     rank = lax.axis_index(axes)
@@ -304,8 +313,6 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
     zero_kv = lambda dtype=jnp.float32: full_varying(k.shape, 0.0, dtype, like=like, axes=axes)
-    from pk_jax.attention import _kernel_refusal, backward_kernel_enabled  # pk_jax.attention imports this package
-
     # PK_JAX_RING_MERGE=kernel: each pair's dQ added into the float32 state by the backward's dQ conversion kernel
     # (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
     dq_in_kernel = (merge_in_kernel() == "kernel" and transport() == "pk" and _kernel_refusal(q, k, scale) is None
@@ -330,7 +337,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
             if dq_in_kernel and isinstance(p.q_start, int):  # the dQ conversion adds into the state in place
-                offsets = jnp.stack([jnp.asarray(p.q_offset, jnp.int32), jnp.asarray(p.kv_offset, jnp.int32)])
+                offsets = _offsets(p.q_offset, p.kv_offset)
                 dq, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse), sl_q(delta),
                                                 offsets, dq, row_start=p.q_start, scale=scale, causal=causal,
                                                 reserve_sms=reserve)
