@@ -12,8 +12,8 @@ issued back to back for about timing.DEVICE_SAMPLE_MS and one sync):
 sequence; extra.peak_bytes = temp + arguments + outputs of the compiled per-device program.
 Ring rows with `transports` (CLI --ring-transports pk pk-copy pk-acc pk-copy-acc xla): ours_ms is the first
 transport's (PK_JAX_RING_TRANSPORT, pk_jax/context/ring_shift.py; "-copy": the copy engines move the bytes,
-"-acc": the zigzag causal forward's blocks merged in the attention kernel, TRANSPORTS), extra.transport_ms every transport's, timed in the
-same turns; extra.transport_check each later transport's difference from the first.
+"-acc": the blocks merged into the ring's states by the attention kernels, TRANSPORTS), extra.transport_ms every
+transport's, timed in the same turns; extra.transport_check each later transport's difference from the first.
 --compute-floor (ring rows): issue 26's floor, in the same turns: extra.compute_only_ms, the ring program with
 its shifts returning their inputs and no SMs reserved (each step computes on the member's own K/V: the same
 blocks and glue, no transfer; timing only; each shift's inputs pass an optimization barrier of their own, else

@@ -10,7 +10,7 @@ state, no merge pass, no dynamic-update-slice, no conversion of the block); else
 
 Why: on 4x H100 the ring's causal zigzag forward spent ~1.9 ms of 7.6 in XLA glue around 4.8 ms of attention
 kernels (the step-0 concatenation, merges, dynamic-update-slices, a copy of the whole state per lax.cond step),
-issue 26's "partial outputs merged with the LSE in-kernel". Used by ring attention's zigzag causal forward when
+issue 26's "partial outputs merged with the LSE in-kernel". Used by ring attention's forward (every layout) when
 $PK_JAX_RING_MERGE=kernel (default "xla": the earlier merges; not yet measured on a GPU).
 
     dq, dk, dv = accumulate_bwd(q, k, v, do, lse, delta, offsets, dq, row_start=r, scale=s, causal=c)
@@ -49,8 +49,7 @@ pk_attention_bwd_accumulate_p.multiple_results = True
 def merge_in_kernel() -> str:
     """Where ring attention folds each block's result into its state: $PK_JAX_RING_MERGE, read when traced.
     "xla" (default): the block's output, then XLA's merge / add and dynamic-update-slice; "kernel": the attention
-    kernels merge into the float32 states in place (accumulate: the zigzag causal forward; accumulate_bwd: the
-    backward's dQ)."""
+    kernels merge into the float32 states in place (accumulate: the forward; accumulate_bwd: the backward's dQ)."""
     return choice_setting(ACC_VAR, "xla", ACC_MODES, owner="pk_jax.ring_attention")
 
 

@@ -259,37 +259,44 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
-    elif causal and layout == "zigzag" and merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None:
-        return _zigzag_causal_accumulated(q, k, v, axes, g, rank, scale)
+    elif merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None:
+        return _forward_accumulated(q, k, v, axes, g, rank, causal, layout, scale)
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
     return out.astype(q.dtype), lse
 
 
-def _zigzag_causal_accumulated(q, k, v, axes, g: int, rank, scale: float):
-    """The zigzag causal forward with every block folded into one float32 state by the attention kernel in place
-    (block_accumulate; PK_JAX_RING_MERGE=kernel): the same pairs as zigzag_causal (ring_schedule.
-    zigzag_whole_chunks), no concatenation, merge pass or dynamic-update-slice between the kernels. The state's
-    LSE stays in the kernel's (B, N, T) layout until the end."""
+def _forward_accumulated(q, k, v, axes, g: int, rank, causal: bool, layout: str, scale: float):
+    """The forward with every block folded into one float32 state by the attention kernel in place
+    (block_accumulate; PK_JAX_RING_MERGE=kernel): the pairs of the "pk" transport's forward (zigzag causal: whole
+    chunks, ring_schedule.zigzag_whole_chunks; else step_pairs, whose query rows are always whole here), no
+    concatenation, merge pass or dynamic-update-slice between the kernels. A step-0 pair writes its rows (each
+    is written once there), later pairs merge. The state's LSE stays in the kernel's (B, N, T) layout to the end."""
     b, t, n, _ = q.shape
     acc = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
     lse = full_varying((b, n, t), -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
-    own, (low, high) = zigzag_whole_chunks(g=g, t_local=t, rank=rank)
+    whole_chunks = causal and layout == "zigzag"
 
     def block(p: BlockPair, q, kv, state, merge: bool, causal: bool, reserve: int):
-        offsets = _offsets(p.q_offset, p.kv_offset)
         return accumulate(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
-                          _slice(kv[1], p.kv_start, p.kv_len), offsets, *state, row_start=p.q_start, merge=merge,
-                          scale=scale, causal=causal, reserve_sms=reserve)
+                          _slice(kv[1], p.kv_start, p.kv_len), _offsets(p.q_offset, p.kv_offset), *state,
+                          row_start=p.q_start, merge=merge, scale=scale, causal=causal, reserve_sms=reserve)
 
     def compute(step: int, kv, state, q_local):
         reserve = _reserve(step < g - 1)  # the last step sends nothing
-        if step == 0:
-            for p in own:  # each query row written once
-                state = block(p, q_local, kv, state, False, True, reserve)
-            return state
-        return lax.cond((rank - step) % g < rank, lambda s: block(low, q_local, kv, s, True, False, reserve),
-                        lambda s: block(high, q_local, kv, s, True, False, reserve), state)
+        if whole_chunks:
+            own, (low, high) = zigzag_whole_chunks(g=g, t_local=t, rank=rank)
+            if step == 0:
+                for p in own:  # each query row written once
+                    state = block(p, q_local, kv, state, False, True, reserve)
+                return state
+            return lax.cond((rank - step) % g < rank, lambda s: block(low, q_local, kv, s, True, False, reserve),
+                            lambda s: block(high, q_local, kv, s, True, False, reserve), state)
+        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=t, rank=rank, step=step):
+            fresh = step == 0 and p.active is True  # step 0's one pair covers every row
+            state = _when(p.active, lambda s, p=p, fresh=fresh: block(p, q_local, kv, s, not fresh, causal, reserve),
+                          state)
+        return state
 
     acc, lse = ring_overlap.forward_steps(axes, g, (acc, lse), (k, v), q, compute)
     return acc.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
