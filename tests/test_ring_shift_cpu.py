@@ -161,7 +161,9 @@ def test_ring_shift_env_defaults(monkeypatch):
 
 def test_shift_engine_setting(monkeypatch):
     """PK_JAX_RING_SHIFT_ENGINE: "sm" by default, "copy" reaches the primitive and frees the SMs the ring's
-    attention would leave to the shift kernel; anything else is refused by name."""
+    attention would leave to the shift kernel (multi-process jobs keep the kernel and its SMs); anything else is
+    refused by name."""
+    import pk_jax.distributed
     from pk_jax.context import ring
 
     for var in ("PK_JAX_RING_SHIFT_ENGINE", "PK_JAX_RING_TRANSPORT", "PK_JAX_RING_RESERVE_SMS", "PK_JAX_RING_SHIFT_CTAS"):
@@ -169,6 +171,9 @@ def test_shift_engine_setting(monkeypatch):
     assert ring_shift.shift_engine() == "sm" and ring.reserve_sms() == 8
     monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "copy")
     assert ring_shift.shift_sms() == 0 and ring.reserve_sms() == 0
+    with monkeypatch.context() as m:
+        m.setattr(pk_jax.distributed, "is_multiprocess", lambda: True)
+        assert ring_shift.shift_sms() == 8, "multi-process jobs run the kernel whatever the setting: SMs reserved"
     f, spec = _ring(2)
     assert "engine=copy" in str(jax.make_jaxpr(f)(spec, spec, spec)), "the setting reaches the shift primitive"
     monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "dma")
