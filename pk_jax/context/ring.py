@@ -35,7 +35,8 @@ from pk_jax.context._varying import full_varying
 from pk_jax.context.block_accumulate import accumulate, accumulate_bwd, merge_in_kernel
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 from pk_jax.context.online_softmax import merge
-from pk_jax.context.ring_schedule import BlockPair, Layout, own_pairs_split, step_pairs, zigzag_whole_chunks
+from pk_jax.context.ring_schedule import (BlockPair, Layout, own_pairs_split, step_pairs, zigzag_visiting_cond,
+                                          zigzag_whole_chunks)
 from pk_jax.context.ring_shift import shift_sms, transport
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
@@ -237,7 +238,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
                 o_b, l_b = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), *block(p, False))
                 return _update(out, o_b, p.q_start), _update(lse, l_b, p.q_start)
             return run
-        return lax.cond((rank - step) % g < rank, merged(low), merged(high), state)
+        return zigzag_visiting_cond(g=g, rank=rank, step=step, low=merged(low), high=merged(high), operand=state)
 
     def compute(step, kv, state, q=q):
         first = isinstance(step, int) and step == 0
@@ -290,8 +291,9 @@ def _forward_accumulated(q, k, v, axes, g: int, rank, causal: bool, layout: str,
                 for p in own:  # each query row written once
                     state = block(p, q_local, kv, state, False, True, reserve)
                 return state
-            return lax.cond((rank - step) % g < rank, lambda s: block(low, q_local, kv, s, True, False, reserve),
-                            lambda s: block(high, q_local, kv, s, True, False, reserve), state)
+            return zigzag_visiting_cond(g=g, rank=rank, step=step, operand=state,
+                                        low=lambda s: block(low, q_local, kv, s, True, False, reserve),
+                                        high=lambda s: block(high, q_local, kv, s, True, False, reserve))
         for p in step_pairs(layout=layout, causal=causal, g=g, t_local=t, rank=rank, step=step):
             fresh = step == 0 and p.active is True  # step 0's one pair covers every row
             state = _when(p.active, lambda s, p=p, fresh=fresh: block(p, q_local, kv, s, not fresh, causal, reserve),
@@ -381,8 +383,9 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             if not (causal and layout == "zigzag"):
                 return run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
             _, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
-            return lax.cond((rank - step) % g < rank, lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
-                            lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)), dq)
+            return zigzag_visiting_cond(g=g, rank=rank, step=step, operand=dq,
+                                        low=lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
+                                        high=lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)))
         dq, (dk, dv) = ring_overlap.backward_steps(
             axes, g, dq, (k, v), (q, do, lse, delta),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),

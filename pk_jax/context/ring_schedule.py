@@ -22,10 +22,12 @@ whatever its position; the schedule only decides what is skipped.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 Layout = Literal["zigzag", "contiguous"]
 Index = int | jax.Array
@@ -87,6 +89,12 @@ def zigzag_whole_chunks(*, g: int, t_local: int, rank: jax.Array) -> tuple[tuple
            BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c))
     visiting = (BlockPair(0, 2 * c, 0, c, 2 * c, 0), BlockPair(c, c, 0, 2 * c, 2 * c, 0))
     return own, visiting
+
+
+def zigzag_visiting_cond(*, g: int, rank: jax.Array, step: int, low: Callable, high: Callable, operand):
+    """A visiting step's whole-chunk pair (zigzag_whole_chunks), picked at run time: low(operand) where the visiting
+    shard's owner (rank - step) mod G precedes this member, else high(operand) (lax.cond)."""
+    return lax.cond((rank - step) % g < rank, low, high, operand)
 
 
 def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.Array) -> tuple[list[BlockPair],
