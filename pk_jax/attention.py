@@ -227,19 +227,32 @@ def dq_convert() -> str:
     return choice_setting(DQ_CONVERT_VAR, "kernel", DQ_CONVERTS, owner="pk_jax.attention")
 
 
-def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False):
+def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False, dq_into=None,
+                     row_start=0):
+    """The backward kernel's custom call -> (dq, dk, dv). dq_into: ring attention's float32 dQ state (B, S, N, D); the
+    pair's dQ is added into its rows [row_start, row_start + Tq) and the state returned as dq (in place by the dQ
+    conversion kernel, pk_attention_bwd_accumulate, unless $PK_JAX_ATTENTION_DQ_CONVERT=xla)."""
     b, tq, n, d = q.shape
     lse2, delta = kernel_bwd_inputs(lse, delta)
     in_kernel = dq_convert() == "kernel"
-    dq_dtype = jnp.float32 if dq_f32 else q.dtype
-    out_types = (jax.ShapeDtypeStruct(q.shape, dq_dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))
-    dq, dk, dv, dq_acc = jax.ffi.ffi_call("pk_attention_bwd", out_types)(
-        q, k, v, dout, lse2, delta, offsets, scale=np.float32(scale), causal=np.int32(causal),
-        reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())),
-        convert_dq=np.int32(in_kernel))
+    dq_dtype = jnp.float32 if dq_f32 or dq_into is not None else q.dtype
+    grads = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
+             jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))  # dk, dv, the kernel's dq_acc scratch
+    attrs = dict(scale=np.float32(scale), causal=np.int32(causal), reserve_sms=np.int32(reserve_sms),
+                 variant=np.int32(BWD_VARIANTS.index(bwd_variant())))
+    if dq_into is not None and in_kernel:
+        dq, dk, dv, _ = jax.ffi.ffi_call("pk_attention_bwd_accumulate", (jax.ShapeDtypeStruct(dq_into.shape, jnp.float32),
+                                                                         *grads), input_output_aliases={7: 0})(
+            q, k, v, dout, lse2, delta, offsets, dq_into, row_start=np.int64(row_start), **attrs)
+        return dq, dk, dv
+    dq, dk, dv, dq_acc = jax.ffi.ffi_call("pk_attention_bwd", (jax.ShapeDtypeStruct(q.shape, dq_dtype), *grads))(
+        q, k, v, dout, lse2, delta, offsets, convert_dq=np.int32(in_kernel), **attrs)
     if not in_kernel:
         dq = dq_from_chunks(dq_acc, tq, scale).astype(dq_dtype)
+    if dq_into is not None:  # the A/B baseline of the conversion: XLA converts, XLA adds
+        from pk_jax.context.block_accumulate import add_rows
+
+        dq = add_rows(dq_into, dq, row_start)
     return dq, dk, dv
 
 

@@ -161,7 +161,8 @@ pk_attention_bwd_accumulate_p.def_abstract_eval(_abstract_bwd)
 pk_attention_bwd_accumulate_p.def_impl(functools.partial(dispatch.apply_primitive, pk_attention_bwd_accumulate_p))
 
 
-def _add_rows(dq, part, row_start: int):
+def add_rows(dq, part, row_start: int):
+    """dq (B, S, N, D) with `part` (B, Tq, N, D) added into rows [row_start, row_start + Tq)."""
     tq = part.shape[1]
     return lax.dynamic_update_slice_in_dim(dq, lax.dynamic_slice_in_dim(dq, row_start, tq, axis=1) + part, row_start,
                                            axis=1)
@@ -172,25 +173,14 @@ def reference_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale
     from pk_jax.attention import reference_bwd as pair_reference
 
     dq_b, dk, dv = pair_reference(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal, dq_f32=True)
-    return _add_rows(dq, dq_b, row_start), dk, dv
+    return add_rows(dq, dq_b, row_start), dk, dv
 
 
 def _kernel_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0):
-    from pk_jax.attention import (BWD_VARIANTS, _kernel_bwd_call, bwd_variant, dq_convert, kernel_bwd_inputs)
+    from pk_jax.attention import _kernel_bwd_call
 
-    if dq_convert() != "kernel":  # the A/B baseline of the conversion: XLA converts, XLA adds
-        dq_b, dk, dv = _kernel_bwd_call(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal,
-                                        reserve_sms=reserve_sms, dq_f32=True)
-        return _add_rows(dq, dq_b, row_start), dk, dv
-    b, _, n, d = q.shape
-    lse2, delta2 = kernel_bwd_inputs(lse, delta)
-    out_types = (jax.ShapeDtypeStruct(dq.shape, jnp.float32), jax.ShapeDtypeStruct(k.shape, k.dtype),
-                 jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))
-    dq, dk, dv, _ = jax.ffi.ffi_call("pk_attention_bwd_accumulate", out_types, input_output_aliases={7: 0})(
-        q, k, v, do, lse2, delta2, offsets, dq, scale=np.float32(scale), causal=np.int32(causal),
-        reserve_sms=np.int32(reserve_sms), variant=np.int32(BWD_VARIANTS.index(bwd_variant())),
-        row_start=np.int64(row_start))
-    return dq, dk, dv
+    return _kernel_bwd_call(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal, reserve_sms=reserve_sms,
+                            dq_into=dq, row_start=row_start)
 
 
 mlir.register_lowering(pk_attention_bwd_accumulate_p, mlir.lower_fun(reference_bwd, multiple_results=True))
