@@ -163,17 +163,26 @@ ffi::Error attention_bwd_accumulate(cudaStream_t stream, int32_t ordinal, ffi::A
 
 }  // namespace
 
+namespace {
+
+// The operands both entry points start with: stream, device, q, k, v, dout, lse2, delta, offsets.
+auto backward_operands() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Ctx<ffi::DeviceOrdinal>()
+      .Arg<ffi::AnyBuffer>()   // q
+      .Arg<ffi::AnyBuffer>()   // k
+      .Arg<ffi::AnyBuffer>()   // v
+      .Arg<ffi::AnyBuffer>()   // dout
+      .Arg<ffi::AnyBuffer>()   // lse2
+      .Arg<ffi::AnyBuffer>()   // delta
+      .Arg<ffi::AnyBuffer>();  // offsets
+}
+
+}  // namespace
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // lse2
-                                  .Arg<ffi::AnyBuffer>()  // delta
-                                  .Arg<ffi::AnyBuffer>()  // offsets
+                              backward_operands()
                                   .Ret<ffi::AnyBuffer>()  // dq
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
@@ -186,16 +195,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwdAccumulate, attention_bwd_accumulate,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::DeviceOrdinal>()
-                                  .Arg<ffi::AnyBuffer>()  // q
-                                  .Arg<ffi::AnyBuffer>()  // k
-                                  .Arg<ffi::AnyBuffer>()  // v
-                                  .Arg<ffi::AnyBuffer>()  // dout
-                                  .Arg<ffi::AnyBuffer>()  // lse2
-                                  .Arg<ffi::AnyBuffer>()  // delta
-                                  .Arg<ffi::AnyBuffer>()  // offsets
+                              backward_operands()
                                   .Arg<ffi::AnyBuffer>()  // dq_state
                                   .Ret<ffi::AnyBuffer>()  // dq_state (aliased)
                                   .Ret<ffi::AnyBuffer>()  // dk
