@@ -103,6 +103,15 @@ day=$(date +%F)
 source scripts/stage_step.sh
 stage() { step "$@" || true; }  # a stage that fails or times out does not stop the call
 
+# The kernels merging into ring attention's states (1 GPU): first look at every forward variant, then the tests.
+accumulate_tests() {
+  local t=tests/gpu/test_attention_accumulate_gpu.py
+  stage acc-first 80 timeout 70 python3 -m pytest "$t" -m gpu -q -x -rs -k first_look
+  if grep -q " passed" "$OUT/acc-first.log" && ! grep -qE "failed|rror" "$OUT/acc-first.log"; then
+    stage acc-tests 120 python3 -m pytest "$t" -m gpu -q -rs
+  fi
+}
+
 for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
   case $s in
     matmul) stage matmul 240 python3 -m pytest tests/gpu/test_matmul_gpu.py -m gpu -q -x -rs ;;
@@ -290,20 +299,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --cases fwd_bwd fwd_bwd_causal --seqs 1024 4096 16384 --head-dims 128 --reps 5 \
                    --out "$OUT/$day-attention-dq-$conv.json"
                done ;;
-    acctests) stage acc-first 80 timeout 70 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -x \
-                -rs -k first_look
-              stage acc-tests 120 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs ;;
+    acctests) accumulate_tests ;;
     copyengine) # (2 GPUs+) tests only; copybench times them (a later call)
                 stage copy-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
                   "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[copy-2]"
                 if grep -q " passed" "$OUT/copy-first.log" && ! grep -qE "failed|rror" "$OUT/copy-first.log"; then
                   stage copy-shift-tests 150 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_ring_shift_gpu.py
                 fi
-                stage acc-first 80 timeout 70 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -x \
-                  -rs -k first_look
-                if grep -q " passed" "$OUT/acc-first.log" && ! grep -qE "failed|rror" "$OUT/acc-first.log"; then
-                  stage acc-tests 120 python3 -m pytest tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs
-                fi ;;
+                accumulate_tests ;;
     copybench) # (2 GPUs+) after copyengine's tests passed: ring tests with both, a timeline, ring rows per transport
                stage merge-ring-tests 150 env PK_JAX_RING_MERGE=kernel PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
                  tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"
