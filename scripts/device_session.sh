@@ -44,6 +44,7 @@
 #               (PK_JAX_RING_MERGE=kernel: first look at every forward variant, their tests)      ~5 min
 #   copybench   (2 GPUs+) after copyengine: ring GPU tests with both on, a timeline, ring rows at S 12288 per
 #               transport (pk-copy-acc, pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops ~9 min
+#   moeskew     (2 GPUs+) dispatch / combine alone at H 4096, uniform and skewed routing (GB/s at the busiest receiver) ~2 min
 #   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
 #               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
@@ -319,6 +320,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  --seqs 12288 --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk --reps 10 \
                  --out "$OUT/$day-context-ring-copy-engine-bf16acc.json" ;;
     moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
+    moeskew) stage moe-skewed 200 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 4096 \
+               --out "$OUT/$day-moe-exchange-skewed.json" ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
                    IFS=: read -r chunks a2a local <<< "$cfg"
