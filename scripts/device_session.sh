@@ -45,6 +45,8 @@
 #   copybench   (2 GPUs+) after copyengine: ring GPU tests with both on, a timeline, ring rows at S 12288 per
 #               transport (pk-copy-acc, pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops ~9 min
 #   moeskew     (2 GPUs+) dispatch / combine alone at H 4096, uniform and skewed routing (GB/s at the busiest receiver) ~2 min
+#   dqmerge     (2 GPUs+) ring tests with PK_JAX_RING_MERGE=dq over copy engines, a timeline, ring rows at S 12288 per
+#               transport (pk-copy-dq, pk, pk-copy, pk-dq), causal zigzag fwd+bwd at S 24576                 ~8 min
 #   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
 #               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
@@ -319,6 +321,16 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage copy-ring-bf16acc 100 env PK_JAX_RING_ACC_DTYPE=input python3 -m pk_jax.bench context --op ring_attention \
                  --seqs 12288 --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk --reps 10 \
                  --out "$OUT/$day-context-ring-copy-engine-bf16acc.json" ;;
+    dqmerge) # (2 GPUs+) the backward's dQ added in the kernel alone (PK_JAX_RING_MERGE=dq), the final dK/dV sum fused
+             stage dq-ring-tests 120 env PK_JAX_RING_MERGE=dq PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
+               tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"
+             stage dq-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_RING_MERGE=dq \
+               python3 scripts/ring_timeline.py --cases fwd_bwd_causal_zigzag fwd_bwd_contiguous
+             stage dq-ring-bench 180 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+               fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq pk \
+               pk-copy pk-dq --reps 10 --out "$OUT/$day-context-ring-dq.json"
+             stage dq-ring-24576 150 python3 -m pk_jax.bench context --op ring_attention --seqs 24576 --cases \
+               fwd_bwd_causal_zigzag --ring-transports pk-copy-dq pk --reps 5 --out "$OUT/$day-context-ring-dq-24576.json" ;;
     moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
     moeskew) stage moe-skewed 200 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 4096 \
                --out "$OUT/$day-moe-exchange-skewed.json" ;;

@@ -145,7 +145,8 @@ def test_ring_merged_in_place(monkeypatch, g, layout, causal, kv_heads):
     """PK_JAX_RING_MERGE=kernel (16-bit inputs): every forward block goes through pk_attention_accumulate into
     one float32 state, and every backward pair's dQ through
     pk_attention_bwd_accumulate (their XLA lowerings here); output and gradients match the whole-sequence float32
-    reference to bf16 accuracy and the default path's output closely; a bad value is refused by name."""
+    reference to bf16 accuracy and the default path's output closely; =dq: only the backward's dQ in place, the
+    forward's bits the default's; a bad value is refused by name."""
     from pk_jax.context import block_accumulate
 
     q, k, v, d_out = random_qkv(40 + g + causal, 1, g * T_LOCAL, 4, kv_heads, 64, jnp.bfloat16)
@@ -162,6 +163,15 @@ def test_ring_merged_in_place(monkeypatch, g, layout, causal, kv_heads):
     got = sharded(attn, g, layout, q, k, v, d_out)
     assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2)
     assert_all_close(got[:1], default[:1], 1e-2)  # forward blocks are no longer rounded to bf16 before a merge
+    monkeypatch.setenv(block_accumulate.ACC_VAR, "dq")  # the backward's dQ only: the forward is the default's
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)  # not traced yet
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    assert "pk_attention_accumulate[" not in str(jax.make_jaxpr(f)(q, k, v))
+    bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert "pk_attention_bwd_accumulate[" in bwd and "pk_attention_bwd[" not in bwd
+    got = sharded(attn, g, layout, q, k, v, d_out)
+    assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2)
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(default[0]))
     monkeypatch.setenv(block_accumulate.ACC_VAR, "cuda")
     with pytest.raises(ValueError, match=block_accumulate.ACC_VAR):
         sharded(attn, g, layout, q, k, v, d_out)

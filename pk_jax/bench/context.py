@@ -141,12 +141,12 @@ def _env(var: str, value: str | None) -> Iterator[None]:
             os.environ[var] = old
 
 
-# --ring-transports names: the ring's transport; for "pk" what moves the bytes (PK_JAX_RING_SHIFT_ENGINE) and
-# where the ring folds blocks into its states ("-acc": PK_JAX_RING_MERGE=kernel, in the attention kernels).
-TRANSPORTS = {name: {"PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine,
-                     "PK_JAX_RING_MERGE": "kernel" if acc else "xla"}
-              for name, engine, acc in (("pk", "sm", False), ("pk-copy", "copy", False), ("pk-acc", "sm", True),
-                                        ("pk-copy-acc", "copy", True))}
+# --ring-transports names: the ring's transport; for "pk" what moves the bytes ("-copy": PK_JAX_RING_SHIFT_ENGINE=copy)
+# and where the ring folds blocks into its states ("-acc": PK_JAX_RING_MERGE=kernel, in the attention kernels;
+# "-dq": =dq, the backward's dQ only).
+TRANSPORTS = {f"pk{'-copy' if engine == 'copy' else ''}{suffix}": {
+                  "PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine, "PK_JAX_RING_MERGE": merge}
+              for engine in ("sm", "copy") for suffix, merge in (("", "xla"), ("-acc", "kernel"), ("-dq", "dq"))}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla"}
 
 

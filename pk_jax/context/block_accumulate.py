@@ -11,14 +11,14 @@ state, no merge pass, no dynamic-update-slice, no conversion of the block); else
 Why: on 4x H100 the ring's causal zigzag forward spent ~1.9 ms of 7.6 in XLA glue around 4.8 ms of attention
 kernels (the step-0 concatenation, merges, dynamic-update-slices, a copy of the whole state per lax.cond step),
 issue 26's "partial outputs merged with the LSE in-kernel". Used by ring attention's forward (every layout) when
-$PK_JAX_RING_MERGE=kernel (default "xla": the earlier merges; not yet measured on a GPU).
+$PK_JAX_RING_MERGE=kernel (default "xla": the earlier merges).
 
     dq, dk, dv = accumulate_bwd(q, k, v, do, lse, delta, offsets, dq, row_start=r, scale=s, causal=c)
 
 The backward's counterpart: a block pair's dK, dV, and its dQ added into rows [r, r + Tq) of the ring's float32
 dQ state (B, S, N, D) by the dQ conversion kernel in place (`pk_attention_bwd_accumulate`); on 4x H100 the add,
 its dynamic-update-slice and a copy of the state took ~0.6 ms per visiting step of the causal backward. Used by
-every ring backward pair whose rows are known at trace time, with the same setting.
+every ring backward pair whose rows are known at trace time, with $PK_JAX_RING_MERGE=kernel or dq.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from pk_jax.context.block_attention import block_attention
 from pk_jax.context.online_softmax import merge as merge_blocks
 
 ACC_VAR = "PK_JAX_RING_MERGE"
-ACC_MODES = ("xla", "kernel")
+ACC_MODES = ("xla", "dq", "kernel")
 
 pk_attention_accumulate_p = core.Primitive("pk_attention_accumulate")
 pk_attention_accumulate_p.multiple_results = True
@@ -49,7 +49,9 @@ pk_attention_bwd_accumulate_p.multiple_results = True
 def merge_in_kernel() -> str:
     """Where ring attention folds each block's result into its state: $PK_JAX_RING_MERGE, read when traced.
     "xla" (default): the block's output, then XLA's merge / add and dynamic-update-slice; "kernel": the attention
-    kernels merge into the float32 states in place (accumulate: the forward; accumulate_bwd: the backward's dQ)."""
+    kernels merge into the float32 states in place (accumulate: the forward; accumulate_bwd: the backward's dQ);
+    "dq": the backward's dQ only (on 2x H100, 2026-11-26, S 12288, the forward's in-kernel merge was 0.3-2.9 ms
+    slower than XLA's while the backward's saved 0.5-1.6 ms)."""
     return choice_setting(ACC_VAR, "xla", ACC_MODES, owner="pk_jax.ring_attention")
 
 

@@ -322,9 +322,9 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
     zero_kv = lambda dtype=jnp.float32: full_varying(k.shape, 0.0, dtype, like=like, axes=axes)
-    # PK_JAX_RING_MERGE=kernel: each pair's dQ added into the float32 state by the backward's dQ conversion kernel
-    # (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
-    dq_in_kernel = (merge_in_kernel() == "kernel" and transport() == "pk" and _kernel_refusal(q, k, scale) is None
+    # PK_JAX_RING_MERGE=kernel or dq: each pair's dQ added into the float32 state by the backward's dQ conversion
+    # kernel (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
+    dq_in_kernel = (merge_in_kernel() in ("kernel", "dq") and transport() == "pk" and _kernel_refusal(q, k, scale) is None
                     and backward_kernel_enabled())
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
