@@ -47,6 +47,8 @@
 #   moeskew     (2 GPUs+) dispatch / combine alone at H 4096, uniform and skewed routing (GB/s at the busiest receiver) ~2 min
 #   dqmerge     (2 GPUs+) ring tests with PK_JAX_RING_MERGE=dq over copy engines, a timeline, ring rows at S 12288 per
 #               transport (pk-copy-dq, pk, pk-copy, pk-dq), causal zigzag fwd+bwd at S 24576                 ~8 min
+#   ulyssestimeline (2 GPUs+) scripts/ring_timeline.py --op ulysses: device 0's kernels of Ulysses fwd / fwd+bwd at
+#               S 2048, H 128 per ULYSSES_CFGS "chunks:exchange[:engine]" (default 1:pk 2:async:sm 2:async:copy 4:async:sm) ~2 min
 #   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
 #               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
@@ -331,6 +333,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                pk-copy pk-dq --reps 10 --out "$OUT/$day-context-ring-dq.json"
              stage dq-ring-24576 150 python3 -m pk_jax.bench context --op ring_attention --seqs 24576 --cases \
                fwd_bwd_causal_zigzag --ring-transports pk-copy-dq pk --reps 5 --out "$OUT/$day-context-ring-dq-24576.json" ;;
+    ulyssestimeline) # (2 GPUs+) where Ulysses' time goes at S 2048 per ULYSSES_CFGS "chunks:exchange[:engine]"
+                     for cfg in ${ULYSSES_CFGS:-1:pk 2:async:sm 2:async:copy 4:async:sm}; do
+                       IFS=: read -r chunks a2a engine <<< "$cfg"
+                       stage ulysses-timeline-${cfg//:/-} 40 env PK_JAX_ULYSSES_CHUNKS=$chunks PK_JAX_ULYSSES_A2A=$a2a \
+                         PK_JAX_ULYSSES_LOCAL=$([ "$a2a" = async ] && echo pk || echo default) PK_JAX_RING_SHIFT_ENGINE=${engine:-sm} python3 scripts/ring_timeline.py \
+                         --op ulysses --seq 2048 --heads 128 --cases fwd fwd_bwd
+                     done ;;
     moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
     moeskew) stage moe-skewed 200 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 4096 \
                --out "$OUT/$day-moe-exchange-skewed.json" ;;
