@@ -85,7 +85,7 @@
 #               "8:4 16:4 8:8 8:16 16:8": PK_JAX_RING_SHIFT_CTAS : PK_JAX_RING_SHIFT_UNROLL)                ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
-#   (CONTEXT_LIMIT / CONTEXT_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
+#   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
 #   one out.tgz)
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
@@ -207,7 +207,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                      fi ;;
     context) stage context ${CONTEXT_LIMIT:-240} python3 -m pk_jax.bench context --reps ${CONTEXT_REPS:-20} \
                --out "$OUT/$day-context.json" ;;
-    moe) stage moe 240 python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
+    moe) stage moe ${MOE_LIMIT:-240} python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     chunked) stage chunked-first 60 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
                -m gpu -x -q -rs -k "test_all_reduce_sizes and small_chunked and 4096-"
              if grep -q " passed" "$OUT/chunked-first.log" && ! grep -q "failed" "$OUT/chunked-first.log"; then
