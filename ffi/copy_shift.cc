@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -18,14 +19,30 @@ namespace {
 // Shifts a member may run ahead of the slowest reader of its posts before it waits (a member passes step 2
 // only when every target has posted, so members stay within a couple of shifts of each other).
 constexpr int kBoardSlots = 16;
+// Transfers per member and exchange: a shift's buffers, or an all-to-all's G - 1 targets.
+constexpr int kMaxTransfers = 8;
+static_assert(kMaxTransfers >= kMaxShiftBuffers && kMaxTransfers >= kMaxGroup - 1, "a post holds every transfer");
 
-// One member's post for one shift.
+// What one member moves in one exchange (a shift or an all-to-all): transfer i goes to member rank + dist[i]
+// and y[i] is where this member receives transfer i of member rank - dist[i]; a sender checks that its target
+// posted the same `signature` (sizes and shape of the transfer).
+struct Transfers {
+  int n = 0;
+  int32_t dist[kMaxTransfers] = {};
+  char* y[kMaxTransfers] = {};
+  int64_t signature[kMaxTransfers] = {};
+};
+
+// Enqueues transfer i's copy on the side stream into `target_y` of the member whose CUDA ordinal is given.
+using CopyFn = std::function<cudaError_t(int i, char* target_y, int target_ordinal)>;
+
+// One member's post for one exchange.
 struct Post {
-  uint64_t seq = ~uint64_t(0);  // which shift of the group this slot holds
-  int n = 0;                    // its buffers, their sizes and distances: a sender checks it pairs with the same op
-  int64_t bytes[kMaxShiftBuffers] = {};
-  int32_t dist[kMaxShiftBuffers] = {};
-  char* y[kMaxShiftBuffers] = {};
+  uint64_t seq = ~uint64_t(0);  // which exchange of the group this slot holds
+  int n = 0;                    // its transfers, their signatures and distances: a sender checks it pairs with the same op
+  int64_t signature[kMaxTransfers] = {};
+  int32_t dist[kMaxTransfers] = {};
+  char* y[kMaxTransfers] = {};
   cudaEvent_t ready = nullptr;   // created once per slot on the member's device, recorded per shift
   cudaEvent_t copied = nullptr;
   bool copied_posted = false;
@@ -109,11 +126,10 @@ std::string fail(Board& board, std::unique_lock<std::mutex>& lock, uint64_t gene
   return why + " (the group's copy-engine shifts stop until pk_jax.runtime.reset())";
 }
 
-}  // namespace
-
-// CUDA calls are made with the board unlocked: an enqueue can block while the stream's queue is full, and
-// the GPU draining it may wait on another member's post.
-std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBuffers& b, cudaStream_t side) {
+// One exchange on the board (the header's steps 1-4). CUDA calls are made with the board unlocked: an enqueue
+// can block while the stream's queue is full, and the GPU draining it may wait on another member's post.
+std::string exchange_on_board(const Group& g, const Transfers& b, const CopyFn& copy, const int* ordinals,
+                              cudaStream_t side) {
   Board& board = board_of(g);
   const int me = g.rank;
   std::unique_lock<std::mutex> lock(board.mutex);
@@ -137,9 +153,9 @@ std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBu
   if (board.generation != gen) return "pk_jax ring shift (copy engine): reset while a shift was in flight";
   mine.seq = seq;
   mine.n = b.n;
-  for (int i = 0; i < kMaxShiftBuffers; ++i) {
+  for (int i = 0; i < kMaxTransfers; ++i) {
     mine.y[i] = i < b.n ? b.y[i] : nullptr;
-    mine.bytes[i] = i < b.n ? b.bytes[i] : 0;
+    mine.signature[i] = i < b.n ? b.signature[i] : 0;
     mine.dist[i] = i < b.n ? b.dist[i] : 0;
   }
   mine.copied_posted = false;
@@ -155,7 +171,7 @@ std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBu
       err = late(g, t, "start", seq);
       break;
     }
-    if (theirs.n != b.n || theirs.bytes[i] != b.bytes[i] || theirs.dist[i] != b.dist[i]) {
+    if (theirs.n != b.n || theirs.signature[i] != b.signature[i] || theirs.dist[i] != b.dist[i]) {
       err = "pk_jax ring shift (copy engine): member " + std::to_string(t) + "'s shift " + std::to_string(seq) +
             " has other buffers than member " + std::to_string(me) + "'s (two programs' shifts over one group in "
             "different orders?)";
@@ -169,8 +185,7 @@ std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBu
     --theirs.reads_left;  // the wait above holds the record it needs: the event may be recorded again
     board.changed.notify_all();
     lock.unlock();
-    if (e == cudaSuccess)
-      e = cudaMemcpyPeerAsync(dst, ordinals[t], b.x[i], ordinals[me], size_t(b.bytes[i]), side);
+    if (e == cudaSuccess) e = copy(i, dst, ordinals[t]);
     if (e != cudaSuccess) err = cuda_message("copy to the target", e);
     lock.lock();
   }
@@ -198,6 +213,65 @@ std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBu
     if (e != cudaSuccess) return fail(board, lock, gen, cuda_message("wait for the sender", e));
   }
   return "";
+}
+
+}  // namespace
+
+std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBuffers& b, cudaStream_t side) {
+  Transfers t;
+  t.n = b.n;
+  for (int i = 0; i < b.n; ++i) t.dist[i] = b.dist[i], t.y[i] = b.y[i], t.signature[i] = b.bytes[i];
+  const int me = ordinals[g.rank];
+  return exchange_on_board(g, t, [&](int i, char* dst, int target) {
+    return cudaMemcpyPeerAsync(dst, target, b.x[i], me, size_t(b.bytes[i]), side);
+  }, ordinals, side);
+}
+
+namespace {
+
+cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t slice) {
+  return make_cudaPitchedPtr(const_cast<void*>(base), size_t(pitch), size_t(width), size_t(slice / pitch));
+}
+
+}  // namespace
+
+std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const WindowExchange& w, cudaStream_t side) {
+  const Block3D& k = w.block;
+  if (k.width < 1 || k.height < 1 || k.depth < 1 || k.src_pitch < k.width || k.dst_pitch < k.width ||
+      k.src_slice % k.src_pitch || k.dst_slice % k.dst_pitch || k.src_slice < k.src_pitch * k.height ||
+      k.dst_slice < k.dst_pitch * k.height)
+    return "pk_jax windowed all-to-all: the block is not a cudaMemcpy3D layout (width " + std::to_string(k.width) +
+           ", pitches " + std::to_string(k.src_pitch) + " / " + std::to_string(k.dst_pitch) + ")";
+  const int me = ordinals[g.rank];
+  const cudaExtent extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
+  const auto src = [&](int target) { return w.x + w.src_offset + int64_t(target) * w.src_stride; };
+  char* const own_dst = w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride;
+  // The own block: a local copy on the side stream, ahead of the handshake (the peer form names the device, as
+  // every copy here does, whatever the calling thread's current device).
+  cudaMemcpy3DPeerParms local = {};
+  local.srcPtr = pitched(src(g.rank), k.src_pitch, k.width, k.src_slice);
+  local.srcDevice = me;
+  local.dstPtr = pitched(own_dst, k.dst_pitch, k.width, k.dst_slice);
+  local.dstDevice = me;
+  local.extent = extent;
+  if (cudaError_t e = cudaMemcpy3DPeerAsync(&local, side); e != cudaSuccess)
+    return std::string("pk_jax windowed all-to-all: the own block: ") + cudaGetErrorString(e);
+  if (g.size == 1) return "";
+  // Every incoming block lands in this member's one y; the signature pins the block's shape and strides.
+  Transfers t;
+  t.n = g.size - 1;
+  const int64_t signature = ((k.width * 31 + k.height) * 31 + k.depth) * 31 + k.dst_pitch * 7 + k.dst_slice;
+  for (int i = 0; i < t.n; ++i) t.dist[i] = i + 1, t.y[i] = w.y, t.signature[i] = signature;
+  return exchange_on_board(g, t, [&](int i, char* target_y, int target) {
+    const int target_rank = (g.rank + i + 1) % g.size;
+    cudaMemcpy3DPeerParms p = {};
+    p.srcPtr = pitched(src(target_rank), k.src_pitch, k.width, k.src_slice);
+    p.srcDevice = me;
+    p.dstPtr = pitched(target_y + w.dst_offset + int64_t(g.rank) * w.dst_stride, k.dst_pitch, k.width, k.dst_slice);
+    p.dstDevice = target;
+    p.extent = extent;
+    return cudaMemcpy3DPeerAsync(&p, side);
+  }, ordinals, side);
 }
 
 void reset_copy_shift_boards() {

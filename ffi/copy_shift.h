@@ -16,9 +16,14 @@
 // Every member posts before it waits, so the host waits cannot form a cycle. Shifts are matched by their order
 // on the group (every member runs the same program). The board's slots and events are reused round robin;
 // a slot is reused only after every member that reads it has.
+//
+// The same handshake carries the windowed all-to-all (copy_engine_all_to_all): every member's blocks go straight
+// from strided windows of its input into strided windows of each target's one output, by 3-D copies, so no slice
+// before the exchange and no assembly after it (Ulysses' exchanges, pk_jax/context/window_exchange.py).
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <string>
 
 #include "../kernels/ring_shift.cuh"
@@ -29,6 +34,26 @@ namespace pk {
 // `ordinals[j]`: the CUDA ordinal of member j (all in this process). Returns an error message or "" (a peer
 // that does not reach the same shift within the runtime's timeout is an error, not a hang).
 std::string copy_engine_shift(const Group& g, const int* ordinals, const ShiftBuffers& b, cudaStream_t side);
+
+// A block of depth x height rows of `width` contiguous bytes, in cudaMemcpy3D's layout on both sides: row y of
+// slice z at base + z * slice + y * pitch (slice a multiple of pitch, pitch >= width).
+struct Block3D {
+  int64_t width, height, depth;
+  int64_t src_pitch, src_slice, dst_pitch, dst_slice;
+};
+
+// The windowed all-to-all of one member: the block for member t starts at x + src_offset + t * src_stride, the
+// block from member r lands at y + dst_offset + r * dst_stride (y: this member's output, `y` of every member
+// written by all of them). The own block (t = r) is a local copy.
+struct WindowExchange {
+  const char* x;
+  char* y;
+  Block3D block;
+  int64_t src_offset, src_stride, dst_offset, dst_stride;
+};
+
+// Enqueues the windowed all-to-all on `side` as copy_engine_shift does its shift (same board, same handshake).
+std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const WindowExchange& w, cudaStream_t side);
 
 // Forgets every shift posted so far (Runtime::reset, after a timeout: members may have stopped at different
 // shifts). No shift may be in flight.

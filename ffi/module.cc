@@ -39,6 +39,7 @@ extern "C" XLA_FFI_Error* PkMoeCombine(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeDispatchMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkRingShiftStart(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkRingShiftDone(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkExchangeStart(XLA_FFI_CallFrame*);
 
 namespace {
 
@@ -119,6 +120,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_moe_dispatch_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkMoeDispatchMatmul));
     d["pk_ring_shift_start"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftStart));
     d["pk_ring_shift_done"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftDone));
+    d["pk_exchange_start"] = handler_capsule(reinterpret_cast<void*>(&PkExchangeStart));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {

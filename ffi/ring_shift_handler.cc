@@ -13,6 +13,12 @@
 //       recorded now; right with several shifts in flight too, they run in order on the side stream).
 //       The extra operands are not read: they keep x alive (XLA would reuse its memory otherwise while
 //       the side kernel still reads it) and place the wait after the step's compute.
+//   pk_exchange_start: x [, into] -> y (aliasing into), token [attrs geometry, mesh_ids, mesh_shape, group_axes]
+//       The windowed all-to-all by copy engines (ffi/copy_shift.h copy_engine_all_to_all; every member a GPU of
+//       this process, else an error): ordered after XLA's stream like start, y's blocks written by every member
+//       on the side stream. geometry: width, height, depth, src_pitch, src_slice, dst_pitch, dst_slice (bytes, a
+//       Block3D), src_offset, src_stride, dst_offset, dst_stride (WindowExchange). Finished by
+//       pk_ring_shift_done like a shift.
 // Ranks come from the device ordinal at run time (build_group). The handlers keep host state (the
 // side stream and its events), so they are NOT command-buffer compatible.
 #include <cuda_runtime.h>
@@ -125,6 +131,70 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
   return ffi::Error::Success();
 }
 
+// The last byte (exclusive) a window of `k` at `origin` touches, on the source or destination side.
+int64_t window_end(const Block3D& k, int64_t origin, bool src) {
+  return origin + (k.depth - 1) * (src ? k.src_slice : k.dst_slice) + (k.height - 1) * (src ? k.src_pitch : k.dst_pitch) +
+         k.width;
+}
+
+ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets,
+                          Ids geometry, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+  if (args.size() < 1 || args.size() > 2 || rets.size() != 2)
+    return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: x [, into] in, y and a token out");
+  if (geometry.size() != 11)
+    return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: geometry has 11 values, got " +
+                                       std::to_string(geometry.size()));
+  Group g;
+  const LocalDevice* me = nullptr;
+  bool invalid = false;
+  const std::string error = build_group(ordinal, kOpRingShift, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
+                                        mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
+  if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+  auto x = args.get<ffi::AnyBuffer>(0);
+  auto y = rets.get<ffi::AnyBuffer>(0);
+  if (x.has_error()) return x.error();
+  if (y.has_error()) return y.error();
+  const int64_t* v = geometry.begin();
+  WindowExchange w{static_cast<const char*>(x->untyped_data()), static_cast<char*>((*y)->untyped_data()),
+                   Block3D{v[0], v[1], v[2], v[3], v[4], v[5], v[6]}, v[7], v[8], v[9], v[10]};
+  // Every window of every member inside its buffer (the copies would write elsewhere otherwise).
+  const int64_t last = g.size - 1;
+  if (w.src_offset < 0 || w.dst_offset < 0 || w.src_stride < 0 || w.dst_stride < 0 ||
+      window_end(w.block, w.src_offset + last * w.src_stride, true) > int64_t(x->size_bytes()) ||
+      window_end(w.block, w.dst_offset + last * w.dst_stride, false) > int64_t((*y)->size_bytes()))
+    return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: the windows of " + std::to_string(g.size) +
+                                       " members do not fit x (" + std::to_string(x->size_bytes()) + " bytes) and y (" +
+                                       std::to_string((*y)->size_bytes()) + " bytes)");
+  const std::vector<int> ordinals = local_ordinals(g);
+  if (ordinals.empty())
+    return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: every member must be a GPU of this process "
+                                       "(multi-process jobs use the shift kernel's all-to-all)");
+  try {
+    SideStream& side = side_stream(ordinal);
+    std::lock_guard<std::mutex> lock(side.mutex);
+    if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
+    if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
+      return cuda_error("side stream wait", e);
+    if (args.size() == 2) {  // y aliases `into` (operand_output_aliases); copy it only if XLA chose otherwise
+      auto into = args.get<ffi::AnyBuffer>(1);
+      if (into.has_error()) return into.error();
+      if (into->size_bytes() != (*y)->size_bytes())
+        return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: into and y differ in size");
+      if (into->untyped_data() != (*y)->untyped_data())
+        if (cudaError_t e = cudaMemcpyAsync((*y)->untyped_data(), into->untyped_data(), into->size_bytes(),
+                                            cudaMemcpyDeviceToDevice, side.stream);
+            e != cudaSuccess)
+          return cuda_error("copy into y", e);
+    }
+    const std::string err = copy_engine_all_to_all(g, ordinals.data(), w, side.stream);
+    if (err.empty()) return ffi::Error::Success();
+    if (cudaEventRecord(side.side_done, side.stream) == cudaSuccess) cudaStreamWaitEvent(stream, side.side_done, 0);
+    return ffi::Error::Internal(err);
+  } catch (const std::exception& ex) {
+    return ffi::Error::Internal(ex.what());
+  }
+}
+
 ffi::Error done(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets) {
   const size_t n = rets.size();
   if (n < 1 || args.size() < n + 1)
@@ -163,6 +233,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkRingShiftStart, pk::start,
                                   .Attr<int32_t>("ctas")
                                   .Attr<int32_t>("unroll")
                                   .Attr<ffi::Span<const int64_t>>("dists")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_ids")
+                                  .Attr<ffi::Span<const int64_t>>("mesh_shape")
+                                  .Attr<ffi::Span<const int64_t>>("group_axes"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PkExchangeStart, pk::exchange_start,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<ffi::DeviceOrdinal>()
+                                  .RemainingArgs()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("geometry")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")
                                   .Attr<ffi::Span<const int64_t>>("group_axes"));

@@ -45,6 +45,8 @@
 #   copybench   (2 GPUs+) after copyengine: ring GPU tests with both on, a timeline, ring rows at S 12288 per
 #               transport (pk-copy-acc, pk, pk-copy, pk-acc in the same turns), fwd+bwd with bf16 accumulator hops ~9 min
 #   moeskew     (2 GPUs+) dispatch / combine alone at H 4096, uniform and skewed routing (GB/s at the busiest receiver) ~2 min
+#   windowtests (2 GPUs+) the windowed all-to-all (copy engines, pk_exchange_start): first test alone, then its tests
+#               (tiled all-to-all bits, head runs into `into`, 40 in a row, Ulysses on it vs the reference)     ~4 min
 #   dqmerge     (2 GPUs+) ring tests with PK_JAX_RING_MERGE=dq over copy engines, a timeline, ring rows at S 12288 per
 #               transport (pk-copy-dq, pk, pk-copy, pk-dq), causal zigzag fwd+bwd at S 24576                 ~8 min
 #   ulyssestimeline (2 GPUs+) scripts/ring_timeline.py --op ulysses: device 0's kernels of Ulysses fwd / fwd+bwd at
@@ -52,7 +54,8 @@
 #   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
 #               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
-#               with PK_JAX_RING_SHIFT_ENGINE=copy: head chunks exchanged by copy engines under the attention ~8 min
+#               with PK_JAX_RING_SHIFT_ENGINE=copy: head chunks exchanged by copy engines under the attention, as
+#               windowed all-to-alls since session 15 (no chunk slices, no assembly)                        ~8 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -323,6 +326,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage copy-ring-bf16acc 100 env PK_JAX_RING_ACC_DTYPE=input python3 -m pk_jax.bench context --op ring_attention \
                  --seqs 12288 --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk --reps 10 \
                  --out "$OUT/$day-context-ring-copy-engine-bf16acc.json" ;;
+    windowtests) # (2 GPUs+) the windowed all-to-all by copy engines: its first test alone (5 s waits), then the rest
+                 stage window-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
+                   "tests/gpu/test_window_exchange_gpu.py::test_window_alone_small"
+                 if grep -q " passed" "$OUT/window-first.log" && ! grep -qE "failed|rror" "$OUT/window-first.log"; then
+                   stage window-tests 200 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_window_exchange_gpu.py
+                 fi ;;
     dqmerge) # (2 GPUs+) the backward's dQ added in the kernel alone (PK_JAX_RING_MERGE=dq), the final dK/dV sum fused
              stage dq-ring-tests 120 env PK_JAX_RING_MERGE=dq PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
                tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"

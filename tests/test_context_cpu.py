@@ -274,6 +274,58 @@ def test_ulysses_head_chunks(monkeypatch, chunks, a2a, g, layout, causal, n, kv_
     assert jaxpr.count(op) >= 4 * c, (c, op, jaxpr.count(op))
 
 
+@pytest.mark.parametrize("chunks", ["1", "2", "4"])
+@pytest.mark.parametrize("g,layout,causal,n,kv_heads", [(2, "zigzag", True, 8, 4), (4, "contiguous", False, 16, 8),
+                                                        (8, "contiguous", True, 16, 8)])
+def test_ulysses_windowed_exchanges(monkeypatch, chunks, g, layout, causal, n, kv_heads):
+    """PK_JAX_ULYSSES_A2A=async with PK_JAX_RING_SHIFT_ENGINE=copy: every exchange a windowed all-to-all (chunk i
+    read from the whole q/k/v, results written into their heads of the whole output: no chunk slices, assembly
+    or unchunk pass), forward and gradients equal to the reference; one start per tensor and chunk each way."""
+    from pk_jax.context import ring_shift, ulysses
+
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, chunks)
+    monkeypatch.setenv(ulysses.A2A_VAR, "async")
+    monkeypatch.setenv(ring_shift.ENGINE_VAR, "copy")
+    q, k, v, d_out = random_qkv(g + 11 * causal, 2, g * T_LOCAL, n, kv_heads, 16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    c = math.gcd(int(chunks), n // g, kv_heads // g)
+    assert str(jax.make_jaxpr(f)(q, k, v)).count("pk_exchange_start[") == 4 * c
+    bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert bwd.count("pk_exchange_start[") == 4 * c + 4 * c and "pk_ring_shift_start" not in bwd
+
+
+@pytest.mark.parametrize("g", [2, 3, 8])
+def test_window_all_to_all_places_windows(g):
+    """The windowed all-to-all's semantics (its lax lowering here): the tiled all-to-all for whole blocks; a source
+    offset sends one run of every block; a destination offset with `into` overwrites only the windows."""
+    from pk_jax.context.ring_shift import shift_done
+    from pk_jax.context.window_exchange import Window, window_all_to_all_start
+
+    b, t, h, d = 2, 3, 4 * g, 5
+    x = jnp.arange(g * b * t * h * d, dtype=jnp.float32).reshape(b, g * t, h, d)
+    run = lambda f, x: jax.jit(jax.shard_map(f, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))(x)
+
+    def exchange(x, **kw):
+        y, token = window_all_to_all_start(x, ("sp",), **kw)
+        return shift_done((y,), token, keep_alive=x)[0]
+
+    whole = lambda x: exchange(x, src=Window(2, h // g, 0, h // g), dst=Window(1, t, 0, t), out_shape=(b, g * t, h // g, d))
+    want = lambda x: jax.lax.all_to_all(x, "sp", 2, 1, tiled=True)
+    np.testing.assert_array_equal(run(whole, x), run(want, x))
+    # The second run of 2 of every member's h / G heads, landing after t rows that keep `into`'s sevens.
+    part = lambda x: exchange(x, src=Window(2, h // g, 2, 2), dst=Window(1, t, t, t),
+                              into=jnp.full((b, (g + 1) * t, 2, d), 7.0))
+    got = np.asarray(run(part, x)).reshape(b, g, (g + 1) * t, 2, d)  # by member
+    tiled = np.asarray(run(want, x)).reshape(b, g, g * t, h // g, d)
+    np.testing.assert_array_equal(got[:, :, t:], tiled[..., 2:4, :])
+    assert (got[:, :, :t] == 7.0).all()
+    with pytest.raises(ValueError, match="does not fit"):
+        run(lambda x: exchange(x, src=Window(2, h // g, 1, h // g), dst=Window(1, t, 0, t),
+                               out_shape=(b, g * t, h // g, d)), x)
+
+
 @pytest.mark.parametrize("g", [2, 3, 6, 8])  # 6 and 8: two shift launches (at most 4 blocks each)
 @pytest.mark.parametrize("split,concat", [(2, 1), (1, 2), (1, -2), (-1, 0)])
 def test_async_all_to_all_equals_lax(g, split, concat):

@@ -16,7 +16,11 @@ attention starts as soon as its slices have landed"; the backward pipelines its 
 $PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels, which leave the shift its SMs (cuDNN's may hold
 every SM until they end). Same result for every setting (the same per-head attention). On 4x H100 (2026-11-26)
 every chunked setting was slower than the default one exchange each way (forward 1.08-1.54x the lax composition
-against 1.42-1.91x; docs/benchmarks.md), so the defaults stay.
+against 1.42-1.91x; docs/benchmarks.md), so the defaults stay. The timelines on 2x H100 showed why: per chunk a
+slice of every array before its exchange and a select assembling the arrivals, and a transpose of the output,
+cost more than the overlap saved. With $PK_JAX_RING_SHIFT_ENGINE=copy (single-process jobs) the async exchanges
+are windowed all-to-alls instead (pk_jax/context/window_exchange.py): chunk i read from the whole q/k/v and its
+output written into its heads of the whole result by the copy engines, none of those passes (not yet timed).
 """
 
 from __future__ import annotations
@@ -33,9 +37,10 @@ from jax import lax
 from pk_jax._env import choice_setting, int_setting
 from pk_jax.collectives import all_to_all
 from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
+from pk_jax.context import window_exchange
 from pk_jax.context.ring import check_attention_args
 from pk_jax.context.ring_schedule import Layout
-from pk_jax.context.ring_shift import after_token, shift_sms
+from pk_jax.context.ring_shift import after_token, shift_done, shift_engine, shift_sms
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 from pk_jax.sharding.zigzag import from_zigzag, to_zigzag
@@ -200,11 +205,60 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
     return [[all_to_all_done(p, after=res) for p in ps] for ps in pending_out]
 
 
+def _in_place(xs: list[jax.Array], g: int, c: int) -> bool:
+    """Whether the pipeline's exchanges are windowed all-to-alls (pk_jax/context/window_exchange.py): copy engines
+    ($PK_JAX_RING_SHIFT_ENGINE=copy) outside multi-process jobs, and every window a 3-D copy layout."""
+    from pk_jax.distributed import is_multiprocess
+
+    return (shift_engine() == "copy" and not is_multiprocess()
+            and window_exchange.usable([x.shape for x in xs], g, c, xs[0].dtype.itemsize))
+
+
+def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes) -> list[jax.Array]:
+    """_pipelined with windowed all-to-alls: chunk i's inputs read from the whole (B, T, heads, D) xs, its results
+    (B, S, w, D) written into their heads of the whole outputs (B, T, G c w, D), so no head-chunk slice, no assembly of
+    the arrivals in source order and no unchunk pass. Same order on the side stream as _pipelined: chunk i+1's
+    inputs and chunk i-1's results move under chunk i's compute; each wait drains the side stream, so the results
+    of chunk i-2 have landed once chunk i's inputs have (their wait is placed there: it costs nothing then)."""
+    g = group_size(axes)
+    start_in = lambda arrays, i: [(x, *window_exchange.window_all_to_all_start(
+        x, axes, **dict(zip(("src", "dst", "out_shape"), window_exchange.heads_in(x.shape, g, c, i))))) for x in arrays]
+
+    def start_out(results, i, into):
+        pending = []
+        for r, acc in zip(results, into or [None] * len(results)):
+            src, dst, shape = window_exchange.heads_out(r.shape, r.shape[2] * g * c, g, i)
+            pending.append((r, *window_exchange.window_all_to_all_start(r, axes, src=src, dst=dst, out_shape=shape,
+                                                                        into=acc)))
+        return pending
+
+    finish = lambda pending, after: [shift_done((y,), token, keep_alive=sent, after=after)[0]
+                                     for sent, y, token in pending]
+    pending_in, pending_out = start_in(xs, 0), []
+    outs = None  # the whole outputs so far (chunk 0's exchange starts them)
+    res = None
+    for i in range(c):
+        ins = finish(pending_in, () if res is None else res)
+        if pending_out:  # chunk i-2's results: landed with the wait above
+            outs = finish(pending_out, ins)
+        issued = []
+        if i + 1 < c:  # read after the wait above: started behind it on the side stream
+            pending_in = start_in(lax.optimization_barrier((xs, ins))[0], i + 1)
+            issued += [token for _, _, token in pending_in]
+        if res is not None:
+            res_b, outs_b = lax.optimization_barrier(((res, outs), ins))[0]
+            pending_out = start_out(res_b, i - 1, outs_b)
+            issued += [token for _, _, token in pending_out]
+        res = compute(i, after_token(ins, *issued) if issued else ins)  # not movable above those starts
+    if pending_out:
+        outs = finish(pending_out, res)
+    return finish(start_out(res, c - 1, outs), res)
+
+
 def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
-    """The head chunks pipelined (_pipelined). keep_vjps: also return each chunk's attention VJP (the backward's
-    residuals)."""
+    """The head chunks pipelined (_pipelined, or _pipelined_in_place). keep_vjps: also return each chunk's attention
+    VJP (the backward's residuals)."""
     g = local.g
-    chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
     vjps = []
 
     def compute(i, xs):
@@ -214,6 +268,9 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
         vjps.append(vjp)
         return [out]
 
+    if _in_place([q, k, v], g, c):
+        return _pipelined_in_place([q, k, v], c, compute, axes)[0], vjps
+    chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
     return unchunk_heads([o for (o,) in _pipelined(chunks, compute, axes)], g), vjps
 
 
@@ -226,7 +283,10 @@ def _async_bwd(axes, c, local, vjps, d_out):
     its output exchange), its attention's VJP, the three gradients exchanged back (the transpose of the input
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
-    grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], lambda i, xs: list(vjps[i](xs[0])), axes)
+    vjp = lambda i, xs: list(vjps[i](xs[0]))
+    if _in_place([d_out], g, c):
+        return tuple(_pipelined_in_place([d_out], c, vjp, axes))
+    grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], vjp, axes)
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
 
 

@@ -1,0 +1,209 @@
+"""The windowed all-to-all: blocks go from strided windows of each member's input straight into strided windows
+of every member's output, on the side stream, by the copy engines (ffi/copy_shift.h copy_engine_all_to_all).
+
+    y, token = window_all_to_all_start(x, axes, src=Window(axis, stride, offset, length),
+                                       dst=Window(axis, stride, offset, length), out_shape=..., into=None)
+    ...compute that reads its inputs through after_token(..., token)...
+    y, = shift_done((y,), token, keep_alive=x, after=result_of_that_compute)
+
+Member r sends to every member t (itself included) the block x[src.axis: t * src.stride + src.offset, + src.length]
+(every other axis whole), which lands in t's y at [dst.axis: r * dst.stride + dst.offset, + dst.length]. y is
+`into` with those windows overwritten, or a fresh array of `out_shape` whose cells no window covers are
+unspecified (zeros off GPUs). With src = (split axis, n / G, 0, n / G) and dst = (concat axis, m, 0, m) it is the
+tiled all-to-all; with a nonzero src offset it sends one head chunk of every member's block, and with a dst
+offset and `into` it writes a chunk of the final layout.
+
+Why (issue 26, Ulysses at 2 GPUs, 2x H100, 2026-11-26 timelines): the head-chunked exchanges did run under the
+attention, but each chunk paid a slice per array before the exchange (0.05-0.09 ms each), a select assembling
+the arrivals in source order (1.1 ms for chunk 0, 0.27-0.54 for the others) and a transpose of the output back
+(0.39 ms), more than the overlap saved. Here the copy engines read and write the windows in place.
+
+On GPUs the start is the `pk_exchange_start` FFI call (every member a GPU of this process; pk_jax.context.ulysses
+uses it only with $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs); elsewhere, and for a group the
+runtime cannot serve, it lowers to lax.ppermute and dynamic-update-slices with the same values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import config, core, dispatch
+from jax._src.lax.parallel import insert_collective_pvary
+from jax.interpreters import mlir
+
+from pk_jax import _ext
+from pk_jax.context.ring_shift import _kernel_table, _perm, _token_aval
+from pk_jax.sharding import group_size
+
+Axes = tuple[Hashable, ...]
+
+pk_exchange_start_p = core.Primitive("pk_exchange_start")
+pk_exchange_start_p.multiple_results = True
+
+_MAX_PITCH = 2**31 - 1  # cudaMemcpy3D's pitches are checked against the device's limit; stay well inside it
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """Rows [member * stride + offset, + length) of `axis` (member: the target on the source side, the sender on
+    the destination side)."""
+    axis: int
+    stride: int
+    offset: int
+    length: int
+
+
+def _row_major(shape: Sequence[int]) -> list[int]:
+    strides, acc = [], 1
+    for n in reversed(shape):
+        strides.append(acc)
+        acc *= n
+    return strides[::-1]
+
+
+def block_geometry(x_shape: Sequence[int], y_shape: Sequence[int], src: Window, dst: Window, itemsize: int,
+                   g: int) -> tuple[int, ...]:
+    """The 11 byte counts of the handler's geometry (width, height, depth, src_pitch, src_slice, dst_pitch,
+    dst_slice, src_offset, src_stride, dst_offset, dst_stride): the block's dimensions collapsed to a cudaMemcpy3D
+    layout. Raises ValueError where the windows are not one (the caller then takes another path)."""
+    box = list(x_shape)
+    box[src.axis] = src.length
+    y_box = list(y_shape)
+    y_box[dst.axis] = dst.length
+    if box != y_box:
+        raise ValueError(f"windows of {tuple(x_shape)} and {tuple(y_shape)} differ in shape: {box} vs {y_box}")
+    for name, w, shape in (("src", src, x_shape), ("dst", dst, y_shape)):
+        if not (0 <= w.offset and 0 <= w.stride and w.length >= 1
+                and (g - 1) * w.stride + w.offset + w.length <= shape[w.axis]):
+            raise ValueError(f"{name} window {w} of {g} members does not fit axis {w.axis} of {tuple(shape)}")
+    xs, ys = _row_major(x_shape), _row_major(y_shape)
+    # Dimensions of more than one element, innermost last, merged where both sides are contiguous across them.
+    dims: list[list[int]] = []
+    for n, a, b in zip(box, xs, ys):
+        if n == 1:
+            continue
+        if dims and dims[-1][1] == n * a and dims[-1][2] == n * b:
+            dims[-1] = [dims[-1][0] * n, a, b]
+        else:
+            dims.append([n, a, b])
+    if not dims:
+        dims = [[1, 1, 1]]
+    n, a, b = dims[-1]
+    if a != 1 or b != 1:
+        raise ValueError("the innermost dimension is not contiguous on both sides")
+    width = n * itemsize
+    outer = dims[:-1]  # outermost first: (depth, height) once padded with single rows in front
+    if len(outer) > 2:
+        raise ValueError(f"{len(outer)} strided dimensions (a 3-D copy takes 2)")
+    outer = [[1, 0, 0]] * (2 - len(outer)) + outer
+    (depth, ss, ds), (height, sp, dp) = outer
+    src_pitch, dst_pitch = (sp * itemsize, dp * itemsize) if height > 1 else (width, width)
+    src_slice, dst_slice = (ss * itemsize, ds * itemsize) if depth > 1 else (src_pitch * height, dst_pitch * height)
+    if src_slice % src_pitch or dst_slice % dst_pitch or max(src_pitch, dst_pitch) > _MAX_PITCH:
+        raise ValueError("the outer strides are not a pitch and a multiple of it")
+    return (width, height, depth, src_pitch, src_slice, dst_pitch, dst_slice,
+            src.offset * xs[src.axis] * itemsize, src.stride * xs[src.axis] * itemsize,
+            dst.offset * ys[dst.axis] * itemsize, dst.stride * ys[dst.axis] * itemsize)
+
+
+def window_all_to_all_start(x: jax.Array, axes: Axes, *, src: Window, dst: Window, out_shape: Sequence[int] | None = None,
+                            into: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Starts the windowed all-to-all (module docstring): (y, token); y is valid after shift_done((y,), token, ...).
+    Raises ValueError for windows that do not fit or do not match."""
+    axes = tuple(axes)
+    g = group_size(axes)
+    shape = tuple(into.shape) if into is not None else tuple(int(n) for n in out_shape)
+    if into is not None and (into.dtype != x.dtype or (out_shape is not None and tuple(out_shape) != shape)):
+        raise ValueError(f"pk_jax windowed all-to-all: into {into.shape} {into.dtype} does not match x's dtype "
+                         f"{x.dtype} / out_shape {out_shape}")
+    block_geometry(x.shape, shape, src, dst, x.dtype.itemsize, g)  # raises for windows that cannot be copied
+    x = insert_collective_pvary(axes, x)
+    operands = (x,) if into is None else (x, insert_collective_pvary(axes, into))
+    y, token = pk_exchange_start_p.bind(*operands, axes=axes, g=g, src=src, dst=dst, out_shape=shape)
+    return y, token
+
+
+def _abstract(x, *into, axes, g, src, dst, out_shape):
+    y = into[0] if into else x.update(shape=out_shape, dtype=x.dtype)
+    if config._check_vma.value:
+        varying = frozenset().union(*(a.mat.varying for a in (x, *into)))
+        y = y.update(manual_axis_type=x.mat.update(varying=varying))
+    return [y, _token_aval((x, *into))]
+
+
+pk_exchange_start_p.def_abstract_eval(_abstract)
+pk_exchange_start_p.def_impl(functools.partial(dispatch.apply_primitive, pk_exchange_start_p))
+
+
+def reference(x, into, *, axes, g, src: Window, dst: Window, out_shape):
+    """The windowed all-to-all in lax (inside shard_map): the own block placed, then one ppermute per distance."""
+    name = axes if len(axes) > 1 else axes[0]
+    rank = lax.axis_index(name)
+    y = into if into is not None else jnp.zeros(out_shape, x.dtype)
+    block = lambda t: lax.dynamic_slice_in_dim(x, t * src.stride + src.offset, src.length, axis=src.axis)
+    place = lambda y, part, s: lax.dynamic_update_slice_in_dim(y, part, s * dst.stride + dst.offset, axis=dst.axis)
+    y = place(y, block(rank), rank)
+    for d in range(1, g):
+        got = lax.ppermute(block((rank + d) % g), name, _perm(g, d))  # member rank - d's block for this member
+        y = place(y, got, (rank - d) % g)
+    return y
+
+
+def _fallback(ctx, x, *into, axes, g, src, dst, out_shape):
+    def f(x, *into):
+        return [reference(x, into[0] if into else None, axes=axes, g=g, src=src, dst=dst, out_shape=out_shape),
+                jnp.zeros((), jnp.int32)]
+
+    return mlir.lower_fun(f, multiple_results=True)(ctx, x, *into)
+
+
+def _cuda(ctx, x, *into, axes, g, src, dst, out_shape):
+    table = _kernel_table(ctx, axes)
+    if table is None:
+        return _fallback(ctx, x, *into, axes=axes, g=g, src=src, dst=dst, out_shape=out_shape)
+    geometry = block_geometry(ctx.avals_in[0].shape, out_shape, src, dst, np.dtype(ctx.avals_in[0].dtype).itemsize, g)
+    return jax.ffi.ffi_lowering("pk_exchange_start", has_side_effect=True,
+                                operand_output_aliases={1: 0} if into else None)(
+        ctx, x, *into, geometry=np.asarray(geometry, np.int64), mesh_ids=np.asarray(table.mesh_ids, np.int64),
+        mesh_shape=np.asarray(table.mesh_shape, np.int64), group_axes=np.asarray(table.group_axes, np.int64))
+
+
+mlir.register_lowering(pk_exchange_start_p, _fallback)
+if _ext.available():
+    mlir.register_lowering(pk_exchange_start_p, _cuda, platform="cuda")
+
+
+def heads_in(x_shape: Sequence[int], g: int, chunks: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
+    """Ulysses' exchange of head chunk i of (B, T, H, D): (src, dst, out_shape) of all_to_all(chunk_heads(x, G, c,
+    i), split 2, concat 1) -> (B, G T, H / (G c), D)."""
+    b, t, h, d = x_shape
+    w = h // (g * chunks)
+    return Window(2, h // g, i * w, w), Window(1, t, 0, t), (b, g * t, w, d)
+
+
+def heads_out(res_shape: Sequence[int], heads: int, g: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
+    """The way back: (B, G T, w, D) of head chunk i -> its heads of the final (B, T, heads, D) (the windows
+    unchunk_heads(all_to_all(res, split 1, concat 2)) would fill)."""
+    b, s, w, d = res_shape
+    t = s // g
+    return Window(1, t, 0, t), Window(2, heads // g, i * w, w), (b, t, heads, d)
+
+
+def usable(x_shapes: Sequence[Sequence[int]], g: int, chunks: int, itemsize: int) -> bool:
+    """Whether every exchange of a head-chunked Ulysses call has a 3-D copy layout (else the shift-based one runs)."""
+    try:
+        for shape in x_shapes:
+            src, dst, out = heads_in(shape, g, chunks, 0)
+            block_geometry(shape, out, src, dst, itemsize, g)
+            src, dst, final = heads_out(out, shape[2], g, 0)
+            block_geometry(out, final, src, dst, itemsize, g)
+    except ValueError:
+        return False
+    return math.prod(x_shapes[0]) > 0

@@ -1,0 +1,144 @@
+"""The windowed all-to-all by copy engines (pk_exchange_start, pk_jax/context/window_exchange.py) on GPUs: the
+tiled all-to-all's bits for bf16 and for a size that is not whole 16-byte rows, a head run with `into` kept
+outside the windows, 40 exchanges in a row (the board's 16 slots reused), and Ulysses' head-chunked pipeline
+on it against the float32 reference. Needs every member in this process (single-process jobs).
+
+Run the first test alone with a short timeout before the others (host waits are bounded by PK_JAX_TIMEOUT_MS):
+    PK_JAX_TIMEOUT_MS=5000 timeout 110 python -m pytest -x -q \
+        "tests/gpu/test_window_exchange_gpu.py::test_window_alone_small"
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import pk_jax
+from pk_jax.context.ring_shift import shift_done
+from pk_jax.context.window_exchange import Window, window_all_to_all_start
+from .devices import gpus
+
+MIN_GPUS = 2
+
+
+def mesh(g: int) -> Mesh:
+    return Mesh(np.array(gpus()[:g]), ("sp",))
+
+
+def run(fn, g: int, x: np.ndarray):
+    """fn inside shard_map over axis 1 of x, compiled; returns (result, the compiled HLO text)."""
+    m = mesh(g)
+    sharding = NamedSharding(m, P(None, "sp"))
+    f = jax.jit(jax.shard_map(fn, mesh=m, in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+    out = f(jax.device_put(x, sharding))
+    pk_jax.runtime.check()
+    return np.asarray(out), f.lower(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)).compile().as_text()
+
+
+def exchange(x, **kw):
+    y, token = window_all_to_all_start(x, ("sp",), **kw)
+    return shift_done((y,), token, keep_alive=x)[0]
+
+
+def whole(g: int, b: int, t: int, h: int, d: int):
+    """The tiled all-to-all, split heads (2), concat sequence (1), as windows."""
+    return lambda x: exchange(x, src=Window(2, h // g, 0, h // g), dst=Window(1, t, 0, t),
+                              out_shape=(b, g * t, h // g, d))
+
+
+def tiled(x):
+    return jax.lax.all_to_all(x, "sp", 2, 1, tiled=True)
+
+
+def data(g: int, b: int, t: int, h: int, d: int, dtype, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((b, g * t, h, d)).astype(dtype)
+
+
+@pytest.fixture(autouse=True)
+def copy_engines(monkeypatch):
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "copy")
+
+
+def test_window_alone_small():
+    """The first exchange: 2 GPUs, small bf16 blocks; the handler, not the ppermute fallback."""
+    g, b, t, h, d = 2, 2, 8, 4, 64
+    x = data(g, b, t, h, d, jnp.bfloat16)
+    got, hlo = run(whole(g, b, t, h, d), g, x)
+    want, _ = run(tiled, g, x)
+    np.testing.assert_array_equal(got, want)
+    assert 'custom_call_target="pk_exchange_start"' in hlo
+
+
+@pytest.mark.parametrize("shape,dtype", [((2, 256, 16, 128), jnp.bfloat16), ((3, 40, 8, 3), jnp.float32),
+                                         ((1, 512, 32, 64), jnp.float16)])
+def test_window_equals_tiled_all_to_all(shape, dtype):
+    """Every GPU: the tiled all-to-all's bits, including rows of 12 bytes (not whole 16-byte vectors)."""
+    g = len(gpus())
+    b, t, h, d = shape
+    h *= g // 2 if g > 2 else 1
+    x = data(g, b, t, h, d, dtype, seed=1)
+    got, _ = run(whole(g, b, t, h, d), g, x)
+    want, _ = run(tiled, g, x)
+    np.testing.assert_array_equal(got, want)
+
+
+def test_window_head_run_into_keeps_the_rest():
+    """A source offset (the second run of 2 of every member's heads) landing after t rows of `into` (sevens)."""
+    g = len(gpus())
+    b, t, h, d = 2, 16, 4 * g, 32
+    x = data(g, b, t, h, d, jnp.float32, seed=2)
+    part = lambda x: exchange(x, src=Window(2, h // g, 2, 2), dst=Window(1, t, t, t),
+                              into=jnp.full((b, (g + 1) * t, 2, d), 7.0, jnp.float32))
+    got, _ = run(part, g, x)
+    want, _ = run(tiled, g, x)
+    got = got.reshape(b, g, (g + 1) * t, 2, d)
+    np.testing.assert_array_equal(got[:, :, t:], want.reshape(b, g, g * t, h // g, d)[..., 2:4, :])
+    assert (got[:, :, :t] == 7.0).all()
+
+
+def test_window_forty_in_a_row():
+    """40 dependent exchanges in one program (the board's slots and events reused): sequence blocks to sequence
+    blocks (split and concat axis 1, shape kept), against jax.lax.all_to_all chained the same way."""
+    g = len(gpus())
+    b, t, h, d = 1, 8, 4, 64  # local (B, G t, h, D): block j of t rows goes to member j
+    x = data(g, b, g * t, h, d, jnp.float32, seed=3)
+    ours = lambda x: exchange(x, src=Window(1, t, 0, t), dst=Window(1, t, 0, t), out_shape=(b, g * t, h, d))
+    lax_a2a = lambda x: jax.lax.all_to_all(x, "sp", 1, 1, tiled=True)
+
+    def chain(f):
+        def body(x):
+            for i in range(40):
+                x = f(x) * 1.5 + i  # dependent, and no two steps alike
+            return x
+        return body
+
+    got, _ = run(chain(ours), g, x)
+    want, _ = run(chain(lax_a2a), g, x)
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("chunks", ["1", "4"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_ulysses_windowed_matches_reference(monkeypatch, chunks, causal):
+    """Ulysses with PK_JAX_ULYSSES_A2A=async over copy engines: every exchange windowed (no chunk slices or
+    assembly), forward and gradients vs the float32 reference on every GPU."""
+    from .test_context_gpu import TOL, assert_close, random_qkv, reference, sharded
+
+    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
+    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
+    g = len(gpus())
+    heads = 8 * g
+    q, k, v, d_out = random_qkv(g * 7 + causal, 2, g * 256, heads, heads // 2, 64)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal)
+    spec = jax.ShapeDtypeStruct((2, g * 256, heads, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    kv_spec = jax.ShapeDtypeStruct((2, g * 256, heads // 2, 64), jnp.bfloat16,
+                                   sharding=NamedSharding(mesh(g), P(None, "sp")))
+    f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+    hlo = f.lower(spec, kv_spec, kv_spec).compile().as_text()
+    assert "pk_exchange_start" in hlo and "pk_ring_shift_start" not in hlo
+    got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
+    assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
