@@ -61,6 +61,15 @@ std::vector<int> local_ordinals(const Group& g) {
   return out;
 }
 
+// The call's group (ranks from the device ordinal at run time) and this device.
+ffi::Error group_of(int32_t ordinal, Ids mesh_ids, Ids mesh_shape, Ids group_axes, Group& g, const LocalDevice*& me) {
+  bool invalid = false;
+  const std::string error = build_group(ordinal, kOpRingShift, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
+                                        mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
+  if (error.empty()) return ffi::Error::Success();
+  return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+}
+
 ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, ffi::RemainingRets rets, int32_t engine,
                  int32_t ctas, int32_t unroll, Ids dists, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   const size_t n = args.size();
@@ -74,10 +83,7 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
     return ffi::Error::InvalidArgument("pk_jax ring shift: unroll must be 4, 8 or 16, got " + std::to_string(unroll));
   Group g;
   const LocalDevice* me = nullptr;
-  bool invalid = false;
-  const std::string error = build_group(ordinal, kOpRingShift, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
-                                        mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
-  if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+  if (ffi::Error e = group_of(ordinal, mesh_ids, mesh_shape, group_axes, g, me); e.failure()) return e;
   if (dists.size() != n)
     return ffi::Error::InvalidArgument("pk_jax ring shift: one distance per buffer (" + std::to_string(n) + "), got " +
                                        std::to_string(dists.size()));
@@ -146,10 +152,7 @@ ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
                                        std::to_string(geometry.size()));
   Group g;
   const LocalDevice* me = nullptr;
-  bool invalid = false;
-  const std::string error = build_group(ordinal, kOpRingShift, mesh_ids.begin(), mesh_ids.size(), mesh_shape.begin(),
-                                        mesh_shape.size(), group_axes.begin(), group_axes.size(), g, me, invalid);
-  if (!error.empty()) return invalid ? ffi::Error::InvalidArgument(error) : ffi::Error::Internal(error);
+  if (ffi::Error e = group_of(ordinal, mesh_ids, mesh_shape, group_axes, g, me); e.failure()) return e;
   auto x = args.get<ffi::AnyBuffer>(0);
   auto y = rets.get<ffi::AnyBuffer>(0);
   if (x.has_error()) return x.error();
