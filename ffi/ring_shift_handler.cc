@@ -172,23 +172,23 @@ ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
   if (ordinals.empty())
     return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: every member must be a GPU of this process "
                                        "(multi-process jobs use the shift kernel's all-to-all)");
+  if (args.size() == 2) {  // y aliases `into` (operand_output_aliases); copied, on XLA's stream, only if XLA chose
+    auto into = args.get<ffi::AnyBuffer>(1);  // otherwise (there `into` is alive: the side stream never reads it)
+    if (into.has_error()) return into.error();
+    if (into->size_bytes() != (*y)->size_bytes())
+      return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: into and y differ in size");
+    if (into->untyped_data() != (*y)->untyped_data())
+      if (cudaError_t e = cudaMemcpyAsync((*y)->untyped_data(), into->untyped_data(), into->size_bytes(),
+                                          cudaMemcpyDeviceToDevice, stream);
+          e != cudaSuccess)
+        return cuda_error("copy into y", e);
+  }
   try {
     SideStream& side = side_stream(ordinal);
     std::lock_guard<std::mutex> lock(side.mutex);
     if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
     if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
       return cuda_error("side stream wait", e);
-    if (args.size() == 2) {  // y aliases `into` (operand_output_aliases); copy it only if XLA chose otherwise
-      auto into = args.get<ffi::AnyBuffer>(1);
-      if (into.has_error()) return into.error();
-      if (into->size_bytes() != (*y)->size_bytes())
-        return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: into and y differ in size");
-      if (into->untyped_data() != (*y)->untyped_data())
-        if (cudaError_t e = cudaMemcpyAsync((*y)->untyped_data(), into->untyped_data(), into->size_bytes(),
-                                            cudaMemcpyDeviceToDevice, side.stream);
-            e != cudaSuccess)
-          return cuda_error("copy into y", e);
-    }
     const std::string err = copy_engine_all_to_all(g, ordinals.data(), w, side.stream);
     if (err.empty()) return ffi::Error::Success();
     if (cudaEventRecord(side.side_done, side.stream) == cudaSuccess) cudaStreamWaitEvent(stream, side.side_done, 0);

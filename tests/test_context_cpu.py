@@ -324,6 +324,20 @@ def test_window_all_to_all_places_windows(g):
     with pytest.raises(ValueError, match="does not fit"):
         run(lambda x: exchange(x, src=Window(2, h // g, 1, h // g), dst=Window(1, t, 0, t),
                                out_shape=(b, g * t, h // g, d)), x)
+    with pytest.raises(ValueError, match="overlap"):  # every sender into the same rows: a race on GPUs
+        run(lambda x: exchange(x, src=Window(2, h // g, 0, h // g), dst=Window(1, 0, 0, t),
+                               out_shape=(b, t, h // g, d)), x)
+
+
+def test_window_geometry_rows_of_one_element():
+    """One head of head_dim 1 per window: rows of one element (no contiguous run), still a 3-D copy layout whose
+    bytes are the windows'."""
+    from pk_jax.context.window_exchange import block_geometry, heads_in
+
+    src, dst, out = heads_in((2, 5, 4, 1), 2, 2, 1)  # w = 1 head, D = 1
+    width, height, depth, sp, ss, dp, ds, so, sst, do, dst_ = block_geometry((2, 5, 4, 1), out, src, dst, 2, 2)
+    assert (width, height, depth) == (2, 5, 2) and (sp, ss, dp, ds) == (8, 40, 2, 20)
+    assert (so, sst, do, dst_) == (2, 4, 0, 10)
 
 
 @pytest.mark.parametrize("g", [2, 3, 6, 8])  # 6 and 8: two shift launches (at most 4 blocks each)

@@ -139,7 +139,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     pk_reserve = (shift_sms() if mode == "async" else 0) if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
-        static = dataclasses.replace(cfg, scale=None if scale is None else float(scale))
+        static = dataclasses.replace(cfg, scale=None if scale is None else float(scale),
+                                     windowed=_windowed([q, k, v], g, c))
         return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
     a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
         (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
@@ -162,6 +163,7 @@ class _Local:
     implementation: str | None
     g: int
     pk_reserve: int | None = None  # our kernel leaving this many SMs free (local_kernel()), None: dot_product_attention
+    windowed: bool = False  # the async pipeline's exchanges are windowed all-to-alls (_windowed), both ways
 
     def __call__(self, q, k, v):
         from pk_jax.attention import _kernel_attention, _kernel_refusal, _offset_array  # it imports this package
@@ -205,9 +207,10 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
     return [[all_to_all_done(p, after=res) for p in ps] for ps in pending_out]
 
 
-def _in_place(xs: list[jax.Array], g: int, c: int) -> bool:
+def _windowed(xs: list[jax.Array], g: int, c: int) -> bool:
     """Whether the pipeline's exchanges are windowed all-to-alls (pk_jax/context/window_exchange.py): copy engines
-    ($PK_JAX_RING_SHIFT_ENGINE=copy) outside multi-process jobs, and every window a 3-D copy layout."""
+    ($PK_JAX_RING_SHIFT_ENGINE=copy) outside multi-process jobs, and every window of q, k, v (and so of the output,
+    dO and the gradients, which have their shapes) a 3-D copy layout. Decided once, for forward and backward."""
     from pk_jax.distributed import is_multiprocess
 
     return (shift_engine() == "copy" and not is_multiprocess()
@@ -242,8 +245,8 @@ def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes) -> list[jax.
         if pending_out:  # chunk i-2's results: landed with the wait above
             outs = finish(pending_out, ins)
         issued = []
-        if i + 1 < c:  # read after the wait above: started behind it on the side stream
-            pending_in = start_in(lax.optimization_barrier((xs, ins))[0], i + 1)
+        if i + 1 < c:  # read after both waits above (else a wait placed after this start would drain it too)
+            pending_in = start_in(lax.optimization_barrier((xs, ins, outs))[0], i + 1)
             issued += [token for _, _, token in pending_in]
         if res is not None:
             res_b, outs_b = lax.optimization_barrier(((res, outs), ins))[0]
@@ -268,7 +271,7 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
         vjps.append(vjp)
         return [out]
 
-    if _in_place([q, k, v], g, c):
+    if local.windowed:
         return _pipelined_in_place([q, k, v], c, compute, axes)[0], vjps
     chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
     return unchunk_heads([o for (o,) in _pipelined(chunks, compute, axes)], g), vjps
@@ -284,7 +287,7 @@ def _async_bwd(axes, c, local, vjps, d_out):
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
     vjp = lambda i, xs: list(vjps[i](xs[0]))
-    if _in_place([d_out], g, c):
+    if local.windowed:
         return tuple(_pipelined_in_place([d_out], c, vjp, axes))
     grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], vjp, axes)
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))

@@ -83,6 +83,8 @@ def block_geometry(x_shape: Sequence[int], y_shape: Sequence[int], src: Window, 
         if not (0 <= w.offset and 0 <= w.stride and w.length >= 1
                 and (g - 1) * w.stride + w.offset + w.length <= shape[w.axis]):
             raise ValueError(f"{name} window {w} of {g} members does not fit axis {w.axis} of {tuple(shape)}")
+    if g > 1 and dst.stride < dst.length:  # the members' copies would race on the shared rows
+        raise ValueError(f"dst window {dst}: the {g} senders' windows overlap (stride < length)")
     xs, ys = _row_major(x_shape), _row_major(y_shape)
     # Dimensions of more than one element, innermost last, merged where both sides are contiguous across them.
     dims: list[list[int]] = []
@@ -95,11 +97,12 @@ def block_geometry(x_shape: Sequence[int], y_shape: Sequence[int], src: Window, 
             dims.append([n, a, b])
     if not dims:
         dims = [[1, 1, 1]]
-    n, a, b = dims[-1]
-    if a != 1 or b != 1:
-        raise ValueError("the innermost dimension is not contiguous on both sides")
-    width = n * itemsize
-    outer = dims[:-1]  # outermost first: (depth, height) once padded with single rows in front
+    # Rows of the innermost run where it is contiguous on both sides, else (one head of head_dim 1) of one element;
+    # the outer dimensions, outermost first, become (depth, height) once padded with single rows in front.
+    if dims[-1][1:] == [1, 1]:
+        width, outer = dims[-1][0] * itemsize, dims[:-1]
+    else:
+        width, outer = itemsize, dims
     if len(outer) > 2:
         raise ValueError(f"{len(outer)} strided dimensions (a 3-D copy takes 2)")
     outer = [[1, 0, 0]] * (2 - len(outer)) + outer
