@@ -142,3 +142,29 @@ def test_ulysses_windowed_matches_reference(monkeypatch, chunks, causal):
     assert "pk_exchange_start" in hlo and "pk_ring_shift_start" not in hlo
     got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
+
+
+def test_ulysses_windowed_compiled_order(monkeypatch):
+    """The overlap survives XLA's scheduling (forward, 4 chunks, our attention kernel): before chunk k's attention,
+    exactly the waits for chunks 0..k's inputs and chunks 0..k-2's outputs have run, and chunk k+1's input
+    exchanges have started, so they move under it."""
+    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", "4")
+    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
+    monkeypatch.setenv("PK_JAX_ULYSSES_LOCAL", "pk")
+    g, c = len(gpus()), 4
+    spec = jax.ShapeDtypeStruct((2, g * 256, 8 * g, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    attn = lambda a, b, c_: pk_jax.ulysses_attention(a, b, c_, "sp")
+    f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+    hlo = f.lower(spec, spec, spec).compile().as_text()
+    kinds = []
+    for ln in hlo[hlo.index("ENTRY"):].splitlines():
+        for target, kind in (("pk_exchange_start", "S"), ("pk_ring_shift_done", "D"), ("pk_attention", "A")):
+            if f'custom_call_target="{target}"' in ln:
+                kinds.append(kind)
+    print("compiled order:", "".join(kinds))
+    attn_at = [i for i, k in enumerate(kinds) if k == "A"]
+    assert len(attn_at) == c and kinds.count("S") == 4 * c and kinds.count("D") == 4 * c, kinds
+    for k, at in enumerate(attn_at):
+        before = kinds[:at]
+        assert before.count("D") == 3 * (k + 1) + max(0, k - 1), (k, "".join(kinds))
+        assert before.count("S") >= 3 * min(k + 2, c) + k, (k, "".join(kinds))
