@@ -61,6 +61,22 @@ std::vector<int> local_ordinals(const Group& g) {
   return out;
 }
 
+// The side stream ordered after everything XLA's stream issued so far (x written, this member's y free).
+ffi::Error side_after_main(SideStream& side, cudaStream_t stream) {
+  if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
+  if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
+    return cuda_error("side stream wait", e);
+  return ffi::Error::Success();
+}
+
+// The result of enqueuing copy-engine copies (`err` empty: done). On an error, copies already queued read x:
+// XLA's stream waits for them before x can be reused.
+ffi::Error copies_queued(SideStream& side, cudaStream_t stream, const std::string& err) {
+  if (err.empty()) return ffi::Error::Success();
+  if (cudaEventRecord(side.side_done, side.stream) == cudaSuccess) cudaStreamWaitEvent(stream, side.side_done, 0);
+  return ffi::Error::Internal(err);
+}
+
 // The call's group (ranks from the device ordinal at run time) and this device.
 ffi::Error group_of(int32_t ordinal, Ids mesh_ids, Ids mesh_shape, Ids group_axes, Group& g, const LocalDevice*& me) {
   bool invalid = false;
@@ -109,18 +125,12 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
   try {
     SideStream& side = side_stream(ordinal);
     std::lock_guard<std::mutex> lock(side.mutex);
-    if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
-    if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
-      return cuda_error("side stream wait", e);
+    if (ffi::Error e = side_after_main(side, stream); e.failure()) return e;
     // Copy engines where every member is a GPU of this process (their buffers are addresses here);
     // multi-process jobs keep the kernel, which learns the peers' addresses from their mailboxes.
     if (engine == 1) {
       if (const std::vector<int> ordinals = local_ordinals(g); !ordinals.empty()) {
-        const std::string err = copy_engine_shift(g, ordinals.data(), b, side.stream);
-        if (err.empty()) return ffi::Error::Success();
-        // Copies already queued read x: XLA's stream waits for them before x can be reused.
-        if (cudaEventRecord(side.side_done, side.stream) == cudaSuccess) cudaStreamWaitEvent(stream, side.side_done, 0);
-        return ffi::Error::Internal(err);
+        return copies_queued(side, stream, copy_engine_shift(g, ordinals.data(), b, side.stream));
       }
     }
     // Multi-process: an output the predecessor cannot reach goes through the staging heap's side window,
@@ -186,13 +196,8 @@ ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
   try {
     SideStream& side = side_stream(ordinal);
     std::lock_guard<std::mutex> lock(side.mutex);
-    if (cudaError_t e = cudaEventRecord(side.main_ready, stream); e != cudaSuccess) return cuda_error("event", e);
-    if (cudaError_t e = cudaStreamWaitEvent(side.stream, side.main_ready, 0); e != cudaSuccess)
-      return cuda_error("side stream wait", e);
-    const std::string err = copy_engine_all_to_all(g, ordinals.data(), w, side.stream);
-    if (err.empty()) return ffi::Error::Success();
-    if (cudaEventRecord(side.side_done, side.stream) == cudaSuccess) cudaStreamWaitEvent(stream, side.side_done, 0);
-    return ffi::Error::Internal(err);
+    if (ffi::Error e = side_after_main(side, stream); e.failure()) return e;
+    return copies_queued(side, stream, copy_engine_all_to_all(g, ordinals.data(), w, side.stream));
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(ex.what());
   }

@@ -120,6 +120,30 @@ accumulate_tests() {
   fi
 }
 
+# A new path's first test alone ($2, waits bounded at 5 s, 110 s at most: a hang costs only that), then, if it
+# passed, the tests in $3. Logs $1-first, $1-tests.
+first_then_rest() {
+  stage $1-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs "$2"
+  if grep -q " passed" "$OUT/$1-first.log" && ! grep -qE "failed|rror" "$OUT/$1-first.log"; then
+    stage $1-tests 200 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs $3
+  fi
+}
+
+# (2 GPUs+) ring A/B: the ring's reference tests and a timeline over copy engines with the settings $2 (VAR=value
+# ...), then ring rows at S 12288 per transport (${@:5}, the same turns). Logs $1-ring-tests, $1-timeline,
+# $1-ring-bench; results ...-context-ring-$4.json.
+ring_ab() {
+  local tag=$1 settings=$2 cases=$3 out=$4
+  shift 4
+  stage $tag-ring-tests 150 env $settings PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest tests/gpu/test_context_gpu.py \
+    -m gpu -q -x -rs -k "ring_attention_matches_reference"
+  stage $tag-timeline 60 env $settings PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy python3 scripts/ring_timeline.py \
+    --cases $cases
+  stage $tag-ring-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases fwd_contiguous \
+    fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports "$@" --reps 10 \
+    --out "$OUT/$day-context-ring-$out.json"
+}
+
 for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
   case $s in
     matmul) stage matmul 240 python3 -m pytest tests/gpu/test_matmul_gpu.py -m gpu -q -x -rs ;;
@@ -309,37 +333,20 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                done ;;
     acctests) accumulate_tests ;;
     copyengine) # (2 GPUs+) tests only; copybench times them (a later call)
-                stage copy-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
-                  "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[copy-2]"
-                if grep -q " passed" "$OUT/copy-first.log" && ! grep -qE "failed|rror" "$OUT/copy-first.log"; then
-                  stage copy-shift-tests 150 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_ring_shift_gpu.py
-                fi
+                first_then_rest copy "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[copy-2]" \
+                  tests/gpu/test_ring_shift_gpu.py
                 accumulate_tests ;;
     copybench) # (2 GPUs+) after copyengine's tests passed: ring tests with both, a timeline, ring rows per transport
-               stage merge-ring-tests 150 env PK_JAX_RING_MERGE=kernel PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
-                 tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"
-               stage copy-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_RING_MERGE=kernel \
-                 python3 scripts/ring_timeline.py --cases fwd_causal_zigzag fwd_bwd_causal_zigzag
-               stage copy-ring-bench 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
-                 fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk \
-                 pk-copy pk-acc --reps 10 --out "$OUT/$day-context-ring-copy-engine.json"
+               ring_ab merge "PK_JAX_RING_MERGE=kernel" "fwd_causal_zigzag fwd_bwd_causal_zigzag" copy-engine \
+                 pk-copy-acc pk pk-copy pk-acc
                stage copy-ring-bf16acc 100 env PK_JAX_RING_ACC_DTYPE=input python3 -m pk_jax.bench context --op ring_attention \
                  --seqs 12288 --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-acc pk --reps 10 \
                  --out "$OUT/$day-context-ring-copy-engine-bf16acc.json" ;;
     windowtests) # (2 GPUs+) the windowed all-to-all by copy engines: its first test alone (5 s waits), then the rest
-                 stage window-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
-                   "tests/gpu/test_window_exchange_gpu.py::test_window_alone_small"
-                 if grep -q " passed" "$OUT/window-first.log" && ! grep -qE "failed|rror" "$OUT/window-first.log"; then
-                   stage window-tests 200 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_window_exchange_gpu.py
-                 fi ;;
+                 first_then_rest window "tests/gpu/test_window_exchange_gpu.py::test_window_alone_small" \
+                   tests/gpu/test_window_exchange_gpu.py ;;
     dqmerge) # (2 GPUs+) the backward's dQ added in the kernel alone (PK_JAX_RING_MERGE=dq), the final dK/dV sum fused
-             stage dq-ring-tests 120 env PK_JAX_RING_MERGE=dq PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pytest \
-               tests/gpu/test_context_gpu.py -m gpu -q -x -rs -k "ring_attention_matches_reference"
-             stage dq-timeline 60 env PK_JAX_RING_TRANSPORT=pk PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_RING_MERGE=dq \
-               python3 scripts/ring_timeline.py --cases fwd_bwd_causal_zigzag fwd_bwd_contiguous
-             stage dq-ring-bench 180 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
-               fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq pk \
-               pk-copy pk-dq --reps 10 --out "$OUT/$day-context-ring-dq.json"
+             ring_ab dq "PK_JAX_RING_MERGE=dq" "fwd_bwd_causal_zigzag fwd_bwd_contiguous" dq pk-copy-dq pk pk-copy pk-dq
              stage dq-ring-24576 150 python3 -m pk_jax.bench context --op ring_attention --seqs 24576 --cases \
                fwd_bwd_causal_zigzag --ring-transports pk-copy-dq pk --reps 5 --out "$OUT/$day-context-ring-dq-24576.json" ;;
     ulyssestimeline) # (2 GPUs+) where Ulysses' time goes at S 2048 per ULYSSES_CFGS "chunks:exchange[:engine]"
