@@ -88,7 +88,7 @@
 #               "8:4 16:4 8:8 8:16 16:8": PK_JAX_RING_SHIFT_CTAS : PK_JAX_RING_SHIFT_UNROLL)                ~9 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
-#   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
+#   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
 #   one out.tgz)
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
@@ -362,9 +362,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
                    IFS=: read -r chunks a2a local <<< "$cfg"
-                   stage ulysses-copy-${cfg//:/-} 120 env PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_ULYSSES_CHUNKS=$chunks \
-                     PK_JAX_ULYSSES_A2A=$a2a PK_JAX_ULYSSES_LOCAL=${local:-default} python3 -m pk_jax.bench context \
-                     --op ulysses_attention --cases fwd fwd_bwd --reps 10 --out "$OUT/$day-context-ulysses-copy-${cfg//:/-}.json"
+                   stage ulysses-copy-${cfg//:/-} ${ULYSSES_LIMIT:-120} env PK_JAX_RING_SHIFT_ENGINE=copy \
+                     PK_JAX_ULYSSES_CHUNKS=$chunks PK_JAX_ULYSSES_A2A=$a2a PK_JAX_ULYSSES_LOCAL=${local:-default} \
+                     python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} \
+                     --out "$OUT/$day-context-ulysses-copy-${cfg//:/-}.json"
                  done ;;
     x4ring2) # (2 GPUs+) the ring after session 13's backward changes: GPU tests, a timeline, then the shift-CTA sweep
              stage shift-tests 90 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_ring_shift_gpu.py -m gpu -q -x \
