@@ -161,10 +161,6 @@ ffi::Error attention_bwd_accumulate(cudaStream_t stream, int32_t ordinal, ffi::A
                   variant, DqTarget{at, pk::ElemType::kF32, ds[1], true, true});
 }
 
-}  // namespace
-
-namespace {
-
 // The operands both entry points start with: stream, device, q, k, v, dout, lse2, delta, offsets.
 auto backward_operands() {
   return ffi::Ffi::Bind()

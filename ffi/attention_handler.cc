@@ -118,10 +118,6 @@ ffi::Error accumulate(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ff
   return run(p, stream, ordinal, reserve_sms);
 }
 
-}  // namespace
-
-namespace {
-
 // The operands both entry points start with: stream, device, q, k, v, offsets.
 auto attention_operands() {
   return ffi::Ffi::Bind()

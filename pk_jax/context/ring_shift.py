@@ -78,7 +78,8 @@ def shift_engine() -> str:
     its CTAs and loads in flight (2026-11-26), so the ring's forward waited for it. "copy": the copy engines
     (cudaMemcpyPeerAsync on the side stream, handshakes by CUDA events between the members; 396 GB/s to a peer on
     4x H200), no SM taken, so the attention keeps them all; where a member is in another process the kernel runs
-    instead. Not yet measured beside the attention."""
+    instead. On 2x H100 (2026-11-26) its hops ran at ~390 GB/s beside the attention and the ring's causal rows were
+    0.3-1.8 ms faster than with the kernel, the others level; not yet run on 4 GPUs, so not the default."""
     return choice_setting(ENGINE_VAR, "sm", ENGINES, owner="pk_jax.ring_attention")
 
 
@@ -99,7 +100,8 @@ def shift_unroll() -> int:
     """16-byte loads each thread of the shift kernel keeps in flight: $PK_JAX_RING_SHIFT_UNROLL, 4 (default), 8 or
     16, read when traced. A thread's push rate is bounded by its outstanding loads (the remote stores are
     posted): at 4 one SM pushed ~43-45 GB/s on 2x H200 but ~25-30 beside the attention on 4x H100 (8 CTAs: ~200-250
-    GB/s of the link's ~370); 8 and 16 keep 2x / 4x the bytes in flight. Not measured yet."""
+    GB/s of the link's ~370); 8 and 16 keep 2x / 4x the bytes in flight, which moved no ring row on 4x H100
+    (2026-11-26, CTAs x loads 8:4 16:4 8:8 8:16 16:8)."""
     value = int_setting(UNROLL_VAR, 4, minimum=1, owner="pk_jax.ring_attention", what="a load count")
     if value not in UNROLLS:
         raise ValueError(f"pk_jax.ring_attention: ${UNROLL_VAR}={value}; use one of {UNROLLS}")
