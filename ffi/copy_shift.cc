@@ -4,6 +4,7 @@
 #include <array>
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <memory>
@@ -233,6 +234,41 @@ cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t s
   return make_cudaPitchedPtr(const_cast<void*>(base), size_t(pitch), size_t(width), size_t(slice / pitch));
 }
 
+// How a block is copied. With one cudaMemcpy3DPeerAsync per block nothing overlapped (2x H100, 2026-11-26 Ulysses
+// timelines): each 3-D copy started only as the attention kernel beside it retired its CTAs, as if the driver ran
+// it on SMs. A copy engine moves a 2-D pitched block natively, so the default issues one 2-D copy per slice;
+// PK_JAX_WINDOW_COPY=3d keeps the single 3-D copy (for A/B runs).
+bool slices_as_2d_copies() {
+  static const bool as_2d = [] {
+    const char* v = std::getenv("PK_JAX_WINDOW_COPY");
+    return !(v && std::string(v) == "3d");
+  }();
+  return as_2d;
+}
+
+// Enqueues block `k` from src (on device src_dev) to dst (on device dst_dev) on `side` (a stream of `me`).
+cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src, int src_dev, int me,
+                       cudaStream_t side) {
+  if (!slices_as_2d_copies()) {
+    cudaMemcpy3DPeerParms p = {};
+    p.srcPtr = pitched(src, k.src_pitch, k.width, k.src_slice);
+    p.srcDevice = src_dev;
+    p.dstPtr = pitched(dst, k.dst_pitch, k.width, k.dst_slice);
+    p.dstDevice = dst_dev;
+    p.extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
+    return cudaMemcpy3DPeerAsync(&p, side);
+  }
+  // Unified addresses name both devices; the calling thread's device is made the stream's for the calls.
+  int prev = 0;
+  cudaGetDevice(&prev);
+  cudaError_t e = prev == me ? cudaSuccess : cudaSetDevice(me);
+  for (int64_t z = 0; z < k.depth && e == cudaSuccess; ++z)
+    e = cudaMemcpy2DAsync(dst + z * k.dst_slice, size_t(k.dst_pitch), src + z * k.src_slice, size_t(k.src_pitch),
+                          size_t(k.width), size_t(k.height), cudaMemcpyDefault, side);
+  if (prev != me) cudaSetDevice(prev);
+  return e;
+}
+
 }  // namespace
 
 std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const WindowExchange& w, cudaStream_t side) {
@@ -243,18 +279,10 @@ std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const Wi
     return "pk_jax windowed all-to-all: the block is not a cudaMemcpy3D layout (width " + std::to_string(k.width) +
            ", pitches " + std::to_string(k.src_pitch) + " / " + std::to_string(k.dst_pitch) + ")";
   const int me = ordinals[g.rank];
-  const cudaExtent extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
   const auto src = [&](int target) { return w.x + w.src_offset + int64_t(target) * w.src_stride; };
-  char* const own_dst = w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride;
-  // The own block: a local copy on the side stream, ahead of the handshake (the peer form names the device, as
-  // every copy here does, whatever the calling thread's current device).
-  cudaMemcpy3DPeerParms local = {};
-  local.srcPtr = pitched(src(g.rank), k.src_pitch, k.width, k.src_slice);
-  local.srcDevice = me;
-  local.dstPtr = pitched(own_dst, k.dst_pitch, k.width, k.dst_slice);
-  local.dstDevice = me;
-  local.extent = extent;
-  if (cudaError_t e = cudaMemcpy3DPeerAsync(&local, side); e != cudaSuccess)
+  // The own block: a local copy on the side stream, ahead of the handshake.
+  if (cudaError_t e = copy_block(k, w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride, me, src(g.rank), me, me,
+                                 side); e != cudaSuccess)
     return std::string("pk_jax windowed all-to-all: the own block: ") + cudaGetErrorString(e);
   if (g.size == 1) return "";
   // Every incoming block lands in this member's one y; the signature pins the block's shape and strides.
@@ -264,13 +292,8 @@ std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const Wi
   for (int i = 0; i < t.n; ++i) t.dist[i] = i + 1, t.y[i] = w.y, t.signature[i] = signature;
   return exchange_on_board(g, t, [&](int i, char* target_y, int target) {
     const int target_rank = (g.rank + i + 1) % g.size;
-    cudaMemcpy3DPeerParms p = {};
-    p.srcPtr = pitched(src(target_rank), k.src_pitch, k.width, k.src_slice);
-    p.srcDevice = me;
-    p.dstPtr = pitched(target_y + w.dst_offset + int64_t(g.rank) * w.dst_stride, k.dst_pitch, k.width, k.dst_slice);
-    p.dstDevice = target;
-    p.extent = extent;
-    return cudaMemcpy3DPeerAsync(&p, side);
+    return copy_block(k, target_y + w.dst_offset + int64_t(g.rank) * w.dst_stride, target, src(target_rank), me, me,
+                      side);
   }, ordinals, side);
 }
 
