@@ -234,14 +234,14 @@ cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t s
   return make_cudaPitchedPtr(const_cast<void*>(base), size_t(pitch), size_t(width), size_t(slice / pitch));
 }
 
-// How a block is copied. With one cudaMemcpy3DPeerAsync per block nothing overlapped (2x H100, 2026-11-26 Ulysses
-// timelines): each 3-D copy started only as the attention kernel beside it retired its CTAs, as if the driver ran
-// it on SMs. A copy engine moves a 2-D pitched block natively, so the default issues one 2-D copy per slice;
-// PK_JAX_WINDOW_COPY=3d keeps the single 3-D copy (for A/B runs).
+// How a block is copied: one cudaMemcpy3DPeerAsync (default), or with PK_JAX_WINDOW_COPY=2d one 2-D copy per
+// slice. Neither ran beside a kernel holding every SM (2x H100, 2026-11-26 Ulysses timelines: each strided copy
+// started only as the attention kernel retired its CTAs, as if the driver ran it on SMs), and the 2-D slices were
+// slower (Ulysses forward at S 2048 in 4 chunks: 10.4 ms against 8.4); pk_jax.ulysses_attention leaves SMs free.
 bool slices_as_2d_copies() {
   static const bool as_2d = [] {
     const char* v = std::getenv("PK_JAX_WINDOW_COPY");
-    return !(v && std::string(v) == "3d");
+    return v && std::string(v) == "2d";
   }();
   return as_2d;
 }

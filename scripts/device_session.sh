@@ -56,6 +56,8 @@
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
 #               with PK_JAX_RING_SHIFT_ENGINE=copy: head chunks exchanged by copy engines under the attention, as
 #               windowed all-to-alls since session 15 (no chunk slices, no assembly)                        ~8 min
+#   ulyssesreserve (2 GPUs+) windowed Ulysses timelines per SMs our attention leaves free (RESERVES, default
+#               "0 8 16 32"), then its bench rows at RESERVE_BENCH (default 16)                              ~4 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -359,6 +361,18 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
     moeskew) stage moe-skewed 200 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 4096 \
                --out "$OUT/$day-moe-exchange-skewed.json" ;;
+    ulyssesreserve) # (2 GPUs+) windowed Ulysses (4 chunks, copy engines, our attention) per SMs it leaves free
+                    for r in ${RESERVES:-0 8 16 32}; do
+                      stage ulysses-reserve-timeline-$r 40 env PK_JAX_ULYSSES_RESERVE_SMS=$r PK_JAX_ULYSSES_CHUNKS=4 \
+                        PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk PK_JAX_RING_SHIFT_ENGINE=copy \
+                        python3 scripts/ring_timeline.py --op ulysses --seq 2048 --heads 128 --cases fwd fwd_bwd
+                    done
+                    for r in ${RESERVE_BENCH:-16}; do
+                      stage ulysses-reserve-$r ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_RESERVE_SMS=$r \
+                        PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_ULYSSES_CHUNKS=4 PK_JAX_ULYSSES_A2A=async \
+                        PK_JAX_ULYSSES_LOCAL=pk python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd \
+                        --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-reserve-$r.json"
+                    done ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
                    IFS=: read -r chunks a2a local <<< "$cfg"

@@ -62,6 +62,7 @@ CHUNKS_VAR = "PK_JAX_ULYSSES_CHUNKS"
 A2A_VAR = "PK_JAX_ULYSSES_A2A"
 EXCHANGES = ("pk", "lax", "async")
 LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
+RESERVE_VAR = "PK_JAX_ULYSSES_RESERVE_SMS"
 
 
 def head_chunks() -> int:
@@ -80,6 +81,13 @@ def local_kernel() -> bool:
     which leaves the side stream's shift its SMs under PK_JAX_ULYSSES_A2A=async (cuDNN's kernels may hold every
     SM until they end); "" or "default": jax.nn.dot_product_attention with `implementation`. Read when traced."""
     return choice_setting(LOCAL_VAR, "default", ("default", "pk"), owner="pk_jax.ulysses_attention") == "pk"
+
+
+def window_reserve_sms() -> int:
+    """$PK_JAX_ULYSSES_RESERVE_SMS: SMs our local attention leaves free beside the windowed exchanges (default 16,
+    read when traced). The strided copies need SMs: on 2x H100 (2026-11-26) each one started only as the attention
+    kernel beside it retired its CTAs, as if the driver ran strided copies as kernels."""
+    return int_setting(RESERVE_VAR, 16, minimum=0, owner="pk_jax.ulysses_attention", what="a count of SMs")
 
 
 def chunk_heads(x: jax.Array, g: int, c: int, i: int) -> jax.Array:
@@ -136,11 +144,12 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
     mode = exchange()
-    pk_reserve = (shift_sms() if mode == "async" else 0) if local_kernel() else None
+    windowed = mode == "async" and g > 1 and _windowed([q, k, v], g, c)
+    pk_reserve = ((window_reserve_sms() if windowed else shift_sms()) if mode == "async" else 0) \
+        if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
-        static = dataclasses.replace(cfg, scale=None if scale is None else float(scale),
-                                     windowed=_windowed([q, k, v], g, c))
+        static = dataclasses.replace(cfg, scale=None if scale is None else float(scale), windowed=windowed)
         return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
     a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
         (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
