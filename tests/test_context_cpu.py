@@ -372,6 +372,26 @@ def test_ulysses_local_attention_by_our_kernel(monkeypatch, g, a2a, causal):
         sharded(attn, g, "contiguous", q, k, v, d_out)
 
 
+def test_ulysses_windowed_exchanges_leave_sms_to_the_copies(monkeypatch):
+    """Windowed exchanges (copy engines, single process): our local attention, forward and backward, leaves
+    $PK_JAX_ULYSSES_RESERVE_SMS free (the strided copies need SMs); a bad count names the variable."""
+    from pk_jax.context import ulysses
+    from pk_jax.context.ring_shift import ENGINE_VAR
+
+    for var, val in ((ulysses.LOCAL_VAR, "pk"), (ulysses.A2A_VAR, "async"), (ulysses.CHUNKS_VAR, "2"),
+                     (ENGINE_VAR, "copy"), (ulysses.RESERVE_VAR, "24")):
+        monkeypatch.setenv(var, val)
+    q, k, v, d_out = random_qkv(61, 1, 2 * T_LOCAL, 8, 4, 64, jnp.bfloat16)
+    f = jax.shard_map(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp"), mesh=mesh(2), in_specs=P(None, "sp"),
+                      out_specs=P(None, "sp"))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert "pk_exchange_start" in jaxpr
+    assert re.findall(r"reserve_sms=(\d+)", jaxpr) and set(re.findall(r"reserve_sms=(\d+)", jaxpr)) == {"24"}
+    monkeypatch.setenv(ulysses.RESERVE_VAR, "-1")
+    with pytest.raises(ValueError, match=ulysses.RESERVE_VAR):
+        ulysses.window_reserve_sms()
+
+
 def test_ulysses_async_compiled_order_overlaps_exchanges_with_attention(monkeypatch):
     """In the compiled CPU program (G 2, 2 head chunks, the shifts' collective-permute fallback): chunk 0's three
     exchanges, then chunk 1's, whose results are first read only after chunk 0's softmax and P V; then the two

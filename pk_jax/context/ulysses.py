@@ -20,7 +20,10 @@ against 1.42-1.91x; docs/benchmarks.md), so the defaults stay. The timelines on 
 slice of every array before its exchange and a select assembling the arrivals, and a transpose of the output,
 cost more than the overlap saved. With $PK_JAX_RING_SHIFT_ENGINE=copy (single-process jobs) the async exchanges
 are windowed all-to-alls instead (pk_jax/context/window_exchange.py): chunk i read from the whole q/k/v and its
-output written into its heads of the whole result by the copy engines, none of those passes (not yet timed).
+output written into its heads of the whole result, none of those passes. Timed on 2x H100 (2026-11-26) they still
+lose to one exchange (forward at S 2048: 1.07-1.23x the lax composition against 1.33x): the strided copies did not
+run beside an attention kernel holding every SM, so our attention leaves $PK_JAX_ULYSSES_RESERVE_SMS to them, which
+helped at S 2048 and cost more at S 8192 (docs/benchmarks.md, session 16).
 """
 
 from __future__ import annotations

@@ -16,7 +16,9 @@ offset and `into` it writes a chunk of the final layout.
 Why (issue 26, Ulysses at 2 GPUs, 2x H100, 2026-11-26 timelines): the head-chunked exchanges did run under the
 attention, but each chunk paid a slice per array before the exchange (0.05-0.09 ms each), a select assembling
 the arrivals in source order (1.1 ms for chunk 0, 0.27-0.54 for the others) and a transpose of the output back
-(0.39 ms), more than the overlap saved. Here the copy engines read and write the windows in place.
+(0.39 ms), more than the overlap saved. Here the copy engines read and write the windows in place. Measured in
+session 16 (2x H100): a strided copy (one 3-D copy, or a 2-D copy per slice) did not run beside a kernel holding
+every SM, unlike the ring's contiguous copies; each began as the attention kernel retired its CTAs.
 
 On GPUs the start is the `pk_exchange_start` FFI call (every member a GPU of this process; pk_jax.context.ulysses
 uses it only with $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs); elsewhere, and for a group the
