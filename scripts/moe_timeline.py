@@ -1,9 +1,11 @@
 """Where the MoE layer's time goes: device 0's GPU events of one traced call per program, at the DeepSeek-V3
 per-GPU shape (T 4096 per GPU, H 7168, E 256, top-8, F 2048, uniform routing), built as `bench moe` builds them:
     moe_mlp fwd, moe_mlp fwd+bwd (issue 27's >= 20x the JAX composition: which kernels, how much glue);
-    dispatch_gemm fused, the grouped GEMM alone, dispatch then GEMM (the fused one is 1.3x the GEMM alone).
+    dispatch_gemm fused, the grouped GEMM alone, dispatch then GEMM (the fused one is 1.3x the GEMM alone);
+    dispatch, combine: the exchanges alone (--shape 4096 4096 8 2 128: E 8 top-2, 311 GB/s at G 2, target 336).
 
-    python scripts/moe_timeline.py [--programs mlp_fwd mlp_fwd_bwd fused alone unfused] [--min-us 20] [--small]
+    python scripts/moe_timeline.py [--programs mlp_fwd ... dispatch combine] [--min-us 20] [--small]
+                                   [--shape T H E K F]
 
 --small: tiny shapes (T 64, H 64, E 8, top-2, F 128), the plumbing only (no GPU events on CPU).
 """
@@ -20,7 +22,8 @@ from jax.sharding import Mesh
 from pk_jax.bench import moe
 from timeline import print_timeline, trace_events  # scripts/timeline.py (this script's directory is on sys.path)
 
-PROGRAMS = ("mlp_fwd", "mlp_fwd_bwd", "fused", "alone", "unfused")
+PROGRAMS = ("mlp_fwd", "mlp_fwd_bwd", "fused", "alone", "unfused", "dispatch", "combine")
+OPS = {"dispatch": "dispatch", "combine": "combine"}  # else moe_mlp (mlp_*) or dispatch_gemm
 
 
 def main() -> None:
@@ -28,15 +31,17 @@ def main() -> None:
     ap.add_argument("--programs", nargs="+", default=list(PROGRAMS), choices=PROGRAMS)
     ap.add_argument("--min-us", type=float, default=20.0, help="list events at least this long (others summed)")
     ap.add_argument("--small", action="store_true", help="tiny shapes: the plumbing only")
+    ap.add_argument("--shape", nargs=5, type=int, metavar=("T", "H", "E", "K", "F"), default=None,
+                    help="per-GPU tokens, hidden, experts, top-k, expert hidden (default: DeepSeek-V3's)")
     args = ap.parse_args()
     devices = jax.devices()
     g = len(devices)
-    shape = (64, 64, max(8, g), 2, 128) if args.small else moe.DEEPSEEK_EXCHANGE
+    shape = (64, 64, max(8, g), 2, 128) if args.small else tuple(args.shape or moe.DEEPSEEK_EXCHANGE)
     if shape[2] % g:
         raise SystemExit(f"moe_timeline: {g} devices do not divide the {shape[2]} experts")
     mesh = Mesh(np.array(devices), (moe.AX,))
     for name in args.programs:
-        op = "moe_mlp" if name.startswith("mlp") else "dispatch_gemm"
+        op = OPS.get(name, "moe_mlp" if name.startswith("mlp") else "dispatch_gemm")
         case = moe.Case(op, *shape, "uniform", name == "mlp_fwd_bwd")
         xs, ours, bases, _, _ = moe._contenders(case, g, mesh, jnp.bfloat16)
         if name in ("alone", "unfused"):
