@@ -74,6 +74,19 @@ def test_default_recv_rows_is_the_worst_case():
     assert pk_jax.moe.expert_capacity(12, 2, 8, 1.25) == 4  # ceil(1.25 * 24 / 8)
 
 
+@pytest.mark.parametrize("n,num_keys", [(1, 1), (129, 3), (8192, 9), (8193, 65), (32768, 257), (70000, 9)])
+def test_stable_sort_by_key_matches_a_stable_argsort(n, num_keys):
+    """The counted positions (n <= 2^16) and the argsort fallback: the permutation of a stable sort and its
+    inverse, with a hot key (a third of the assignments) and key runs crossing the 256-key blocks."""
+    rng = np.random.default_rng(n + num_keys)
+    key = rng.integers(0, num_keys, n).astype(np.int32)
+    key[: n // 3] = num_keys - 1
+    order, sorted_index = jax.jit(routing.stable_sort_by_key, static_argnums=1)(jnp.asarray(key), num_keys)
+    ref = np.argsort(key, kind="stable")
+    np.testing.assert_array_equal(order, ref)
+    np.testing.assert_array_equal(np.asarray(sorted_index)[ref], np.arange(n))
+
+
 def test_dispatch_rejects_bad_arguments():
     f = lambda x, ids, **kw: jax.shard_map(lambda x, ids: pk_jax.moe.dispatch(x, ids, "ep", **kw)[0],
                                            mesh=mesh(4), in_specs=P("ep"), out_specs=P("ep"))(x, ids)

@@ -115,6 +115,37 @@ def capacity_keep(expert: jax.Array, num_experts: int, tokens: int, top_k: int, 
     return rank < capacity
 
 
+_RANK_MAX_N = 1 << 16  # above: argsort (the blocked counting below grows as n^2 / block)
+
+
+def stable_sort_by_key(key: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Array]:
+    """(order, sorted_index) of a stable sort of key (n,) int32 with values in [0, num_keys): order[i] is the
+    assignment at sorted position i, sorted_index its inverse.
+
+    Why not argsort alone: on 2x H100 (2026-11-26) XLA's sort of 8,192 keys took 39 us of a 221 us dispatch
+    (E 8, top-2). Up to 2^16 keys the position is counted instead: within blocks of up to 256 by comparing
+    every pair, across blocks by each block's counts per key (a few fused reductions, no sort)."""
+    n = key.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    if n > _RANK_MAX_N or n == 0:
+        order = jnp.argsort(key, stable=True).astype(jnp.int32)
+        return order, jnp.zeros(n, jnp.int32).at[order].set(index)
+    block = max(128, (-(-n // 256) + 127) // 128 * 128)  # at most 256 blocks
+    nb = -(-n // block)
+    kb = jnp.pad(key, (0, nb * block - n), constant_values=num_keys).reshape(nb, block)  # pads: a key after all
+    j = jnp.arange(block)
+    earlier = j[None, :] < j[:, None]  # [a, b]: b before a
+    within = jnp.sum((kb[:, :, None] == kb[:, None, :]) & earlier, axis=2, dtype=jnp.int32)  # (nb, block)
+    keys = jnp.arange(num_keys + 1, dtype=key.dtype)
+    per_block = jnp.sum(kb[:, :, None] == keys, axis=1, dtype=jnp.int32)  # (nb, K + 1)
+    before = jnp.arange(nb)[None, :] < jnp.arange(nb)[:, None]  # [i, m]: block m before block i
+    block_start = jnp.sum(jnp.where(before[:, :, None], per_block[None], 0), axis=1, dtype=jnp.int32)  # (nb, K+1)
+    key_start = _exclusive_cumsum(per_block.sum(axis=0))  # (K + 1,)
+    blk = index // block
+    sorted_index = key_start[key] + block_start[blk, key] + within.reshape(-1)[:n]
+    return jnp.zeros(n, jnp.int32).at[sorted_index].set(index), sorted_index
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalPlan:
     """The sender's half of the routing layout (no communication): per assignment its key (global expert, or
@@ -140,7 +171,7 @@ def plan_local(topk_ids: jax.Array, sizes: RoutingSizes) -> LocalPlan:
     keep = (jnp.ones(n, bool) if sizes.capacity is None
             else capacity_keep(expert, e, t, k, sizes.capacity))
     key = jnp.where(keep, expert, e)  # dropped assignments sort last
-    order = jnp.argsort(key, stable=True).astype(jnp.int32)  # by (dest, local expert), position within
+    order, sorted_index = stable_sort_by_key(key, e + 1)  # by (dest, local expert), position within
     counts = jnp.zeros(e + 1, jnp.int32).at[key].add(1)[:e]  # kept rows per global expert
     per_dest = counts.reshape(g, local).sum(axis=1)
     dest_start = _exclusive_cumsum(per_dest)
@@ -149,11 +180,11 @@ def plan_local(topk_ids: jax.Array, sizes: RoutingSizes) -> LocalPlan:
     index = jnp.arange(n, dtype=jnp.int32)
     slot_in_dest = index - dest_start[sorted_dest]
     sorted_slot = jnp.where(sorted_key < e, sorted_dest * s + slot_in_dest, g * s)
-    assignment_slot = jnp.zeros(n, jnp.int32).at[order].set(sorted_slot)
+    assignment_slot = sorted_slot[sorted_index]
     send_assignment = jnp.full(g * s + 1, n, jnp.int32).at[sorted_slot].set(order)[:g * s]
     # Position among this member's kept rows of the same expert (the fused kernels' offset within a block).
     expert_start = jnp.concatenate([_exclusive_cumsum(counts), jnp.zeros(1, jnp.int32)])
-    pos = jnp.zeros(n, jnp.int32).at[order].set(index - expert_start[sorted_key])
+    pos = sorted_index - expert_start[key]
     return LocalPlan(key, pos, send_assignment, assignment_slot, counts, keep.sum(dtype=jnp.int32), order)
 
 
