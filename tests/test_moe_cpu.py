@@ -74,10 +74,10 @@ def test_default_recv_rows_is_the_worst_case():
     assert pk_jax.moe.expert_capacity(12, 2, 8, 1.25) == 4  # ceil(1.25 * 24 / 8)
 
 
-@pytest.mark.parametrize("n,num_keys", [(1, 1), (129, 3), (8192, 9), (8193, 65), (32768, 257), (70000, 9)])
+@pytest.mark.parametrize("n,num_keys", [(1, 1), (129, 3), (8192, 9), (8193, 65), (16384, 65), (65536, 9), (32768, 257), (70000, 9)])
 def test_stable_sort_by_key_matches_a_stable_argsort(n, num_keys):
-    """The counted positions (n <= 2^16) and the argsort fallback: the permutation of a stable sort and its
-    inverse, with a hot key (a third of the assignments) and key runs crossing the 256-key blocks."""
+    """The counted positions (few keys) and the argsort fallback (32768 x 257, 70000): the permutation of a
+    stable sort and its inverse, with a hot key (a third of the assignments) and runs crossing the blocks."""
     rng = np.random.default_rng(n + num_keys)
     key = rng.integers(0, num_keys, n).astype(np.int32)
     key[: n // 3] = num_keys - 1

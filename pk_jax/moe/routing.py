@@ -116,6 +116,7 @@ def capacity_keep(expert: jax.Array, num_experts: int, tokens: int, top_k: int, 
 
 
 _RANK_MAX_N = 1 << 16  # above: argsort (the blocked counting below grows as n^2 / block)
+_RANK_MAX_CELLS = 1 << 21  # n x keys: few experts, where XLA's sort was measured slow (larger: its radix sort)
 
 
 def stable_sort_by_key(key: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Array]:
@@ -123,11 +124,12 @@ def stable_sort_by_key(key: jax.Array, num_keys: int) -> tuple[jax.Array, jax.Ar
     assignment at sorted position i, sorted_index its inverse.
 
     Why not argsort alone: on 2x H100 (2026-11-26) XLA's sort of 8,192 keys took 39 us of a 221 us dispatch
-    (E 8, top-2). Up to 2^16 keys the position is counted instead: within blocks of up to 256 by comparing
-    every pair, across blocks by each block's counts per key (a few fused reductions, no sort)."""
+    (E 8, top-2). For few keys (n <= 2^16, n x keys <= 2^21) the position is counted instead: within blocks of
+    up to 256 by comparing every pair, across blocks by each block's counts per key (a few fused reductions, no
+    sort). Its GPU time is not measured yet (the device time ran out); larger cases keep the argsort."""
     n = key.shape[0]
     index = jnp.arange(n, dtype=jnp.int32)
-    if n > _RANK_MAX_N or n == 0:
+    if n > _RANK_MAX_N or n * (num_keys + 1) > _RANK_MAX_CELLS or n == 0:
         order = jnp.argsort(key, stable=True).astype(jnp.int32)
         return order, jnp.zeros(n, jnp.int32).at[order].set(index)
     block = max(128, (-(-n // 256) + 127) // 128 * 128)  # at most 256 blocks
