@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -234,35 +235,71 @@ cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t s
   return make_cudaPitchedPtr(const_cast<void*>(base), size_t(pitch), size_t(width), size_t(slice / pitch));
 }
 
-// How a block is copied: one cudaMemcpy3DPeerAsync (default), or with PK_JAX_WINDOW_COPY=2d one 2-D copy per
-// slice. Neither ran beside a kernel holding every SM (2x H100, 2026-11-26 Ulysses timelines: each strided copy
-// started only as the attention kernel retired its CTAs, as if the driver ran it on SMs), and the 2-D slices were
-// slower (Ulysses forward at S 2048 in 4 chunks: 10.4 ms against 8.4); pk_jax.ulysses_attention leaves SMs free.
-bool slices_as_2d_copies() {
-  static const bool as_2d = [] {
+// How a block is copied ($PK_JAX_WINDOW_COPY):
+//   "batch" (default): one cudaMemcpy3DBatchAsync op with cudaMemcpyFlagPreferOverlapWithCompute, the runtime's
+//           hint to keep a copy off the SMs (CUDA 12.8+). Not yet timed.
+//   "3d":   one cudaMemcpy3DPeerAsync. On 2x H100 (2026-11-26 Ulysses timelines) it did not run beside a kernel
+//           holding every SM: each began as the attention kernel retired its CTAs, as if the driver ran it on SMs.
+//   "2d":   a cudaMemcpy2DAsync per slice: no overlap either, and slower (forward at S 2048, 4 chunks: 10.4 ms
+//           against 8.4).
+enum class BlockCopy { kBatch, k3D, k2D };
+
+BlockCopy block_copy_mode() {
+  static const BlockCopy mode = [] {
     const char* v = std::getenv("PK_JAX_WINDOW_COPY");
-    return v && std::string(v) == "2d";
+    const std::string s = v ? v : "";
+    return s == "3d" ? BlockCopy::k3D : s == "2d" ? BlockCopy::k2D : BlockCopy::kBatch;
   }();
-  return as_2d;
+  return mode;
 }
+
+cudaMemcpy3DOperand pointer_operand(const char* base, int64_t pitch, int64_t slice) {
+  cudaMemcpy3DOperand o = {};
+  o.type = cudaMemcpyOperandTypePointer;
+  o.op.ptr.ptr = const_cast<char*>(base);
+  o.op.ptr.rowLength = size_t(pitch);         // elements of one byte (pointer-to-pointer copies)
+  o.op.ptr.layerHeight = size_t(slice / pitch);
+  return o;
+}
+
+cudaError_t copy_3d(const Block3D& k, char* dst, int dst_dev, const char* src, int src_dev, cudaStream_t side) {
+  cudaMemcpy3DPeerParms p = {};
+  p.srcPtr = pitched(src, k.src_pitch, k.width, k.src_slice);
+  p.srcDevice = src_dev;
+  p.dstPtr = pitched(dst, k.dst_pitch, k.width, k.dst_slice);
+  p.dstDevice = dst_dev;
+  p.extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
+  return cudaMemcpy3DPeerAsync(&p, side);
+}
+
+// Set once a batch copy was refused (a driver without it, or peer operands it does not take): the 3-D form then.
+std::atomic<bool> batch_refused{false};
 
 // Enqueues block `k` from src (on device src_dev) to dst (on device dst_dev) on `side` (a stream of `me`).
 cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src, int src_dev, int me,
                        cudaStream_t side) {
-  if (!slices_as_2d_copies()) {
-    cudaMemcpy3DPeerParms p = {};
-    p.srcPtr = pitched(src, k.src_pitch, k.width, k.src_slice);
-    p.srcDevice = src_dev;
-    p.dstPtr = pitched(dst, k.dst_pitch, k.width, k.dst_slice);
-    p.dstDevice = dst_dev;
-    p.extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
-    return cudaMemcpy3DPeerAsync(&p, side);
-  }
+  const BlockCopy mode = block_copy_mode();
+  if (mode == BlockCopy::k3D || (mode == BlockCopy::kBatch && batch_refused.load()))
+    return copy_3d(k, dst, dst_dev, src, src_dev, side);
   // Unified addresses name both devices; the calling thread's device is made the stream's for the calls.
   int prev = 0;
   cudaGetDevice(&prev);
   cudaError_t e = prev == me ? cudaSuccess : cudaSetDevice(me);
-  for (int64_t z = 0; z < k.depth && e == cudaSuccess; ++z)
+  if (mode == BlockCopy::kBatch && e == cudaSuccess) {
+    cudaMemcpy3DBatchOp op = {};
+    op.src = pointer_operand(src, k.src_pitch, k.src_slice);
+    op.dst = pointer_operand(dst, k.dst_pitch, k.dst_slice);
+    op.extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
+    op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+    e = cudaMemcpy3DBatchAsync(1, &op, 0, side);
+    if (e == cudaErrorInvalidValue || e == cudaErrorNotSupported) {  // refused at the call: nothing was queued
+      cudaGetLastError();
+      batch_refused.store(true);
+      e = copy_3d(k, dst, dst_dev, src, src_dev, side);
+    }
+  }
+  for (int64_t z = 0; mode == BlockCopy::k2D && z < k.depth && e == cudaSuccess; ++z)
     e = cudaMemcpy2DAsync(dst + z * k.dst_slice, size_t(k.dst_pitch), src + z * k.src_slice, size_t(k.src_pitch),
                           size_t(k.width), size_t(k.height), cudaMemcpyDefault, side);
   if (prev != me) cudaSetDevice(prev);

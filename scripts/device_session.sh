@@ -58,6 +58,7 @@
 #               windowed all-to-alls since session 15 (no chunk slices, no assembly)                        ~8 min
 #   ulyssesreserve (2 GPUs+) windowed Ulysses timelines per SMs our attention leaves free (RESERVES, default
 #               "0 8 16 32"), then its bench rows at RESERVE_BENCH (default 16)                              ~4 min
+#   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -359,6 +360,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                          --op ulysses --seq 2048 --heads 128 --cases fwd fwd_bwd
                      done ;;
     moetimeline) stage moe-timeline 200 python3 scripts/moe_timeline.py ;;
+    moesort) # (2 GPUs+) the MoE routing's counted positions (no sort, E 8 top-2): dispatch / combine timelines, then
+             # bench rows at H 4096 (session 16 with XLA's sort: dispatch 0.217 ms = 311 GB/s, 39 us of it sorting)
+             stage moe-sort-timeline 60 python3 scripts/moe_timeline.py --programs dispatch combine \
+               --shape 4096 4096 8 2 128 --min-us 1
+             stage moe-sort-bench 120 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 4096 \
+               --out "$OUT/$day-moe-exchange-4096.json" ;;
     moeskew) stage moe-skewed 200 python3 -m pk_jax.bench moe --op dispatch,combine --sizes 4096 \
                --out "$OUT/$day-moe-exchange-skewed.json" ;;
     ulyssesreserve) # (2 GPUs+) windowed Ulysses (4 chunks, copy engines, our attention) per SMs it leaves free

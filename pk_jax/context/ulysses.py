@@ -23,7 +23,8 @@ are windowed all-to-alls instead (pk_jax/context/window_exchange.py): chunk i re
 output written into its heads of the whole result, none of those passes. Timed on 2x H100 (2026-11-26) they still
 lose to one exchange (forward at S 2048: 1.07-1.23x the lax composition against 1.33x): the strided copies did not
 run beside an attention kernel holding every SM, so our attention leaves $PK_JAX_ULYSSES_RESERVE_SMS to them, which
-helped at S 2048 and cost more at S 8192 (docs/benchmarks.md, session 16).
+helped at S 2048 and cost more at S 8192 (docs/benchmarks.md, session 16). The copies are now flagged to prefer
+overlap with compute (cudaMemcpy3DBatchAsync), not yet timed.
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ attention, but each chunk paid a slice per array before the exchange (0.05-0.09 
 the arrivals in source order (1.1 ms for chunk 0, 0.27-0.54 for the others) and a transpose of the output back
 (0.39 ms), more than the overlap saved. Here the copy engines read and write the windows in place. Measured in
 session 16 (2x H100): a strided copy (one 3-D copy, or a 2-D copy per slice) did not run beside a kernel holding
-every SM, unlike the ring's contiguous copies; each began as the attention kernel retired its CTAs.
+every SM, unlike the ring's contiguous copies; each began as the attention kernel retired its CTAs. Since then
+each block is one cudaMemcpy3DBatchAsync op flagged to prefer overlap with compute (not yet timed;
+$PK_JAX_WINDOW_COPY=3d or 2d: the measured forms, ffi/copy_shift.cc).
 
 On GPUs the start is the `pk_exchange_start` FFI call (every member a GPU of this process; pk_jax.context.ulysses
 uses it only with $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs); elsewhere, and for a group the
