@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <map>
@@ -292,10 +293,17 @@ cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src
     op.extent = make_cudaExtent(size_t(k.width), size_t(k.height), size_t(k.depth));
     op.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
     op.flags = cudaMemcpyFlagPreferOverlapWithCompute;
+#if CUDART_VERSION >= 13000
     e = cudaMemcpy3DBatchAsync(1, &op, 0, side);
-    if (e == cudaErrorInvalidValue || e == cudaErrorNotSupported) {  // refused at the call: nothing was queued
-      cudaGetLastError();
-      batch_refused.store(true);
+#else  // CUDA 12.8 / 12.9 also return the index of a failed op
+    size_t failed_op = 0;
+    e = cudaMemcpy3DBatchAsync(1, &op, &failed_op, 0, side);
+#endif
+    if (e == cudaErrorInvalidValue || e == cudaErrorNotSupported || e == cudaErrorCallRequiresNewerDriver) {
+      cudaGetLastError();  // refused at the call (one op: nothing was queued)
+      if (!batch_refused.exchange(true))
+        std::fprintf(stderr, "pk_jax windowed all-to-all: cudaMemcpy3DBatchAsync refused (%s); 3-D copies from now "
+                     "on\n", cudaGetErrorString(e));
       e = copy_3d(k, dst, dst_dev, src, src_dev, side);
     }
   }
