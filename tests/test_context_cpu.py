@@ -386,7 +386,8 @@ def test_ulysses_windowed_exchanges_leave_sms_to_the_copies(monkeypatch):
                       out_specs=P(None, "sp"))
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
     assert "pk_exchange_start" in jaxpr
-    assert re.findall(r"reserve_sms=(\d+)", jaxpr) and set(re.findall(r"reserve_sms=(\d+)", jaxpr)) == {"24"}
+    reserves = re.findall(r"reserve_sms=(\d+)", jaxpr)
+    assert len(reserves) >= 4 and set(reserves) == {"24"}, "2 chunks' forward and backward kernels, each 24"
     monkeypatch.setenv(ulysses.RESERVE_VAR, "-1")
     with pytest.raises(ValueError, match=ulysses.RESERVE_VAR):
         ulysses.window_reserve_sms()
