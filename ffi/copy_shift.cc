@@ -279,6 +279,8 @@ std::atomic<bool> batch_refused{false};
 // Enqueues block `k` from src (on device src_dev) to dst (on device dst_dev) on `side` (a stream of `me`).
 cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src, int src_dev, int me,
                        cudaStream_t side) {
+  if (k.height == 1 && k.depth == 1)  // contiguous on both sides: the plain copy the ring's shifts make, which
+    return cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, size_t(k.width), side);  // ran beside full-SM kernels
   const BlockCopy mode = block_copy_mode();
   if (mode == BlockCopy::k3D || (mode == BlockCopy::kBatch && batch_refused.load()))
     return copy_3d(k, dst, dst_dev, src, src_dev, side);

@@ -296,6 +296,35 @@ def test_ulysses_windowed_exchanges(monkeypatch, chunks, g, layout, causal, n, k
     assert bwd.count("pk_exchange_start[") == 4 * c + 4 * c and "pk_ring_shift_start" not in bwd
 
 
+@pytest.mark.parametrize("g,layout,causal,n,kv_heads,b", [(2, "zigzag", True, 8, 4, 3), (4, "contiguous", False, 16, 8, 2),
+                                                          (8, "contiguous", True, 16, 8, 1)])
+def test_ulysses_batch_element_chunks(monkeypatch, g, layout, causal, n, kv_heads, b):
+    """PK_JAX_ULYSSES_CHUNK_BY=batch under windowed exchanges: one chunk per batch element, every block contiguous
+    (q/k/v in the send layout), forward and gradients equal to the reference; one start per tensor and element
+    each way, and no head-chunked windows."""
+    from pk_jax.context import ring_shift, ulysses, window_exchange
+
+    monkeypatch.setenv(ulysses.A2A_VAR, "async")
+    monkeypatch.setenv(ulysses.CHUNK_BY_VAR, "batch")
+    monkeypatch.setenv(ring_shift.ENGINE_VAR, "copy")
+    q, k, v, d_out = random_qkv(g + 13 * causal, b, g * T_LOCAL, n, kv_heads, 16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    fwd = str(jax.make_jaxpr(f)(q, k, v))
+    assert fwd.count("pk_exchange_start[") == 4 * b
+    bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert bwd.count("pk_exchange_start[") == 8 * b
+    # Every block of the send layout is one contiguous run on both sides (a plain copy).
+    x = jnp.zeros((b, T_LOCAL, n, 16))
+    send = window_exchange.to_send_layout(x, g)
+    src, dst, out = window_exchange.batch_in(send.shape, g, b - 1)
+    width, height, depth = window_exchange.block_geometry(send.shape, out, src, dst, 4, g)[:3]
+    assert (height, depth) == (1, 1) and width == T_LOCAL * n // g * 16 * 4
+    y = jnp.arange(b * g * T_LOCAL * 2 * 3).reshape(b * g, T_LOCAL, 2, 3)
+    np.testing.assert_array_equal(window_exchange.to_send_layout(window_exchange.from_send_layout(y, g), g), y)
+
+
 @pytest.mark.parametrize("g", [2, 3, 8])
 def test_window_all_to_all_places_windows(g):
     """The windowed all-to-all's semantics (its lax lowering here): the tiled all-to-all for whole blocks; a source

@@ -203,6 +203,34 @@ def heads_out(res_shape: Sequence[int], heads: int, g: int, i: int) -> tuple[Win
     return Window(1, t, 0, t), Window(2, heads // g, i * w, w), (b, t, heads, d)
 
 
+def to_send_layout(x: jax.Array, g: int) -> jax.Array:
+    """(B, T, heads, D) -> (B G, T, heads / G, D): row b G + t holds batch element b's heads for member t, so each
+    element's block for each member is contiguous (one pass; the batch-element chunks' exchanges are then plain
+    copies)."""
+    b, t, h, d = x.shape
+    return x.reshape(b, t, g, h // g, d).transpose(0, 2, 1, 3, 4).reshape(b * g, t, h // g, d)
+
+
+def from_send_layout(x: jax.Array, g: int) -> jax.Array:
+    """Inverse of to_send_layout: (B G, T, w, D) -> (B, T, G w, D)."""
+    bg, t, w, d = x.shape
+    return x.reshape(bg // g, g, t, w, d).transpose(0, 2, 1, 3, 4).reshape(bg // g, t, g * w, d)
+
+
+def batch_in(send_shape: Sequence[int], g: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
+    """Batch element i's exchange from the send layout (B G, T, w, D): member r's row i G + t goes to member t's
+    (G, T, w, D) row r, which reshaped to (1, G T, w, D) is the element's whole sequence for t's heads."""
+    _, t, w, d = send_shape
+    return Window(0, 1, i * g, 1), Window(0, 1, 0, 1), (g, t, w, d)
+
+
+def batch_out(res_shape: Sequence[int], batch: int, g: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
+    """The way back: element i's (G, T, w, D) result, row t for member t, into row i G + r of t's (B G, T, w, D)
+    (from_send_layout of which is the final (B, T, G w, D))."""
+    _, t, w, d = res_shape
+    return Window(0, 1, 0, 1), Window(0, 1, i * g, 1), (batch * g, t, w, d)
+
+
 def usable(x_shapes: Sequence[Sequence[int]], g: int, chunks: int, itemsize: int) -> bool:
     """Whether every exchange of a head-chunked Ulysses call has a 3-D copy layout (else the shift-based one runs)."""
     try:

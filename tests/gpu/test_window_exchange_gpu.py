@@ -121,14 +121,18 @@ def test_window_forty_in_a_row():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("chunks", ["1", "4"])
+@pytest.mark.parametrize("chunks", ["1", "4", "batch"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_ulysses_windowed_matches_reference(monkeypatch, chunks, causal):
     """Ulysses with PK_JAX_ULYSSES_A2A=async over copy engines: every exchange windowed (no chunk slices or
-    assembly), forward and gradients vs the float32 reference on every GPU."""
+    assembly), in head chunks or one chunk per batch element (contiguous blocks: plain copies), forward and
+    gradients vs the float32 reference on every GPU."""
     from .test_context_gpu import TOL, assert_close, random_qkv, reference, sharded
 
-    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
+    if chunks == "batch":
+        monkeypatch.setenv("PK_JAX_ULYSSES_CHUNK_BY", "batch")
+    else:
+        monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
     monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
     g = len(gpus())
     heads = 8 * g
