@@ -236,7 +236,7 @@ cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t s
   return make_cudaPitchedPtr(const_cast<void*>(base), size_t(pitch), size_t(width), size_t(slice / pitch));
 }
 
-// How a block is copied ($PK_JAX_WINDOW_COPY):
+// How a strided block is copied ($PK_JAX_WINDOW_COPY; a contiguous one is always one cudaMemcpyPeerAsync):
 //   "batch" (default): one cudaMemcpy3DBatchAsync op with cudaMemcpyFlagPreferOverlapWithCompute, the runtime's
 //           hint to keep a copy off the SMs (CUDA 12.8+). Not yet timed.
 //   "3d":   one cudaMemcpy3DPeerAsync. On 2x H100 (2026-11-26 Ulysses timelines) it did not run beside a kernel

@@ -161,7 +161,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
     mode = exchange()
     windowed = mode == "async" and g > 1 and _windowed([q, k, v], g, c)
-    by_batch = windowed and chunk_by() == "batch"
+    by_batch = windowed and chunk_by() == "batch" and q.shape[0] > 1  # one element: nothing to overlap
     pk_reserve = ((window_reserve_sms() if windowed else shift_sms()) if mode == "async" else 0) \
         if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)

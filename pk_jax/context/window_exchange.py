@@ -113,7 +113,8 @@ def block_geometry(x_shape: Sequence[int], y_shape: Sequence[int], src: Window, 
     (depth, ss, ds), (height, sp, dp) = outer
     src_pitch, dst_pitch = (sp * itemsize, dp * itemsize) if height > 1 else (width, width)
     src_slice, dst_slice = (ss * itemsize, ds * itemsize) if depth > 1 else (src_pitch * height, dst_pitch * height)
-    if src_slice % src_pitch or dst_slice % dst_pitch or max(src_pitch, dst_pitch) > _MAX_PITCH:
+    too_wide = height * depth > 1 and max(src_pitch, dst_pitch) > _MAX_PITCH  # a contiguous block has no pitch
+    if src_slice % src_pitch or dst_slice % dst_pitch or too_wide:
         raise ValueError("the outer strides are not a pitch and a multiple of it")
     return (width, height, depth, src_pitch, src_slice, dst_pitch, dst_slice,
             src.offset * xs[src.axis] * itemsize, src.stride * xs[src.axis] * itemsize,

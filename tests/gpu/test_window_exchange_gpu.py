@@ -144,6 +144,8 @@ def test_ulysses_windowed_matches_reference(monkeypatch, chunks, causal):
     f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
     hlo = f.lower(spec, kv_spec, kv_spec).compile().as_text()
     assert "pk_exchange_start" in hlo and "pk_ring_shift_start" not in hlo
+    if chunks == "batch":  # one exchange per tensor and batch element each way (head chunks: per chunk)
+        assert hlo.count('custom_call_target="pk_exchange_start"') == 4 * 2
     got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
 
