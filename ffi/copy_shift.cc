@@ -236,22 +236,19 @@ cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t s
   return make_cudaPitchedPtr(const_cast<void*>(base), size_t(pitch), size_t(width), size_t(slice / pitch));
 }
 
-// How a strided block is copied ($PK_JAX_WINDOW_COPY; a contiguous one is always one cudaMemcpyPeerAsync):
-//   "batch" (default): one cudaMemcpy3DBatchAsync op with cudaMemcpyFlagPreferOverlapWithCompute, the runtime's
-//           hint to keep a copy off the SMs (CUDA 12.8+). Not yet timed.
-//   "3d":   one cudaMemcpy3DPeerAsync. On 2x H100 (2026-11-26 Ulysses timelines) it did not run beside a kernel
-//           holding every SM: each began as the attention kernel retired its CTAs, as if the driver ran it on SMs.
-//   "2d":   a cudaMemcpy2DAsync per slice: no overlap either, and slower (forward at S 2048, 4 chunks: 10.4 ms
-//           against 8.4).
-enum class BlockCopy { kBatch, k3D, k2D };
-
-BlockCopy block_copy_mode() {
-  static const BlockCopy mode = [] {
+// How a strided block is copied (a contiguous one is always one cudaMemcpyPeerAsync):
+//   default: one cudaMemcpy3DBatchAsync op with cudaMemcpyFlagPreferOverlapWithCompute, the runtime's hint to keep
+//            a copy off the SMs (CUDA 12.8+). Not yet timed.
+//   $PK_JAX_WINDOW_COPY=3d: one cudaMemcpy3DPeerAsync. On 2x H100 (2026-11-26 Ulysses timelines) it did not run
+//            beside a kernel holding every SM: each began as the attention kernel retired its CTAs, as if the driver
+//            ran it on SMs. (A cudaMemcpy2DAsync per slice did not overlap either, and was slower: 10.4 ms against
+//            8.4 forward at S 2048 in 4 chunks.)
+bool batch_copies() {
+  static const bool batch = [] {
     const char* v = std::getenv("PK_JAX_WINDOW_COPY");
-    const std::string s = v ? v : "";
-    return s == "3d" ? BlockCopy::k3D : s == "2d" ? BlockCopy::k2D : BlockCopy::kBatch;
+    return !(v && std::string(v) == "3d");
   }();
-  return mode;
+  return batch;
 }
 
 cudaMemcpy3DOperand pointer_operand(const char* base, int64_t pitch, int64_t slice) {
@@ -281,14 +278,12 @@ cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src
                        cudaStream_t side) {
   if (k.height == 1 && k.depth == 1)  // contiguous on both sides: the plain copy the ring's shifts make, which
     return cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, size_t(k.width), side);  // ran beside full-SM kernels
-  const BlockCopy mode = block_copy_mode();
-  if (mode == BlockCopy::k3D || (mode == BlockCopy::kBatch && batch_refused.load()))
-    return copy_3d(k, dst, dst_dev, src, src_dev, side);
-  // Unified addresses name both devices; the calling thread's device is made the stream's for the calls.
+  if (!batch_copies() || batch_refused.load()) return copy_3d(k, dst, dst_dev, src, src_dev, side);
+  // Unified addresses name both devices; the calling thread's device is made the stream's for the call.
   int prev = 0;
   cudaGetDevice(&prev);
   cudaError_t e = prev == me ? cudaSuccess : cudaSetDevice(me);
-  if (mode == BlockCopy::kBatch && e == cudaSuccess) {
+  if (e == cudaSuccess) {
     cudaMemcpy3DBatchOp op = {};
     op.src = pointer_operand(src, k.src_pitch, k.src_slice);
     op.dst = pointer_operand(dst, k.dst_pitch, k.dst_slice);
@@ -309,9 +304,6 @@ cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src
       e = copy_3d(k, dst, dst_dev, src, src_dev, side);
     }
   }
-  for (int64_t z = 0; mode == BlockCopy::k2D && z < k.depth && e == cudaSuccess; ++z)
-    e = cudaMemcpy2DAsync(dst + z * k.dst_slice, size_t(k.dst_pitch), src + z * k.src_slice, size_t(k.src_pitch),
-                          size_t(k.width), size_t(k.height), cudaMemcpyDefault, side);
   if (prev != me) cudaSetDevice(prev);
   return e;
 }

@@ -383,15 +383,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                         --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-reserve-$r.json"
                     done ;;
     ulyssesbatch) # (2 GPUs+) windowed Ulysses in chunks of one batch element (contiguous blocks: plain copies):
-                  # a timeline with our attention (no SMs left free), then bench rows with cuDNN and with ours
+                  # a timeline with our attention (it leaves no SMs free here), then bench rows with cuDNN and with ours
                   stage ulysses-batch-timeline 40 env PK_JAX_ULYSSES_CHUNK_BY=batch PK_JAX_ULYSSES_A2A=async \
-                    PK_JAX_ULYSSES_LOCAL=pk PK_JAX_ULYSSES_RESERVE_SMS=0 PK_JAX_RING_SHIFT_ENGINE=copy \
+                    PK_JAX_ULYSSES_LOCAL=pk PK_JAX_RING_SHIFT_ENGINE=copy \
                     python3 scripts/ring_timeline.py --op ulysses --seq 2048 --heads 128 --cases fwd fwd_bwd
                   for local in ${BATCH_LOCALS:-default pk}; do
                     stage ulysses-batch-$local ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_CHUNK_BY=batch \
-                      PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=$local PK_JAX_ULYSSES_RESERVE_SMS=0 \
-                      PK_JAX_RING_SHIFT_ENGINE=copy python3 -m pk_jax.bench context --op ulysses_attention \
-                      --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-batch-$local.json"
+                      PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=$local PK_JAX_RING_SHIFT_ENGINE=copy \
+                      python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-batch-$local.json"
                   done ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do

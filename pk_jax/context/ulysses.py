@@ -91,9 +91,9 @@ def local_kernel() -> bool:
 
 
 def window_reserve_sms() -> int:
-    """$PK_JAX_ULYSSES_RESERVE_SMS: SMs our local attention leaves free beside the windowed exchanges (default 16,
-    read when traced). The strided copies need SMs: on 2x H100 (2026-11-26) each one started only as the attention
-    kernel beside it retired its CTAs, as if the driver ran strided copies as kernels."""
+    """$PK_JAX_ULYSSES_RESERVE_SMS: SMs our local attention leaves free beside head-chunked windowed exchanges
+    (default 16, read when traced). The strided copies need SMs: on 2x H100 (2026-11-26) each one started only as
+    the attention kernel beside it retired its CTAs, as if the driver ran strided copies as kernels."""
     return int_setting(RESERVE_VAR, 16, minimum=0, owner="pk_jax.ulysses_attention", what="a count of SMs")
 
 
@@ -162,8 +162,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     mode = exchange()
     windowed = mode == "async" and g > 1 and _windowed([q, k, v], g, c)
     by_batch = windowed and chunk_by() == "batch" and q.shape[0] > 1  # one element: nothing to overlap
-    pk_reserve = ((window_reserve_sms() if windowed else shift_sms()) if mode == "async" else 0) \
-        if local_kernel() else None
+    # SMs our attention leaves free beside the side stream: the SM shift's CTAs, or $PK_JAX_ULYSSES_RESERVE_SMS for
+    # strided windowed copies; none for contiguous copies (by_batch) or without async exchanges.
+    reserve = 0 if mode != "async" or by_batch else window_reserve_sms() if windowed else shift_sms()
+    pk_reserve = reserve if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
         static = dataclasses.replace(cfg, scale=None if scale is None else float(scale), windowed=windowed,
@@ -249,9 +251,10 @@ def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes, by_batch: bo
     """_pipelined with windowed all-to-alls: chunk i's inputs read from the whole (B, T, heads, D) xs, its results
     (B, S, w, D) written into their heads of the whole outputs (B, T, G c w, D), so no head-chunk slice, no assembly of
     the arrivals in source order and no unchunk pass. by_batch: xs in window_exchange.to_send_layout (B G, T, w, D),
-    chunk i batch element i, exchanged as (G, T, w, D) both ways, results in the send layout (c = B). Same order on the side stream as _pipelined: chunk i+1's
-    inputs and chunk i-1's results move under chunk i's compute; each wait drains the side stream, so the results
-    of chunk i-2 have landed once chunk i's inputs have (their wait is placed there: it costs nothing then)."""
+    chunk i batch element i, exchanged as (G, T, w, D) both ways, results in the send layout (c = B). Same order on
+    the side stream as _pipelined: chunk i+1's inputs and chunk i-1's results move under chunk i's compute; each
+    wait drains the side stream, so the results of chunk i-2 have landed once chunk i's inputs have (their wait is
+    placed there: it costs nothing then)."""
     g = group_size(axes)
     if by_batch:  # xs in to_send_layout; chunk i is batch element i, its results (G, T, w, D)
         windows_in = lambda shape, i: window_exchange.batch_in(shape, g, i)

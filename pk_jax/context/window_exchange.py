@@ -20,7 +20,7 @@ the arrivals in source order (1.1 ms for chunk 0, 0.27-0.54 for the others) and 
 session 16 (2x H100): a strided copy (one 3-D copy, or a 2-D copy per slice) did not run beside a kernel holding
 every SM, unlike the ring's contiguous copies; each began as the attention kernel retired its CTAs. Since then
 each block is one cudaMemcpy3DBatchAsync op flagged to prefer overlap with compute (not yet timed;
-$PK_JAX_WINDOW_COPY=3d or 2d: the measured forms, ffi/copy_shift.cc).
+$PK_JAX_WINDOW_COPY=3d: the measured form, ffi/copy_shift.cc).
 
 On GPUs the start is the `pk_exchange_start` FFI call (every member a GPU of this process; pk_jax.context.ulysses
 uses it only with $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs); elsewhere, and for a group the
@@ -121,7 +121,8 @@ def block_geometry(x_shape: Sequence[int], y_shape: Sequence[int], src: Window, 
             dst.offset * ys[dst.axis] * itemsize, dst.stride * ys[dst.axis] * itemsize)
 
 
-def window_all_to_all_start(x: jax.Array, axes: Axes, *, src: Window, dst: Window, out_shape: Sequence[int] | None = None,
+def window_all_to_all_start(x: jax.Array, axes: Axes, *, src: Window, dst: Window,
+                            out_shape: Sequence[int] | None = None,
                             into: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Starts the windowed all-to-all (module docstring): (y, token); y is valid after shift_done((y,), token, ...).
     Raises ValueError for windows that do not fit or do not match."""
