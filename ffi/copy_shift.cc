@@ -319,10 +319,13 @@ std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const Wi
            ", pitches " + std::to_string(k.src_pitch) + " / " + std::to_string(k.dst_pitch) + ")";
   const int me = ordinals[g.rank];
   const auto src = [&](int target) { return w.x + w.src_offset + int64_t(target) * w.src_stride; };
-  // The own block: a local copy on the side stream, ahead of the handshake.
-  if (cudaError_t e = copy_block(k, w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride, me, src(g.rank), me, me,
-                                 side); e != cudaSuccess)
-    return std::string("pk_jax windowed all-to-all: the own block: ") + cudaGetErrorString(e);
+  // The own block: a local copy on the side stream, ahead of the handshake. Skipped when the caller places it:
+  // a strided local copy beside a kernel holding every SM waited for that kernel and held up the peer copies
+  // queued behind it (2x H100, 2026-11-26).
+  if (w.own_block)
+    if (cudaError_t e = copy_block(k, w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride, me, src(g.rank), me, me,
+                                   side); e != cudaSuccess)
+      return std::string("pk_jax windowed all-to-all: the own block: ") + cudaGetErrorString(e);
   if (g.size == 1) return "";
   // Every incoming block lands in this member's one y; the signature pins the block's shape and strides.
   Transfers t;

@@ -50,6 +50,7 @@ struct WindowExchange {
   char* y;
   Block3D block;
   int64_t src_offset, src_stride, dst_offset, dst_stride;
+  bool own_block;  // copy this member's own block too (false: the caller places it on XLA's stream)
 };
 
 // Enqueues the windowed all-to-all on `side` as copy_engine_shift does its shift (same board, same handshake).

@@ -17,7 +17,8 @@
 //       The windowed all-to-all by copy engines (ffi/copy_shift.h copy_engine_all_to_all; every member a GPU of
 //       this process, else an error): ordered after XLA's stream like start, y's blocks written by every member
 //       on the side stream. geometry: width, height, depth, src_pitch, src_slice, dst_pitch, dst_slice (bytes, a
-//       Block3D), src_offset, src_stride, dst_offset, dst_stride (WindowExchange). Finished by
+//       Block3D), src_offset, src_stride, dst_offset, dst_stride, own (WindowExchange; own 0: the own block is
+//       not copied, its window keeps `into`'s cells). Finished by
 //       pk_ring_shift_done like a shift.
 // Ranks come from the device ordinal at run time (build_group). The handlers keep host state (the
 // side stream and its events), so they are NOT command-buffer compatible.
@@ -157,8 +158,8 @@ ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
                           Ids geometry, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   if (args.size() < 1 || args.size() > 2 || rets.size() != 2)
     return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: x [, into] in, y and a token out");
-  if (geometry.size() != 11)
-    return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: geometry has 11 values, got " +
+  if (geometry.size() != 12)
+    return ffi::Error::InvalidArgument("pk_jax windowed all-to-all: geometry has 12 values, got " +
                                        std::to_string(geometry.size()));
   Group g;
   const LocalDevice* me = nullptr;
@@ -169,7 +170,7 @@ ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
   if (y.has_error()) return y.error();
   const int64_t* v = geometry.begin();
   WindowExchange w{static_cast<const char*>(x->untyped_data()), static_cast<char*>((*y)->untyped_data()),
-                   Block3D{v[0], v[1], v[2], v[3], v[4], v[5], v[6]}, v[7], v[8], v[9], v[10]};
+                   Block3D{v[0], v[1], v[2], v[3], v[4], v[5], v[6]}, v[7], v[8], v[9], v[10], v[11] != 0};
   // Every window of every member inside its buffer (the copies would write elsewhere otherwise).
   const int64_t last = g.size - 1;
   if (w.src_offset < 0 || w.dst_offset < 0 || w.src_stride < 0 || w.dst_stride < 0 ||

@@ -59,8 +59,9 @@
 #   ulyssesreserve (2 GPUs+) windowed Ulysses timelines per SMs our attention leaves free (RESERVES, default
 #               "0 8 16 32"), then its bench rows at RESERVE_BENCH (default 16)                              ~4 min
 #   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
-#   ulyssesbatch (2 GPUs+) windowed Ulysses in batch-element chunks (PK_JAX_ULYSSES_CHUNK_BY=batch): a timeline,
-#               then bench rows per BATCH_LOCALS (default "default pk": cuDNN, our kernel)                 ~6 min
+#   ulyssesown  (2 GPUs+) windowed Ulysses with the own blocks placed by XLA (PK_JAX_WINDOW_OWN=xla: only peer copies on
+#               the side stream): timelines per RESERVES (default "0 16"), then bench rows per OWN_CFGS
+#               "chunks:reserve" (default "4:0 8:0")                                                          ~6 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -382,16 +383,19 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                         PK_JAX_ULYSSES_LOCAL=pk python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd \
                         --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-reserve-$r.json"
                     done ;;
-    ulyssesbatch) # (2 GPUs+) windowed Ulysses in chunks of one batch element (contiguous blocks: plain copies):
-                  # a timeline with our attention (it leaves no SMs free here), then bench rows with cuDNN and with ours
-                  stage ulysses-batch-timeline 40 env PK_JAX_ULYSSES_CHUNK_BY=batch PK_JAX_ULYSSES_A2A=async \
-                    PK_JAX_ULYSSES_LOCAL=pk PK_JAX_RING_SHIFT_ENGINE=copy \
+    ulyssesown) # (2 GPUs+) windowed Ulysses, own blocks by XLA: only peer copies on the side stream under the attention
+                for r in ${RESERVES:-0 16}; do
+                  stage ulysses-own-timeline-$r 40 env PK_JAX_ULYSSES_RESERVE_SMS=$r PK_JAX_ULYSSES_CHUNKS=4 \
+                    PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk PK_JAX_RING_SHIFT_ENGINE=copy \
                     python3 scripts/ring_timeline.py --op ulysses --seq 2048 --heads 128 --cases fwd fwd_bwd
-                  for local in ${BATCH_LOCALS:-default pk}; do
-                    stage ulysses-batch-$local ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_CHUNK_BY=batch \
-                      PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=$local PK_JAX_RING_SHIFT_ENGINE=copy \
-                      python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-batch-$local.json"
-                  done ;;
+                done
+                for cfg in ${OWN_CFGS:-4:0 8:0}; do
+                  IFS=: read -r chunks r <<< "$cfg"
+                  stage ulysses-own-$chunks-$r ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_RESERVE_SMS=$r \
+                    PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_ULYSSES_CHUNKS=$chunks PK_JAX_ULYSSES_A2A=async \
+                    PK_JAX_ULYSSES_LOCAL=pk python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd \
+                    --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-own-$chunks-$r.json"
+                done ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
                    IFS=: read -r chunks a2a local <<< "$cfg"

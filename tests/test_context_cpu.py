@@ -274,15 +274,18 @@ def test_ulysses_head_chunks(monkeypatch, chunks, a2a, g, layout, causal, n, kv_
     assert jaxpr.count(op) >= 4 * c, (c, op, jaxpr.count(op))
 
 
+@pytest.mark.parametrize("own", ["xla", "copy"])
 @pytest.mark.parametrize("chunks", ["1", "2", "4"])
 @pytest.mark.parametrize("g,layout,causal,n,kv_heads", [(2, "zigzag", True, 8, 4), (4, "contiguous", False, 16, 8),
                                                         (8, "contiguous", True, 16, 8)])
-def test_ulysses_windowed_exchanges(monkeypatch, chunks, g, layout, causal, n, kv_heads):
+def test_ulysses_windowed_exchanges(monkeypatch, own, chunks, g, layout, causal, n, kv_heads):
     """PK_JAX_ULYSSES_A2A=async with PK_JAX_RING_SHIFT_ENGINE=copy: every exchange a windowed all-to-all (chunk i
     read from the whole q/k/v, results written into their heads of the whole output: no chunk slices, assembly
-    or unchunk pass), forward and gradients equal to the reference; one start per tensor and chunk each way."""
+    or unchunk pass), forward and gradients equal to the reference; one start per tensor and chunk each way, each
+    copying its own block or not as PK_JAX_WINDOW_OWN says."""
     from pk_jax.context import ring_shift, ulysses
 
+    monkeypatch.setenv(ulysses.OWN_VAR, own)
     monkeypatch.setenv(ulysses.CHUNKS_VAR, chunks)
     monkeypatch.setenv(ulysses.A2A_VAR, "async")
     monkeypatch.setenv(ring_shift.ENGINE_VAR, "copy")
@@ -291,38 +294,10 @@ def test_ulysses_windowed_exchanges(monkeypatch, chunks, g, layout, causal, n, k
     assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
     f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
     c = math.gcd(int(chunks), n // g, kv_heads // g)
-    assert str(jax.make_jaxpr(f)(q, k, v)).count("pk_exchange_start[") == 4 * c
+    fwd = str(jax.make_jaxpr(f)(q, k, v))
+    assert fwd.count("pk_exchange_start[") == 4 * c and fwd.count(f"own={own == 'copy'}") == 4 * c
     bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
     assert bwd.count("pk_exchange_start[") == 4 * c + 4 * c and "pk_ring_shift_start" not in bwd
-
-
-@pytest.mark.parametrize("g,layout,causal,n,kv_heads,b", [(2, "zigzag", True, 8, 4, 3), (4, "contiguous", False, 16, 8, 2),
-                                                          (8, "contiguous", True, 16, 8, 2)])
-def test_ulysses_batch_element_chunks(monkeypatch, g, layout, causal, n, kv_heads, b):
-    """PK_JAX_ULYSSES_CHUNK_BY=batch under windowed exchanges: one chunk per batch element, every block contiguous
-    (q/k/v in the send layout), forward and gradients equal to the reference; one start per tensor and element
-    each way, and no head-chunked windows."""
-    from pk_jax.context import ring_shift, ulysses, window_exchange
-
-    monkeypatch.setenv(ulysses.A2A_VAR, "async")
-    monkeypatch.setenv(ulysses.CHUNK_BY_VAR, "batch")
-    monkeypatch.setenv(ring_shift.ENGINE_VAR, "copy")
-    q, k, v, d_out = random_qkv(g + 13 * causal, b, g * T_LOCAL, n, kv_heads, 16)
-    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout)
-    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
-    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
-    fwd = str(jax.make_jaxpr(f)(q, k, v))
-    assert fwd.count("pk_exchange_start[") == 4 * b and fwd.count("Window(axis=0") == 8 * b  # src and dst on rows
-    bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
-    assert bwd.count("pk_exchange_start[") == 8 * b
-    # Every block of the send layout is one contiguous run on both sides (a plain copy).
-    x = jnp.zeros((b, T_LOCAL, n, 16))
-    send = window_exchange.to_send_layout(x, g)
-    src, dst, out = window_exchange.batch_in(send.shape, g, b - 1)
-    width, height, depth = window_exchange.block_geometry(send.shape, out, src, dst, 4, g)[:3]
-    assert (height, depth) == (1, 1) and width == T_LOCAL * n // g * 16 * 4
-    y = jnp.arange(b * g * T_LOCAL * 2 * 3).reshape(b * g, T_LOCAL, 2, 3)
-    np.testing.assert_array_equal(window_exchange.to_send_layout(window_exchange.from_send_layout(y, g), g), y)
 
 
 @pytest.mark.parametrize("g", [2, 3, 8])
@@ -350,6 +325,18 @@ def test_window_all_to_all_places_windows(g):
     tiled = np.asarray(run(want, x)).reshape(b, g, g * t, h // g, d)
     np.testing.assert_array_equal(got[:, :, t:], tiled[..., 2:4, :])
     assert (got[:, :, :t] == 7.0).all()
+    # own=False: the own block's window keeps `into`'s cells until place_own puts the block there.
+    from pk_jax.context.window_exchange import place_own
+    src, dst = Window(2, h // g, 2, 2), Window(1, t, t, t)
+    skip = lambda x: exchange(x, src=src, dst=dst, into=jnp.full((b, (g + 1) * t, 2, d), 7.0), own=False)
+    got_skip = np.asarray(run(skip, x)).reshape(b, g, (g + 1) * t, 2, d)
+    for r in range(g):  # member r's own rows are [t + r t, t + (r + 1) t)
+        own_rows = slice(t + r * t, t + (r + 1) * t)
+        assert (got_skip[:, r, own_rows] == 7.0).all()
+        others = np.delete(np.arange(t, (g + 1) * t), np.arange(r * t, (r + 1) * t))
+        np.testing.assert_array_equal(got_skip[:, r, others], got[:, r, others])
+    placed = run(lambda x: place_own(x, skip(x), ("sp",), src, dst), x)
+    np.testing.assert_array_equal(np.asarray(placed).reshape(got.shape), got)
     with pytest.raises(ValueError, match="does not fit"):
         run(lambda x: exchange(x, src=Window(2, h // g, 1, h // g), dst=Window(1, t, 0, t),
                                out_shape=(b, g * t, h // g, d)), x)

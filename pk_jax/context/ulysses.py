@@ -22,11 +22,12 @@ cost more than the overlap saved. With $PK_JAX_RING_SHIFT_ENGINE=copy (single-pr
 are windowed all-to-alls instead (pk_jax/context/window_exchange.py): chunk i read from the whole q/k/v and its
 output written into its heads of the whole result, none of those passes. Timed on 2x H100 (2026-11-26) they still
 lose to one exchange (forward at S 2048: 1.07-1.23x the lax composition against 1.33x): the strided copies did not
-run beside an attention kernel holding every SM, so our attention leaves $PK_JAX_ULYSSES_RESERVE_SMS to them, which
-helped at S 2048 and cost more at S 8192 (docs/benchmarks.md, session 16). The copies are now flagged to prefer
-overlap with compute (cudaMemcpy3DBatchAsync), not yet timed. $PK_JAX_ULYSSES_CHUNK_BY=batch (also not yet timed)
-chunks by batch element instead, after one pass putting q/k/v in a layout where every block is contiguous, so the
-exchanges are the plain copies that did run beside the attention.
+run beside an attention kernel holding every SM (docs/benchmarks.md, session 16). Flagged to prefer overlap with
+compute (cudaMemcpy3DBatchAsync, session 17), the peer copies do run under the attention, but the own block's local
+strided copy still waits for free SMs and holds up the peer copies queued behind it; so the own blocks are placed
+on XLA's stream ($PK_JAX_WINDOW_OWN, default "xla": one dynamic-update-slice per array and chunk, ~0.05 ms) and the
+side stream carries only peer copies. Chunks of one batch element (every block contiguous after a transpose of
+q/k/v) were measured too and lost: 0.95-1.05x (the transposes and B = 1 attention calls cost more than they hid).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ A2A_VAR = "PK_JAX_ULYSSES_A2A"
 EXCHANGES = ("pk", "lax", "async")
 LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
 RESERVE_VAR = "PK_JAX_ULYSSES_RESERVE_SMS"
-CHUNK_BY_VAR = "PK_JAX_ULYSSES_CHUNK_BY"
+OWN_VAR = "PK_JAX_WINDOW_OWN"
 
 
 def head_chunks() -> int:
@@ -97,13 +98,11 @@ def window_reserve_sms() -> int:
     return int_setting(RESERVE_VAR, 16, minimum=0, owner="pk_jax.ulysses_attention", what="a count of SMs")
 
 
-def chunk_by() -> str:
-    """$PK_JAX_ULYSSES_CHUNK_BY: what the async pipeline's chunks are under windowed exchanges, "heads" (default:
-    $PK_JAX_ULYSSES_CHUNKS runs of heads) or "batch" (one batch element each, q/k/v first put in
-    window_exchange.to_send_layout so every block is contiguous: plain copies, which the copy engines run beside
-    a kernel holding every SM; strided ones did not, 2x H100, 2026-11-26). Read when traced; "batch" is not yet
-    timed, and without windowed exchanges the head chunks run."""
-    return choice_setting(CHUNK_BY_VAR, "heads", ("heads", "batch"), owner="pk_jax.ulysses_attention")
+def own_on_xla() -> bool:
+    """$PK_JAX_WINDOW_OWN: who places each member's own block in the windowed exchanges, "xla" (default: a
+    dynamic-update-slice on XLA's stream once the exchange has landed) or "copy" (a local strided copy on the side
+    stream, ahead of the peer copies). Read when traced."""
+    return choice_setting(OWN_VAR, "xla", ("xla", "copy"), owner="pk_jax.ulysses_attention") == "xla"
 
 
 def chunk_heads(x: jax.Array, g: int, c: int, i: int) -> jax.Array:
@@ -161,16 +160,15 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
     mode = exchange()
     windowed = mode == "async" and g > 1 and _windowed([q, k, v], g, c)
-    by_batch = windowed and chunk_by() == "batch" and q.shape[0] > 1  # one element: nothing to overlap
     # SMs our attention leaves free beside the side stream: the SM shift's CTAs, or $PK_JAX_ULYSSES_RESERVE_SMS for
-    # strided windowed copies; none for contiguous copies (by_batch) or without async exchanges.
-    reserve = 0 if mode != "async" or by_batch else window_reserve_sms() if windowed else shift_sms()
+    # strided windowed copies; none without async exchanges.
+    reserve = 0 if mode != "async" else window_reserve_sms() if windowed else shift_sms()
     pk_reserve = reserve if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
         static = dataclasses.replace(cfg, scale=None if scale is None else float(scale), windowed=windowed,
-                                     by_batch=by_batch)
-        return _ulysses_async(q, k, v, normalize_axis_name(axis_name), q.shape[0] if by_batch else c, static)
+                                     own_on_xla=windowed and own_on_xla())
+        return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
     a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
         (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
 
@@ -193,7 +191,7 @@ class _Local:
     g: int
     pk_reserve: int | None = None  # our kernel leaving this many SMs free (local_kernel()), None: dot_product_attention
     windowed: bool = False  # the async pipeline's exchanges are windowed all-to-alls (_windowed), both ways
-    by_batch: bool = False  # windowed, in chunks of one batch element (chunk_by() == "batch")
+    own_on_xla: bool = False  # windowed, each own block placed on XLA's stream (own_on_xla())
 
     def __call__(self, q, k, v):
         from pk_jax.attention import _kernel_attention, _kernel_refusal, _offset_array  # it imports this package
@@ -247,35 +245,35 @@ def _windowed(xs: list[jax.Array], g: int, c: int) -> bool:
             and window_exchange.usable([x.shape for x in xs], g, c, xs[0].dtype.itemsize))
 
 
-def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes, by_batch: bool = False) -> list[jax.Array]:
+def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes, own_on_xla: bool) -> list[jax.Array]:
     """_pipelined with windowed all-to-alls: chunk i's inputs read from the whole (B, T, heads, D) xs, its results
     (B, S, w, D) written into their heads of the whole outputs (B, T, G c w, D), so no head-chunk slice, no assembly of
-    the arrivals in source order and no unchunk pass. by_batch: xs in window_exchange.to_send_layout (B G, T, w, D),
-    chunk i batch element i, exchanged as (G, T, w, D) both ways, results in the send layout (c = B). Same order on
-    the side stream as _pipelined: chunk i+1's inputs and chunk i-1's results move under chunk i's compute; each
-    wait drains the side stream, so the results of chunk i-2 have landed once chunk i's inputs have (their wait is
-    placed there: it costs nothing then)."""
+    the arrivals in source order and no unchunk pass. Same order on the side stream as _pipelined: chunk i+1's inputs
+    and chunk i-1's results move under chunk i's compute; each wait drains the side stream, so the results of chunk
+    i-2 have landed once chunk i's inputs have (their wait is placed there: it costs nothing then). own_on_xla: the
+    side stream carries only the peer blocks; each own block is placed on XLA's stream once its exchange landed."""
     g = group_size(axes)
-    if by_batch:  # xs in to_send_layout; chunk i is batch element i, its results (G, T, w, D)
-        windows_in = lambda shape, i: window_exchange.batch_in(shape, g, i)
-        windows_out = lambda shape, i: window_exchange.batch_out(shape, c, g, i)
-    else:
-        windows_in = lambda shape, i: window_exchange.heads_in(shape, g, c, i)
-        windows_out = lambda shape, i: window_exchange.heads_out(shape, shape[2] * g * c, g, i)
+    windows_in = lambda shape, i: window_exchange.heads_in(shape, g, c, i)
+    windows_out = lambda shape, i: window_exchange.heads_out(shape, shape[2] * g * c, g, i)
 
     def start(arrays, i, windows, into=None):
         pending = []
         for x, acc in zip(arrays, into or [None] * len(arrays)):
             src, dst, shape = windows(x.shape, i)
-            pending.append((x, *window_exchange.window_all_to_all_start(x, axes, src=src, dst=dst, out_shape=shape,
-                                                                        into=acc)))
+            y, token = window_exchange.window_all_to_all_start(x, axes, src=src, dst=dst, out_shape=shape, into=acc,
+                                                               own=not own_on_xla)
+            pending.append((x, y, token, src, dst))
         return pending
 
     start_in = lambda arrays, i: start(arrays, i, windows_in)
     start_out = lambda results, i, into: start(results, i, windows_out, into)
 
-    finish = lambda pending, after: [shift_done((y,), token, keep_alive=sent, after=after)[0]
-                                     for sent, y, token in pending]
+    def finish(pending, after):
+        done = [(shift_done((y,), token, keep_alive=sent, after=after)[0], sent, src, dst)
+                for sent, y, token, src, dst in pending]
+        return [window_exchange.place_own(sent, y, axes, src, dst) if own_on_xla else y for y, sent, src, dst in done]
+
+    tokens = lambda pending: [p[2] for p in pending]
     pending_in, pending_out = start_in(xs, 0), []
     outs = None  # the whole outputs so far (chunk 0's exchange starts them)
     res = None
@@ -286,11 +284,11 @@ def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes, by_batch: bo
         issued = []
         if i + 1 < c:  # read after both waits above (else a wait placed after this start would drain it too)
             pending_in = start_in(lax.optimization_barrier((xs, ins, outs))[0], i + 1)
-            issued += [token for _, _, token in pending_in]
+            issued += tokens(pending_in)
         if res is not None:
             res_b, outs_b = lax.optimization_barrier(((res, outs), ins))[0]
             pending_out = start_out(res_b, i - 1, outs_b)
-            issued += [token for _, _, token in pending_out]
+            issued += tokens(pending_out)
         res = compute(i, after_token(ins, *issued) if issued else ins)  # not movable above those starts
     if pending_out:
         outs = finish(pending_out, res)
@@ -298,35 +296,22 @@ def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes, by_batch: bo
 
 
 def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
-    """The chunks pipelined: head chunks (_pipelined, or _pipelined_in_place), or with local.by_batch one batch
-    element each from the send layout (c = B). keep_vjps: also return each chunk's attention VJP (the backward's
-    residuals)."""
+    """The head chunks pipelined (_pipelined, or _pipelined_in_place). keep_vjps: also return each chunk's attention
+    VJP (the backward's residuals)."""
     g = local.g
     vjps = []
 
     def compute(i, xs):
-        if local.by_batch:  # (G, T, w, D) arrivals: element i's whole sequence; the result back the same way
-            shape = xs[0].shape
-            xs = [_as_sequence(x) for x in xs]
         if not keep_vjps:
-            out = local(*xs)
-        else:
-            out, vjp = jax.vjp(local, *xs)
-            vjps.append(vjp)
-        return [out.reshape(shape[0], shape[1], *out.shape[2:]) if local.by_batch else out]
+            return [local(*xs)]
+        out, vjp = jax.vjp(local, *xs)
+        vjps.append(vjp)
+        return [out]
 
-    if local.by_batch:
-        sent = [window_exchange.to_send_layout(x, g) for x in (q, k, v)]
-        return window_exchange.from_send_layout(_pipelined_in_place(sent, c, compute, axes, True)[0], g), vjps
     if local.windowed:
-        return _pipelined_in_place([q, k, v], c, compute, axes)[0], vjps
+        return _pipelined_in_place([q, k, v], c, compute, axes, local.own_on_xla)[0], vjps
     chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
     return unchunk_heads([o for (o,) in _pipelined(chunks, compute, axes)], g), vjps
-
-
-def _as_sequence(x: jax.Array) -> jax.Array:
-    """A batch element's arrivals (G, T, w, D), member r's rows at r -> (1, G T, w, D): its whole sequence."""
-    return x.reshape(1, x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def _async_fwd(q, k, v, axes, c, local):
@@ -339,14 +324,8 @@ def _async_bwd(axes, c, local, vjps, d_out):
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
     vjp = lambda i, xs: list(vjps[i](xs[0]))
-    if local.by_batch:
-        def vjp_element(i, xs):  # element i's (G, T, w, D) cotangent; its gradients back in that shape
-            return [d.reshape(xs[0].shape[0], xs[0].shape[1], *d.shape[2:]) for d in vjps[i](_as_sequence(xs[0]))]
-
-        grads = _pipelined_in_place([window_exchange.to_send_layout(d_out, g)], c, vjp_element, axes, True)
-        return tuple(window_exchange.from_send_layout(d, g) for d in grads)
     if local.windowed:
-        return tuple(_pipelined_in_place([d_out], c, vjp, axes))
+        return tuple(_pipelined_in_place([d_out], c, vjp, axes, local.own_on_xla))
     grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], vjp, axes)
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
 

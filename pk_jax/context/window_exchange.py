@@ -122,10 +122,11 @@ def block_geometry(x_shape: Sequence[int], y_shape: Sequence[int], src: Window, 
 
 
 def window_all_to_all_start(x: jax.Array, axes: Axes, *, src: Window, dst: Window,
-                            out_shape: Sequence[int] | None = None,
-                            into: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                            out_shape: Sequence[int] | None = None, into: jax.Array | None = None,
+                            own: bool = True) -> tuple[jax.Array, jax.Array]:
     """Starts the windowed all-to-all (module docstring): (y, token); y is valid after shift_done((y,), token, ...).
-    Raises ValueError for windows that do not fit or do not match."""
+    own=False: the own block is not copied (its window keeps `into`'s cells); the caller places it on XLA's
+    stream with place_own. Raises ValueError for windows that do not fit or do not match."""
     axes = tuple(axes)
     g = group_size(axes)
     shape = tuple(into.shape) if into is not None else tuple(int(n) for n in out_shape)
@@ -135,11 +136,19 @@ def window_all_to_all_start(x: jax.Array, axes: Axes, *, src: Window, dst: Windo
     block_geometry(x.shape, shape, src, dst, x.dtype.itemsize, g)  # raises for windows that cannot be copied
     x = insert_collective_pvary(axes, x)
     operands = (x,) if into is None else (x, insert_collective_pvary(axes, into))
-    y, token = pk_exchange_start_p.bind(*operands, axes=axes, g=g, src=src, dst=dst, out_shape=shape)
+    y, token = pk_exchange_start_p.bind(*operands, axes=axes, g=g, src=src, dst=dst, out_shape=shape, own=bool(own))
     return y, token
 
 
-def _abstract(x, *into, axes, g, src, dst, out_shape):
+def place_own(x: jax.Array, y: jax.Array, axes: Axes, src: Window, dst: Window) -> jax.Array:
+    """y with this member's own block of x placed in its window (what the exchange copies unless own=False)."""
+    name = axes if len(axes) > 1 else axes[0]
+    rank = lax.axis_index(name)
+    block = lax.dynamic_slice_in_dim(x, rank * src.stride + src.offset, src.length, axis=src.axis)
+    return lax.dynamic_update_slice_in_dim(y, block, rank * dst.stride + dst.offset, axis=dst.axis)
+
+
+def _abstract(x, *into, axes, g, src, dst, out_shape, own):
     y = into[0] if into else x.update(shape=out_shape, dtype=x.dtype)
     if config._check_vma.value:
         varying = frozenset().union(*(a.mat.varying for a in (x, *into)))
@@ -151,33 +160,36 @@ pk_exchange_start_p.def_abstract_eval(_abstract)
 pk_exchange_start_p.def_impl(functools.partial(dispatch.apply_primitive, pk_exchange_start_p))
 
 
-def reference(x, into, *, axes, g, src: Window, dst: Window, out_shape):
-    """The windowed all-to-all in lax (inside shard_map): the own block placed, then one ppermute per distance."""
+def reference(x, into, *, axes, g, src: Window, dst: Window, out_shape, own: bool = True):
+    """The windowed all-to-all in lax (inside shard_map): the own block placed (if own), then one ppermute per
+    distance."""
     name = axes if len(axes) > 1 else axes[0]
     rank = lax.axis_index(name)
     y = into if into is not None else jnp.zeros(out_shape, x.dtype)
     block = lambda t: lax.dynamic_slice_in_dim(x, t * src.stride + src.offset, src.length, axis=src.axis)
     place = lambda y, part, s: lax.dynamic_update_slice_in_dim(y, part, s * dst.stride + dst.offset, axis=dst.axis)
-    y = place(y, block(rank), rank)
+    if own:
+        y = place_own(x, y, axes, src, dst)
     for d in range(1, g):
         got = lax.ppermute(block((rank + d) % g), name, _perm(g, d))  # member rank - d's block for this member
         y = place(y, got, (rank - d) % g)
     return y
 
 
-def _fallback(ctx, x, *into, axes, g, src, dst, out_shape):
+def _fallback(ctx, x, *into, axes, g, src, dst, out_shape, own):
     def f(x, *into):
-        return [reference(x, into[0] if into else None, axes=axes, g=g, src=src, dst=dst, out_shape=out_shape),
-                jnp.zeros((), jnp.int32)]
+        return [reference(x, into[0] if into else None, axes=axes, g=g, src=src, dst=dst, out_shape=out_shape,
+                          own=own), jnp.zeros((), jnp.int32)]
 
     return mlir.lower_fun(f, multiple_results=True)(ctx, x, *into)
 
 
-def _cuda(ctx, x, *into, axes, g, src, dst, out_shape):
+def _cuda(ctx, x, *into, axes, g, src, dst, out_shape, own):
     table = _kernel_table(ctx, axes)
     if table is None:
-        return _fallback(ctx, x, *into, axes=axes, g=g, src=src, dst=dst, out_shape=out_shape)
-    geometry = block_geometry(ctx.avals_in[0].shape, out_shape, src, dst, np.dtype(ctx.avals_in[0].dtype).itemsize, g)
+        return _fallback(ctx, x, *into, axes=axes, g=g, src=src, dst=dst, out_shape=out_shape, own=own)
+    geometry = (*block_geometry(ctx.avals_in[0].shape, out_shape, src, dst, np.dtype(ctx.avals_in[0].dtype).itemsize,
+                                g), int(own))
     return jax.ffi.ffi_lowering("pk_exchange_start", has_side_effect=True,
                                 operand_output_aliases={1: 0} if into else None)(
         ctx, x, *into, geometry=np.asarray(geometry, np.int64), mesh_ids=np.asarray(table.mesh_ids, np.int64),
@@ -203,34 +215,6 @@ def heads_out(res_shape: Sequence[int], heads: int, g: int, i: int) -> tuple[Win
     b, s, w, d = res_shape
     t = s // g
     return Window(1, t, 0, t), Window(2, heads // g, i * w, w), (b, t, heads, d)
-
-
-def to_send_layout(x: jax.Array, g: int) -> jax.Array:
-    """(B, T, heads, D) -> (B G, T, heads / G, D): row b G + t holds batch element b's heads for member t, so each
-    element's block for each member is contiguous (one pass; the batch-element chunks' exchanges are then plain
-    copies)."""
-    b, t, h, d = x.shape
-    return x.reshape(b, t, g, h // g, d).transpose(0, 2, 1, 3, 4).reshape(b * g, t, h // g, d)
-
-
-def from_send_layout(x: jax.Array, g: int) -> jax.Array:
-    """Inverse of to_send_layout: (B G, T, w, D) -> (B, T, G w, D)."""
-    bg, t, w, d = x.shape
-    return x.reshape(bg // g, g, t, w, d).transpose(0, 2, 1, 3, 4).reshape(bg // g, t, g * w, d)
-
-
-def batch_in(send_shape: Sequence[int], g: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
-    """Batch element i's exchange from the send layout (B G, T, w, D): member r's row i G + t goes to member t's
-    (G, T, w, D) row r, which reshaped to (1, G T, w, D) is the element's whole sequence for t's heads."""
-    _, t, w, d = send_shape
-    return Window(0, 1, i * g, 1), Window(0, 1, 0, 1), (g, t, w, d)
-
-
-def batch_out(res_shape: Sequence[int], batch: int, g: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
-    """The way back: element i's (G, T, w, D) result, row t for member t, into row i G + r of t's (B G, T, w, D)
-    (from_send_layout of which is the final (B, T, G w, D))."""
-    _, t, w, d = res_shape
-    return Window(0, 1, 0, 1), Window(0, 1, i * g, 1), (batch * g, t, w, d)
 
 
 def usable(x_shapes: Sequence[Sequence[int]], g: int, chunks: int, itemsize: int) -> bool:

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.context.ring_shift import shift_done
-from pk_jax.context.window_exchange import Window, window_all_to_all_start
+from pk_jax.context.window_exchange import Window, place_own, window_all_to_all_start
 from .devices import gpus
 
 MIN_GPUS = 2
@@ -100,6 +100,26 @@ def test_window_head_run_into_keeps_the_rest():
     assert (got[:, :, :t] == 7.0).all()
 
 
+def test_window_own_block_left_to_xla():
+    """own=False: the side stream copies only the peer blocks (the own window keeps `into`'s sevens), and
+    place_own on XLA's stream completes the tiled all-to-all's bits."""
+    g = len(gpus())
+    b, t, h, d = 2, 16, 4 * g, 32
+    x = data(g, b, t, h, d, jnp.float32, seed=4)
+    src, dst = Window(2, h // g, 0, h // g), Window(1, t, 0, t)
+    skip = lambda x: exchange(x, src=src, dst=dst, into=jnp.full((b, g * t, h // g, d), 7.0, jnp.float32), own=False)
+    got, _ = run(skip, g, x)
+    want, _ = run(tiled, g, x)
+    got, want = got.reshape(b, g, g * t, h // g, d), want.reshape(b, g, g * t, h // g, d)
+    for r in range(g):
+        mine = slice(r * t, (r + 1) * t)
+        assert (got[:, r, mine] == 7.0).all()
+        np.testing.assert_array_equal(np.delete(got[:, r], np.arange(r * t, (r + 1) * t), axis=1),
+                                      np.delete(want[:, r], np.arange(r * t, (r + 1) * t), axis=1))
+    placed, _ = run(lambda x: place_own(x, skip(x), ("sp",), src, dst), g, x)
+    np.testing.assert_array_equal(placed, want.reshape(placed.shape))
+
+
 def test_window_forty_in_a_row():
     """40 dependent exchanges in one program (the board's slots and events reused): sequence blocks to sequence
     blocks (split and concat axis 1, shape kept), against jax.lax.all_to_all chained the same way."""
@@ -121,18 +141,16 @@ def test_window_forty_in_a_row():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("chunks", ["1", "4", "batch"])
+@pytest.mark.parametrize("chunks,own", [("1", "xla"), ("4", "xla"), ("4", "copy")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ulysses_windowed_matches_reference(monkeypatch, chunks, causal):
+def test_ulysses_windowed_matches_reference(monkeypatch, chunks, own, causal):
     """Ulysses with PK_JAX_ULYSSES_A2A=async over copy engines: every exchange windowed (no chunk slices or
-    assembly), in head chunks or one chunk per batch element (contiguous blocks: plain copies), forward and
+    assembly), each own block placed by XLA or copied on the side stream (PK_JAX_WINDOW_OWN), forward and
     gradients vs the float32 reference on every GPU."""
     from .test_context_gpu import TOL, assert_close, random_qkv, reference, sharded
 
-    if chunks == "batch":
-        monkeypatch.setenv("PK_JAX_ULYSSES_CHUNK_BY", "batch")
-    else:
-        monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
+    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
+    monkeypatch.setenv("PK_JAX_WINDOW_OWN", own)
     monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
     g = len(gpus())
     heads = 8 * g
@@ -144,8 +162,6 @@ def test_ulysses_windowed_matches_reference(monkeypatch, chunks, causal):
     f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
     hlo = f.lower(spec, kv_spec, kv_spec).compile().as_text()
     assert "pk_exchange_start" in hlo and "pk_ring_shift_start" not in hlo
-    if chunks == "batch":  # one exchange per tensor and batch element each way (head chunks: per chunk)
-        assert hlo.count('custom_call_target="pk_exchange_start"') == 4 * 2
     got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
 
