@@ -61,7 +61,7 @@
 #   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
 #   ulyssesown  (2 GPUs+) windowed Ulysses with the own blocks placed by XLA (PK_JAX_WINDOW_OWN=xla: only peer copies on
 #               the side stream): timelines per RESERVES (default "0 16"), then bench rows per OWN_CFGS
-#               "chunks:reserve" (default "4:0 8:0")                                                          ~6 min
+#               "chunks:reserve:local" (default "4:0:pk 8:0:pk"; local "default" is cuDNN)                                                          ~6 min
 #   ringshift   (2 GPUs+) the asynchronous ring shift: its first test alone (waits bounded at 5 s), then its tests and
 #               the context GPU tests, then ring rows at S 12288 with both transports (pk side-stream shift, xla ppermute) ~7 min
 #   ringprofile (2 GPUs+) scripts/ring_timeline.py: device 0's kernels of one ring call per case, both transports ~2 min
@@ -389,12 +389,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                     PK_JAX_ULYSSES_A2A=async PK_JAX_ULYSSES_LOCAL=pk PK_JAX_RING_SHIFT_ENGINE=copy \
                     python3 scripts/ring_timeline.py --op ulysses --seq 2048 --heads 128 --cases fwd fwd_bwd
                 done
-                for cfg in ${OWN_CFGS:-4:0 8:0}; do
-                  IFS=: read -r chunks r <<< "$cfg"
-                  stage ulysses-own-$chunks-$r ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_RESERVE_SMS=$r \
+                for cfg in ${OWN_CFGS:-4:0:pk 8:0:pk}; do
+                  IFS=: read -r chunks r local <<< "$cfg"
+                  stage ulysses-own-$chunks-$r-$local ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_RESERVE_SMS=$r \
                     PK_JAX_RING_SHIFT_ENGINE=copy PK_JAX_ULYSSES_CHUNKS=$chunks PK_JAX_ULYSSES_A2A=async \
-                    PK_JAX_ULYSSES_LOCAL=pk python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd \
-                    --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-own-$chunks-$r.json"
+                    PK_JAX_ULYSSES_LOCAL=$local python3 -m pk_jax.bench context --op ulysses_attention --cases fwd fwd_bwd \
+                    --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-own-$chunks-$r-$local.json"
                 done ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
