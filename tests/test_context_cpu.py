@@ -300,6 +300,29 @@ def test_ulysses_windowed_exchanges(monkeypatch, own, chunks, g, layout, causal,
     assert bwd.count("pk_exchange_start[") == 4 * c + 4 * c and "pk_ring_shift_start" not in bwd
 
 
+@pytest.mark.parametrize("g,n,kv_heads", [(2, 32, 16), (2, 8, 4), (4, 16, 8)])
+def test_ulysses_auto_exchange(monkeypatch, g, n, kv_heads):
+    """PK_JAX_ULYSSES_A2A unset ("auto") as on GPUs of one process: at G 2 the windowed pipeline in 8 head chunks
+    (fewer where the heads do not split that far), own blocks placed by XLA, matching the reference; at G 4 one
+    exchange each way, no side stream."""
+    from pk_jax.context import ulysses
+
+    monkeypatch.setattr(ulysses, "_on_gpus", lambda: True)
+    q, k, v, d_out = random_qkv(g + n, 2, g * T_LOCAL, n, kv_heads, 16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp")
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    fwd = str(jax.make_jaxpr(f)(q, k, v))
+    if g == 2:
+        c = math.gcd(ulysses.AUTO_WINDOWED_CHUNKS, n // g, kv_heads // g)
+        assert fwd.count("pk_exchange_start[") == 4 * c and fwd.count("own=False") == 4 * c
+        assert_all_close(sharded(attn, g, "contiguous", q, k, v, d_out), reference(q, k, v, d_out, False), 1e-5)
+    else:
+        assert "pk_exchange_start" not in fwd and "pk_ring_shift_start" not in fwd
+    monkeypatch.setattr(ulysses, "_on_gpus", lambda: False)  # CPU: one exchange each way (a new trace)
+    f_cpu = jax.shard_map(lambda a, b, c: attn(a, b, c), mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    assert "pk_exchange_start" not in str(jax.make_jaxpr(f_cpu)(q, k, v))
+
+
 @pytest.mark.parametrize("g", [2, 3, 8])
 def test_window_all_to_all_places_windows(g):
     """The windowed all-to-all's semantics (its lax lowering here): the tiled all-to-all for whole blocks; a source

@@ -6,28 +6,27 @@ all-to-all restores the sequence sharding. Both all-to-alls are pk_jax.all_to_al
 on GPUs, jax.lax.all_to_all elsewhere) and differentiable, so jax.grad needs nothing extra. The
 price: the full-sequence K/V of N/G heads lives on every member, and G must divide the head count.
 
-Head chunks ($PK_JAX_ULYSSES_CHUNKS=c, read when traced; default 1): each member's N/G heads are cut into c
-chunks, each exchanged, attended and sent back on its own, so that chunk i+1's exchange has no dependency on
-chunk i's attention and can run under it. $PK_JAX_ULYSSES_A2A picks the exchange: "pk" (default,
-pk_jax.all_to_all: a kernel on XLA's stream, so no overlap), "lax" (jax.lax.all_to_all: NCCL, which XLA may
-schedule asynchronously) or "async" (pk_jax/context/async_all_to_all.py: shifts at distances 1..G-1 on the side
-stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's attention, as the issue's "a head's
-attention starts as soon as its slices have landed"; the backward pipelines its exchanges the same way).
-$PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels, which leave the shift its SMs (cuDNN's may hold
-every SM until they end). Same result for every setting (the same per-head attention). On 4x H100 (2026-11-26)
-every chunked setting was slower than the default one exchange each way (forward 1.08-1.54x the lax composition
-against 1.42-1.91x; docs/benchmarks.md), so the defaults stay. The timelines on 2x H100 showed why: per chunk a
-slice of every array before its exchange and a select assembling the arrivals, and a transpose of the output,
-cost more than the overlap saved. With $PK_JAX_RING_SHIFT_ENGINE=copy (single-process jobs) the async exchanges
-are windowed all-to-alls instead (pk_jax/context/window_exchange.py): chunk i read from the whole q/k/v and its
-output written into its heads of the whole result, none of those passes. Timed on 2x H100 (2026-11-26) they still
-lose to one exchange (forward at S 2048: 1.07-1.23x the lax composition against 1.33x): the strided copies did not
-run beside an attention kernel holding every SM (docs/benchmarks.md, session 16). Flagged to prefer overlap with
-compute (cudaMemcpy3DBatchAsync, session 17), the peer copies do run under the attention, but the own block's local
-strided copy still waits for free SMs and holds up the peer copies queued behind it; so the own blocks are placed
-on XLA's stream ($PK_JAX_WINDOW_OWN, default "xla": one dynamic-update-slice per array and chunk, ~0.05 ms) and the
-side stream carries only peer copies. Chunks of one batch element (every block contiguous after a transpose of
-q/k/v) were measured too and lost: 0.95-1.05x (the transposes and B = 1 attention calls cost more than they hid).
+Head chunks ($PK_JAX_ULYSSES_CHUNKS=c, read when traced): each member's N/G heads are cut into c chunks, each
+exchanged, attended and sent back on its own, so that chunk i+1's exchange has no dependency on chunk i's attention
+and can run under it. $PK_JAX_ULYSSES_A2A picks the exchange:
+- "auto" (default): the windowed pipeline at G 2 on the GPUs of one process (below; 8 chunks), else "pk";
+- "pk": one pk_jax.all_to_all each way (a kernel on XLA's stream, so no overlap; c = 1 unless set);
+- "lax": jax.lax.all_to_all (NCCL, which XLA may schedule asynchronously);
+- "async": the exchanges on the side stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's
+  attention, as the issue's "a head's attention starts as soon as its slices have landed"; the backward pipelines
+  its exchanges the same way. Shifts at distances 1..G-1 (pk_jax/context/async_all_to_all.py), or, with
+  $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs, windowed all-to-alls (the windowed pipeline).
+The windowed pipeline (pk_jax/context/window_exchange.py): chunk i is read from the whole q/k/v by the copy engines
+and its output written into its heads of the whole result; only peer blocks travel on the side stream (flagged to
+prefer overlap with compute, they run beside an attention kernel holding every SM), and each own block is placed on
+XLA's stream ($PK_JAX_WINDOW_OWN, default "xla": a local strided copy on the side stream waited for free SMs and
+held up the peer copies behind it). On 2x H100 (2026-11-26), 8 chunks, cuDNN between: forward 1.68 / 1.46 / 1.27x
+the lax composition at S 2048 / 4096 / 8192 (one pk exchange each way: 1.33 / 1.23 / 1.16x), fwd+bwd 1.31 / 1.24 /
+1.14x (1.25 / 1.18x). The shift-based async chunks lost to one exchange on 4x H100 (per chunk a slice of every array
+and a select assembling the arrivals cost more than the overlap saved; docs/benchmarks.md), and chunks of one batch
+element (every block contiguous after a transpose) lost on 2x H100 (0.95-1.05x).
+$PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels (they can leave SMs free for the SM shift); the
+default is jax.nn.dot_product_attention (cuDNN on GPUs). Same result for every setting (the same per-head attention).
 """
 
 from __future__ import annotations
@@ -67,21 +66,40 @@ def kv_head_replication(kv_heads: int, q_heads: int, g: int) -> int:
 
 CHUNKS_VAR = "PK_JAX_ULYSSES_CHUNKS"
 A2A_VAR = "PK_JAX_ULYSSES_A2A"
-EXCHANGES = ("pk", "lax", "async")
+EXCHANGES = ("auto", "pk", "lax", "async")
+AUTO_WINDOWED_CHUNKS = 8  # head chunks of the automatic windowed pipeline (2x H100, 2026-11-26: 8 >= 16 > 4)
 LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
 RESERVE_VAR = "PK_JAX_ULYSSES_RESERVE_SMS"
 OWN_VAR = "PK_JAX_WINDOW_OWN"
 
 
-def head_chunks() -> int:
-    """$PK_JAX_ULYSSES_CHUNKS: head chunks per exchange (default 1), read when traced."""
-    return int_setting(CHUNKS_VAR, 1, minimum=1, owner="pk_jax.ulysses_attention", what="a count of head chunks")
+def head_chunks(default: int = 1) -> int:
+    """$PK_JAX_ULYSSES_CHUNKS: head chunks per exchange (`default` when unset), read when traced."""
+    return int_setting(CHUNKS_VAR, default, minimum=1, owner="pk_jax.ulysses_attention", what="a count of head chunks")
 
 
 def exchange() -> str:
-    """$PK_JAX_ULYSSES_A2A: "pk" (default, pk_jax.all_to_all), "lax" (jax.lax.all_to_all) or "async" (the head
-    chunks' exchanges on the side stream under the previous chunk's attention), read when traced."""
-    return choice_setting(A2A_VAR, "pk", EXCHANGES, owner="pk_jax.ulysses_attention")
+    """$PK_JAX_ULYSSES_A2A: "auto" (default: see _auto_windowed), "pk" (pk_jax.all_to_all), "lax"
+    (jax.lax.all_to_all) or "async" (the head chunks' exchanges on the side stream under the previous chunk's
+    attention), read when traced."""
+    return choice_setting(A2A_VAR, "auto", EXCHANGES, owner="pk_jax.ulysses_attention")
+
+
+def _on_gpus() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _auto_windowed(xs: list[jax.Array], g: int) -> bool:
+    """What "auto" runs: the windowed pipeline (async exchanges as windowed all-to-alls by the copy engines, own
+    blocks placed by XLA, AUTO_WINDOWED_CHUNKS head chunks, cuDNN between) at G 2 on the GPUs of one process, where
+    it was measured faster (2x H100, 2026-11-26: forward 1.68 / 1.46 / 1.27x the lax composition at S 2048 / 4096 /
+    8192 against 1.33 / 1.23 / 1.16x for one pk exchange each way; fwd+bwd 1.31 / 1.24 / 1.14x against 1.25 /
+    1.18x); elsewhere one pk exchange each way (the windowed pipeline is not yet measured at G > 2)."""
+    from pk_jax.distributed import is_multiprocess
+
+    c = math.gcd(head_chunks(AUTO_WINDOWED_CHUNKS), xs[0].shape[2] // g, xs[1].shape[2] // g)
+    return (g == 2 and _on_gpus() and not is_multiprocess()
+            and window_exchange.usable([x.shape for x in xs], g, c, xs[0].dtype.itemsize))
 
 
 def local_kernel() -> bool:
@@ -93,9 +111,10 @@ def local_kernel() -> bool:
 
 def window_reserve_sms() -> int:
     """$PK_JAX_ULYSSES_RESERVE_SMS: SMs our local attention leaves free beside head-chunked windowed exchanges
-    (default 16, read when traced). The strided copies need SMs: on 2x H100 (2026-11-26) each one started only as
-    the attention kernel beside it retired its CTAs, as if the driver ran strided copies as kernels."""
-    return int_setting(RESERVE_VAR, 16, minimum=0, owner="pk_jax.ulysses_attention", what="a count of SMs")
+    (default 0, read when traced). The peer copies, flagged to prefer overlap with compute, ran beside a kernel
+    holding every SM; leaving 16 free slowed the attention by ~9 % and moved nothing (2x H100, 2026-11-26). Only
+    the own block's local strided copy ($PK_JAX_WINDOW_OWN=copy) waits for free SMs."""
+    return int_setting(RESERVE_VAR, 0, minimum=0, owner="pk_jax.ulysses_attention", what="a count of SMs")
 
 
 def own_on_xla() -> bool:
@@ -156,10 +175,13 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     if rep > 1:
         k, v = jnp.repeat(k, rep, axis=2), jnp.repeat(v, rep, axis=2)
 
-    # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
-    c = math.gcd(head_chunks(), n // g, k.shape[2] // g)
     mode = exchange()
-    windowed = mode == "async" and g > 1 and _windowed([q, k, v], g, c)
+    auto_windowed = mode == "auto" and _auto_windowed([q, k, v], g)
+    if mode == "auto":
+        mode = "async" if auto_windowed else "pk"
+    # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
+    c = math.gcd(head_chunks(AUTO_WINDOWED_CHUNKS if auto_windowed else 1), n // g, k.shape[2] // g)
+    windowed = auto_windowed or (mode == "async" and g > 1 and _windowed([q, k, v], g, c))
     # SMs our attention leaves free beside the side stream: the SM shift's CTAs, or $PK_JAX_ULYSSES_RESERVE_SMS for
     # strided windowed copies; none without async exchanges.
     reserve = 0 if mode != "async" else window_reserve_sms() if windowed else shift_sms()
