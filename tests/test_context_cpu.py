@@ -323,6 +323,36 @@ def test_ulysses_auto_exchange(monkeypatch, g, n, kv_heads):
     assert "pk_exchange_start" not in str(jax.make_jaxpr(f_cpu)(q, k, v))
 
 
+def _eqns(jaxpr):
+    """Every equation of a jaxpr and of the jaxprs inside its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for p in eqn.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
+@pytest.mark.parametrize("engine", ["copy", "sm"])
+def test_ulysses_async_backward_waits_for_every_forward_chunk(monkeypatch, engine):
+    """The async backward's first exchange depends on every chunk's forward residuals (one optimization barrier
+    over d_out and all of them), so XLA cannot defer chunks 1..c-1's forward attention into the backward, where
+    its exchanges would queue behind the backward's on the side stream."""
+    from pk_jax.context import ring_shift, ulysses
+
+    c = 4
+    monkeypatch.setenv(ulysses.A2A_VAR, "async")
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, str(c))
+    monkeypatch.setenv(ring_shift.ENGINE_VAR, engine)
+    q, k, v, _ = random_qkv(5, 1, 2 * T_LOCAL, 8, 8, 16)
+    f = jax.shard_map(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp"), mesh=mesh(2), in_specs=P(None, "sp"),
+                      out_specs=P(None, "sp"))
+    jaxpr = jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v).jaxpr
+    widths = [len(e.invars) for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
+    assert max(widths) >= 1 + 3 * c, f"a barrier over d_out and each chunk's q, k, v residuals at least: {widths}"
+
+
 @pytest.mark.parametrize("g", [2, 3, 8])
 def test_window_all_to_all_places_windows(g):
     """The windowed all-to-all's semantics (its lax lowering here): the tiled all-to-all for whole blocks; a source

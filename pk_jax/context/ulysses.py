@@ -345,6 +345,10 @@ def _async_bwd(axes, c, local, vjps, d_out):
     its output exchange), its attention's VJP, the three gradients exchanged back (the transpose of the input
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
+    # The backward's exchanges start once every chunk's forward has run: else XLA defers the forward attention of
+    # chunks 1.. (only their residuals are needed) into the backward, where their exchanges and the backward's
+    # share the side stream and each wait drains both (2x H100, 2026-11-26: most copies of fwd+bwd exposed).
+    d_out = lax.optimization_barrier((d_out, jax.tree_util.tree_leaves(vjps)))[0]
     vjp = lambda i, xs: list(vjps[i](xs[0]))
     if local.windowed:
         return tuple(_pipelined_in_place([d_out], c, vjp, axes, local.own_on_xla))

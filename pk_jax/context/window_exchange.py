@@ -19,11 +19,13 @@ the arrivals in source order (1.1 ms for chunk 0, 0.27-0.54 for the others) and 
 (0.39 ms), more than the overlap saved. Here the copy engines read and write the windows in place. Measured in
 session 16 (2x H100): a strided copy (one 3-D copy, or a 2-D copy per slice) did not run beside a kernel holding
 every SM, unlike the ring's contiguous copies; each began as the attention kernel retired its CTAs. Since then
-each block is one cudaMemcpy3DBatchAsync op flagged to prefer overlap with compute (not yet timed;
-$PK_JAX_WINDOW_COPY=3d: the measured form, ffi/copy_shift.cc).
+each block is one cudaMemcpy3DBatchAsync op flagged to prefer overlap with compute ($PK_JAX_WINDOW_COPY=3d: the
+older form, ffi/copy_shift.cc): in session 17 the peer blocks ran under the attention that way, while the own
+block's local copy still waited for free SMs, so with own=False the caller places it on XLA's stream (place_own).
 
 On GPUs the start is the `pk_exchange_start` FFI call (every member a GPU of this process; pk_jax.context.ulysses
-uses it only with $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs); elsewhere, and for a group the
+uses it outside multi-process jobs by default at G 2, else with $PK_JAX_RING_SHIFT_ENGINE=copy and
+$PK_JAX_ULYSSES_A2A=async); elsewhere, and for a group the
 runtime cannot serve, it lowers to lax.ppermute and dynamic-update-slices with the same values.
 """
 
@@ -140,12 +142,24 @@ def window_all_to_all_start(x: jax.Array, axes: Axes, *, src: Window, dst: Windo
     return y, token
 
 
+def _take(x: jax.Array, w: Window, member) -> jax.Array:
+    """Member `member`'s window of x (a traced or static index)."""
+    return lax.dynamic_slice_in_dim(x, member * w.stride + w.offset, w.length, axis=w.axis)
+
+
+def _put(y: jax.Array, block: jax.Array, w: Window, member) -> jax.Array:
+    """y with `block` in member `member`'s window."""
+    return lax.dynamic_update_slice_in_dim(y, block, member * w.stride + w.offset, axis=w.axis)
+
+
+def _rank(axes: Axes):
+    return lax.axis_index(axes if len(axes) > 1 else axes[0])
+
+
 def place_own(x: jax.Array, y: jax.Array, axes: Axes, src: Window, dst: Window) -> jax.Array:
     """y with this member's own block of x placed in its window (what the exchange copies unless own=False)."""
-    name = axes if len(axes) > 1 else axes[0]
-    rank = lax.axis_index(name)
-    block = lax.dynamic_slice_in_dim(x, rank * src.stride + src.offset, src.length, axis=src.axis)
-    return lax.dynamic_update_slice_in_dim(y, block, rank * dst.stride + dst.offset, axis=dst.axis)
+    rank = _rank(axes)
+    return _put(y, _take(x, src, rank), dst, rank)
 
 
 def _abstract(x, *into, axes, g, src, dst, out_shape, own):
@@ -163,16 +177,13 @@ pk_exchange_start_p.def_impl(functools.partial(dispatch.apply_primitive, pk_exch
 def reference(x, into, *, axes, g, src: Window, dst: Window, out_shape, own: bool = True):
     """The windowed all-to-all in lax (inside shard_map): the own block placed (if own), then one ppermute per
     distance."""
-    name = axes if len(axes) > 1 else axes[0]
-    rank = lax.axis_index(name)
+    rank = _rank(axes)
     y = into if into is not None else jnp.zeros(out_shape, x.dtype)
-    block = lambda t: lax.dynamic_slice_in_dim(x, t * src.stride + src.offset, src.length, axis=src.axis)
-    place = lambda y, part, s: lax.dynamic_update_slice_in_dim(y, part, s * dst.stride + dst.offset, axis=dst.axis)
     if own:
         y = place_own(x, y, axes, src, dst)
-    for d in range(1, g):
-        got = lax.ppermute(block((rank + d) % g), name, _perm(g, d))  # member rank - d's block for this member
-        y = place(y, got, (rank - d) % g)
+    for d in range(1, g):  # member rank - d's block for this member
+        got = lax.ppermute(_take(x, src, (rank + d) % g), axes if len(axes) > 1 else axes[0], _perm(g, d))
+        y = _put(y, got, dst, (rank - d) % g)
     return y
 
 

@@ -190,3 +190,23 @@ def test_ulysses_windowed_compiled_order(monkeypatch):
         before = kinds[:at]
         assert before.count("D") == 3 * (k + 1) + max(0, k - 1), (k, "".join(kinds))
         assert before.count("S") >= 3 * min(k + 2, c) + k, (k, "".join(kinds))
+
+
+def test_ulysses_windowed_backward_after_every_forward_chunk(monkeypatch):
+    """fwd+bwd (4 chunks, our attention kernels): every chunk's forward attention runs before the first backward
+    kernel in the compiled order, so the backward's exchanges do not queue behind deferred forward ones (XLA
+    deferred chunks 1.. into the backward before the barrier in _async_bwd: most copies ran exposed)."""
+    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", "4")
+    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
+    monkeypatch.setenv("PK_JAX_ULYSSES_LOCAL", "pk")
+    g, c = len(gpus()), 4
+    spec = jax.ShapeDtypeStruct((2, g * 256, 8 * g, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    attn = lambda a, b, c_: pk_jax.ulysses_attention(a, b, c_, "sp")
+    loss = lambda q, k, v: jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))(
+        q, k, v).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile().as_text()
+    kinds = [("B" if 'custom_call_target="pk_attention_bwd' in ln else "A")
+             for ln in hlo[hlo.index("ENTRY"):].splitlines() if 'custom_call_target="pk_attention' in ln]
+    print("compiled order:", "".join(kinds))
+    assert kinds.count("A") == c and kinds.count("B") == c, kinds
+    assert "".join(kinds) == "A" * c + "B" * c, "".join(kinds)
