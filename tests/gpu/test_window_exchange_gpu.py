@@ -166,16 +166,21 @@ def test_ulysses_windowed_matches_reference(monkeypatch, chunks, own, causal):
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
 
 
+def _four_chunks_of_ours(monkeypatch):
+    """Windowed Ulysses in 4 head chunks with our attention kernels: (G, chunks, the q/k/v spec, the call)."""
+    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", "4")
+    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
+    monkeypatch.setenv("PK_JAX_ULYSSES_LOCAL", "pk")
+    g = len(gpus())
+    spec = jax.ShapeDtypeStruct((2, g * 256, 8 * g, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    return g, 4, spec, lambda a, b, c_: pk_jax.ulysses_attention(a, b, c_, "sp")
+
+
 def test_ulysses_windowed_compiled_order(monkeypatch):
     """The overlap survives XLA's scheduling (forward, 4 chunks, our attention kernel): before chunk k's attention,
     exactly the waits for chunks 0..k's inputs and chunks 0..k-2's outputs have run, and chunk k+1's input
     exchanges have started, so they move under it."""
-    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", "4")
-    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
-    monkeypatch.setenv("PK_JAX_ULYSSES_LOCAL", "pk")
-    g, c = len(gpus()), 4
-    spec = jax.ShapeDtypeStruct((2, g * 256, 8 * g, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
-    attn = lambda a, b, c_: pk_jax.ulysses_attention(a, b, c_, "sp")
+    g, c, spec, attn = _four_chunks_of_ours(monkeypatch)
     f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
     hlo = f.lower(spec, spec, spec).compile().as_text()
     kinds = []
@@ -196,12 +201,7 @@ def test_ulysses_windowed_backward_after_every_forward_chunk(monkeypatch):
     """fwd+bwd (4 chunks, our attention kernels): every chunk's forward attention runs before the first backward
     kernel in the compiled order, so the backward's exchanges do not queue behind deferred forward ones (XLA
     deferred chunks 1.. into the backward before the barrier in _async_bwd: most copies ran exposed)."""
-    monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", "4")
-    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
-    monkeypatch.setenv("PK_JAX_ULYSSES_LOCAL", "pk")
-    g, c = len(gpus()), 4
-    spec = jax.ShapeDtypeStruct((2, g * 256, 8 * g, 64), jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
-    attn = lambda a, b, c_: pk_jax.ulysses_attention(a, b, c_, "sp")
+    g, c, spec, attn = _four_chunks_of_ours(monkeypatch)
     loss = lambda q, k, v: jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))(
         q, k, v).astype(jnp.float32).sum()
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile().as_text()
