@@ -59,7 +59,7 @@
 #   ulyssesreserve (2 GPUs+) windowed Ulysses timelines per SMs our attention leaves free (RESERVES, default
 #               "0 8 16 32"), then its bench rows at RESERVE_BENCH (default 16)                              ~4 min
 #   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
-#   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests, then the bench rows (fwd, fwd_bwd)            ~4.5 min
+#   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests (18 took > 100 s), then the bench rows (fwd, fwd_bwd) ~5.5 min
 #   ulyssesown  (2 GPUs+) windowed Ulysses with the own blocks placed by XLA (PK_JAX_WINDOW_OWN=xla: only peer copies on
 #               the side stream): timelines per RESERVES (default "0 16"), then bench rows per OWN_CFGS
 #               "chunks:reserve:local" (default "4:0:pk 8:0:pk"; local "default" is cuDNN)                                                          ~6 min
@@ -398,7 +398,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                     --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-own-$chunks-$r-$local.json"
                 done ;;
     ulyssesdefault) # (2 GPUs+) Ulysses at defaults (auto: the windowed pipeline at G 2): its GPU tests, then the bench rows
-                    stage ulysses-default-tests 100 python3 -m pytest tests/gpu/test_context_gpu.py tests/gpu/test_window_exchange_gpu.py \
+                    stage ulysses-default-tests 160 python3 -m pytest tests/gpu/test_context_gpu.py tests/gpu/test_window_exchange_gpu.py \
                       -m gpu -q -x -rs -k "ulysses"
                     stage ulysses-default ${ULYSSES_LIMIT:-170} python3 -m pk_jax.bench context --op ulysses_attention \
                       --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-default.json" ;;

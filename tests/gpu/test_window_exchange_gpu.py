@@ -210,3 +210,32 @@ def test_ulysses_windowed_backward_after_every_forward_chunk(monkeypatch):
     print("compiled order:", "".join(kinds))
     assert kinds.count("A") == c and kinds.count("B") == c, kinds
     assert "".join(kinds) == "A" * c + "B" * c, "".join(kinds)
+
+
+def test_ulysses_default_on_a_sub_axis(monkeypatch):
+    """4+ GPUs: Ulysses at defaults over the size-2 "sp" axis of a (G/2, 2) mesh (sequence over "sp", batch over
+    "dp"): the automatic windowed pipeline runs on each pair's own copy-engine board, forward and gradients vs
+    the float32 reference."""
+    from .test_context_gpu import TOL, assert_close, random_qkv, reference
+
+    monkeypatch.delenv("PK_JAX_RING_SHIFT_ENGINE")  # defaults: the ring's engine plays no part
+    n = len(gpus()) // 2 * 2
+    if n < 4:
+        pytest.skip("needs 4 GPUs (two pairs)")
+    m = Mesh(np.array(gpus()[:n]).reshape(n // 2, 2), ("dp", "sp"))
+    b, heads = n // 2, 16
+    q, k, v, d_out = random_qkv(41, b, 2 * 256, heads, heads // 2, 64)
+    spec = P("dp", "sp")
+    f = jax.shard_map(lambda a, b_, c: pk_jax.ulysses_attention(a, b_, c, "sp"), mesh=m, in_specs=spec,
+                      out_specs=spec)
+
+    @jax.jit
+    def run(q, k, v, d_out):
+        out, vjp = jax.vjp(f, q, k, v)
+        return (out, *vjp(d_out))
+
+    put = lambda x: jax.device_put(x.astype(jnp.bfloat16), NamedSharding(m, spec))
+    hlo = run.lower(*(put(x) for x in (q, k, v, d_out))).compile().as_text()
+    assert 'custom_call_target="pk_exchange_start"' in hlo
+    got = [np.asarray(x.astype(jnp.float32)) for x in run(*(put(x) for x in (q, k, v, d_out)))]
+    assert_close(got, reference(q, k, v, d_out, False), TOL[jnp.bfloat16], f"ulysses on sp of a ({n // 2}, 2) mesh")
