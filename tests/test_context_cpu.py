@@ -323,6 +323,35 @@ def test_ulysses_auto_exchange(monkeypatch, g, n, kv_heads):
     assert "pk_exchange_start" not in str(jax.make_jaxpr(f_cpu)(q, k, v))
 
 
+@pytest.mark.parametrize("g,n,kv_heads,layout,causal", [(2, 16, 8, "zigzag", True), (4, 32, 16, "contiguous", False)])
+def test_ulysses_windowed_half_ends(monkeypatch, g, n, kv_heads, layout, causal):
+    """PK_JAX_ULYSSES_HALF_ENDS=1: 2 chunks become 3 over 4 units (widths 1, 2, 1 units of every member's q and
+    K/V blocks), forward and gradients equal to the reference; the windows tile every block exactly once."""
+    from pk_jax.context import ring_shift, ulysses
+    from pk_jax.context.window_exchange import HeadSpans, heads_in, heads_out
+
+    spans = HeadSpans.half_ends(2)
+    assert spans == HeadSpans(4, ((0, 1), (1, 3), (3, 4)))
+    assert HeadSpans.half_ends(8).spans[1:3] == ((1, 3), (3, 5)) and len(HeadSpans.half_ends(8).spans) == 9
+    for heads in (n, kv_heads):  # input windows and output windows cover each member's block once, in order
+        shape = (1, T_LOCAL, heads, 16)
+        got = [heads_in(shape, g, spans, i)[0] for i in range(3)]
+        assert [(w.offset, w.length) for w in got] == [(0, heads // g // 4), (heads // g // 4, heads // g // 2),
+                                                       (3 * heads // g // 4, heads // g // 4)]
+        for i in range(3):
+            out = heads_in(shape, g, spans, i)[2]
+            assert heads_out(out, g, spans, i)[1] == got[i] and heads_out(out, g, spans, i)[2] == shape
+    monkeypatch.setenv(ulysses.HALF_ENDS_VAR, "1")
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, "2")
+    monkeypatch.setenv(ulysses.A2A_VAR, "async")
+    monkeypatch.setenv(ring_shift.ENGINE_VAR, "copy")
+    q, k, v, d_out = random_qkv(g + 17, 2, g * T_LOCAL, n, kv_heads, 16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    assert str(jax.make_jaxpr(f)(q, k, v)).count("pk_exchange_start[") == 4 * 3
+
+
 def _eqns(jaxpr):
     """Every equation of a jaxpr and of the jaxprs inside its equations' parameters."""
     for eqn in jaxpr.eqns:
@@ -401,9 +430,9 @@ def test_window_all_to_all_places_windows(g):
 def test_window_geometry_rows_of_one_element():
     """One head of head_dim 1 per window: rows of one element (no contiguous run), still a 3-D copy layout whose
     bytes are the windows'."""
-    from pk_jax.context.window_exchange import block_geometry, heads_in
+    from pk_jax.context.window_exchange import HeadSpans, block_geometry, heads_in
 
-    src, dst, out = heads_in((2, 5, 4, 1), 2, 2, 1)  # w = 1 head, D = 1
+    src, dst, out = heads_in((2, 5, 4, 1), 2, HeadSpans.uniform(2), 1)  # w = 1 head, D = 1
     width, height, depth, sp, ss, dp, ds, so, sst, do, dst_ = block_geometry((2, 5, 4, 1), out, src, dst, 2, 2)
     assert (width, height, depth) == (2, 5, 2) and (sp, ss, dp, ds) == (8, 40, 2, 20)
     assert (so, sst, do, dst_) == (2, 4, 0, 10)

@@ -24,7 +24,9 @@ held up the peer copies behind it). On 2x H100 (2026-11-26), 8 chunks, cuDNN bet
 the lax composition at S 2048 / 4096 / 8192 (one pk exchange each way: 1.33 / 1.23 / 1.16x), fwd+bwd 1.31 / 1.24 /
 1.14x (1.25 / 1.18x). The shift-based async chunks lost to one exchange on 4x H100 (per chunk a slice of every array
 and a select assembling the arrivals cost more than the overlap saved; docs/benchmarks.md), and chunks of one batch
-element (every block contiguous after a transpose) lost on 2x H100 (0.95-1.05x).
+element (every block contiguous after a transpose) lost on 2x H100 (0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 (not
+yet timed) makes the first and last chunks half as wide: less exchange exposed before the first attention and after
+the last.
 $PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels (they can leave SMs free for the SM shift); the
 default is jax.nn.dot_product_attention (cuDNN on GPUs). Same result for every setting (the same per-head attention).
 """
@@ -71,6 +73,7 @@ AUTO_WINDOWED_CHUNKS = 8  # head chunks of the automatic windowed pipeline (2x H
 LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
 RESERVE_VAR = "PK_JAX_ULYSSES_RESERVE_SMS"
 OWN_VAR = "PK_JAX_WINDOW_OWN"
+HALF_ENDS_VAR = "PK_JAX_ULYSSES_HALF_ENDS"
 
 
 def head_chunks(default: int = 1) -> int:
@@ -89,6 +92,14 @@ def _on_gpus() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _chunks(xs: list[jax.Array], g: int, c: int) -> window_exchange.HeadSpans:
+    """The windowed pipeline's c head chunks, or with $PK_JAX_ULYSSES_HALF_ENDS=1 (read when traced; not yet timed)
+    c + 1 with the first and the last half as wide where every member's q and K/V blocks split that finely."""
+    half = choice_setting(HALF_ENDS_VAR, "0", ("0", "1"), owner="pk_jax.ulysses_attention") == "1"
+    spans = window_exchange.HeadSpans.half_ends(c)
+    return spans if half and spans.fits([x.shape[2] // g for x in xs]) else window_exchange.HeadSpans.uniform(c)
+
+
 def _auto_windowed(xs: list[jax.Array], g: int) -> bool:
     """What "auto" runs: the windowed pipeline (async exchanges as windowed all-to-alls by the copy engines, own
     blocks placed by XLA, AUTO_WINDOWED_CHUNKS head chunks, cuDNN between) at G 2 on the GPUs of one process, where
@@ -99,7 +110,7 @@ def _auto_windowed(xs: list[jax.Array], g: int) -> bool:
 
     c = math.gcd(head_chunks(AUTO_WINDOWED_CHUNKS), xs[0].shape[2] // g, xs[1].shape[2] // g)
     return (g == 2 and _on_gpus() and not is_multiprocess()
-            and window_exchange.usable([x.shape for x in xs], g, c, xs[0].dtype.itemsize))
+            and window_exchange.usable([x.shape for x in xs], g, _chunks(xs, g, c), xs[0].dtype.itemsize))
 
 
 def local_kernel() -> bool:
@@ -181,7 +192,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
         mode = "async" if auto_windowed else "pk"
     # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
     c = math.gcd(head_chunks(AUTO_WINDOWED_CHUNKS if auto_windowed else 1), n // g, k.shape[2] // g)
-    windowed = auto_windowed or (mode == "async" and g > 1 and _windowed([q, k, v], g, c))
+    chunks = _chunks([q, k, v], g, c)
+    windowed = auto_windowed or (mode == "async" and g > 1 and _windowed([q, k, v], g, chunks))
     # SMs our attention leaves free beside the side stream: the SM shift's CTAs, or $PK_JAX_ULYSSES_RESERVE_SMS for
     # strided windowed copies; none without async exchanges.
     reserve = 0 if mode != "async" else window_reserve_sms() if windowed else shift_sms()
@@ -189,7 +201,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
         static = dataclasses.replace(cfg, scale=None if scale is None else float(scale), windowed=windowed,
-                                     own_on_xla=windowed and own_on_xla())
+                                     own_on_xla=windowed and own_on_xla(), chunks=chunks if windowed else None)
         return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
     a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
         (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
@@ -214,6 +226,7 @@ class _Local:
     pk_reserve: int | None = None  # our kernel leaving this many SMs free (local_kernel()), None: dot_product_attention
     windowed: bool = False  # the async pipeline's exchanges are windowed all-to-alls (_windowed), both ways
     own_on_xla: bool = False  # windowed, each own block placed on XLA's stream (own_on_xla())
+    chunks: window_exchange.HeadSpans | None = None  # windowed: the head chunks (_chunks)
 
     def __call__(self, q, k, v):
         from pk_jax.attention import _kernel_attention, _kernel_refusal, _offset_array  # it imports this package
@@ -257,26 +270,27 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
     return [[all_to_all_done(p, after=res) for p in ps] for ps in pending_out]
 
 
-def _windowed(xs: list[jax.Array], g: int, c: int) -> bool:
+def _windowed(xs: list[jax.Array], g: int, chunks: window_exchange.HeadSpans) -> bool:
     """Whether the pipeline's exchanges are windowed all-to-alls (pk_jax/context/window_exchange.py): copy engines
     ($PK_JAX_RING_SHIFT_ENGINE=copy) outside multi-process jobs, and every window of q, k, v (and so of the output,
     dO and the gradients, which have their shapes) a 3-D copy layout. Decided once, for forward and backward."""
     from pk_jax.distributed import is_multiprocess
 
     return (shift_engine() == "copy" and not is_multiprocess()
-            and window_exchange.usable([x.shape for x in xs], g, c, xs[0].dtype.itemsize))
+            and window_exchange.usable([x.shape for x in xs], g, chunks, xs[0].dtype.itemsize))
 
 
-def _pipelined_in_place(xs: list[jax.Array], c: int, compute, axes, own_on_xla: bool) -> list[jax.Array]:
+def _pipelined_in_place(xs: list[jax.Array], chunks: window_exchange.HeadSpans, compute, axes,
+                        own_on_xla: bool) -> list[jax.Array]:
     """_pipelined with windowed all-to-alls: chunk i's inputs read from the whole (B, T, heads, D) xs, its results
-    (B, S, w, D) written into their heads of the whole outputs (B, T, G c w, D), so no head-chunk slice, no assembly of
+    (B, S, w, D) written into their heads of the whole outputs (B, T, heads, D), so no head-chunk slice, no assembly of
     the arrivals in source order and no unchunk pass. Same order on the side stream as _pipelined: chunk i+1's inputs
     and chunk i-1's results move under chunk i's compute; each wait drains the side stream, so the results of chunk
     i-2 have landed once chunk i's inputs have (their wait is placed there: it costs nothing then). own_on_xla: the
     side stream carries only the peer blocks; each own block is placed on XLA's stream once its exchange landed."""
-    g = group_size(axes)
-    windows_in = lambda shape, i: window_exchange.heads_in(shape, g, c, i)
-    windows_out = lambda shape, i: window_exchange.heads_out(shape, shape[2] * g * c, g, i)
+    g, c = group_size(axes), len(chunks.spans)
+    windows_in = lambda shape, i: window_exchange.heads_in(shape, g, chunks, i)
+    windows_out = lambda shape, i: window_exchange.heads_out(shape, g, chunks, i)
 
     def start(arrays, i, windows, into=None):
         pending = []
@@ -331,7 +345,7 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
         return [out]
 
     if local.windowed:
-        return _pipelined_in_place([q, k, v], c, compute, axes, local.own_on_xla)[0], vjps
+        return _pipelined_in_place([q, k, v], local.chunks, compute, axes, local.own_on_xla)[0], vjps
     chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
     return unchunk_heads([o for (o,) in _pipelined(chunks, compute, axes)], g), vjps
 
@@ -351,7 +365,7 @@ def _async_bwd(axes, c, local, vjps, d_out):
     d_out = lax.optimization_barrier((d_out, jax.tree_util.tree_leaves(vjps)))[0]
     vjp = lambda i, xs: list(vjps[i](xs[0]))
     if local.windowed:
-        return tuple(_pipelined_in_place([d_out], c, vjp, axes, local.own_on_xla))
+        return tuple(_pipelined_in_place([d_out], local.chunks, vjp, axes, local.own_on_xla))
     grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], vjp, axes)
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
 

@@ -212,30 +212,65 @@ if _ext.available():
     mlir.register_lowering(pk_exchange_start_p, _cuda, platform="cuda")
 
 
-def heads_in(x_shape: Sequence[int], g: int, chunks: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
-    """Ulysses' exchange of head chunk i of (B, T, H, D): (src, dst, out_shape) of all_to_all(chunk_heads(x, G, c,
-    i), split 2, concat 1) -> (B, G T, H / (G c), D)."""
+@dataclasses.dataclass(frozen=True)
+class HeadSpans:
+    """How Ulysses' pipeline cuts every member's block of heads: into `units` equal units, chunk i holding units
+    [spans[i][0], spans[i][1]) (the same units of q's and of K/V's blocks, so GQA keeps each query on its K/V head)."""
+    units: int
+    spans: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def uniform(c: int) -> "HeadSpans":
+        return HeadSpans(c, tuple((i, i + 1) for i in range(c)))
+
+    @staticmethod
+    def half_ends(c: int) -> "HeadSpans":
+        """c + 1 chunks over 2c units: the first and the last one unit wide (half a chunk: less exposed before the
+        first attention and after the last), the others two."""
+        if c < 2:
+            return HeadSpans.uniform(c)
+        return HeadSpans(2 * c, ((0, 1), *((2 * i - 1, 2 * i + 1) for i in range(1, c)), (2 * c - 1, 2 * c)))
+
+    def fits(self, heads_per_member: Sequence[int]) -> bool:
+        return all(h % self.units == 0 for h in heads_per_member)
+
+    def width(self, heads_per_member: int, i: int) -> tuple[int, int]:
+        """(first head, heads) of chunk i in a member's block of `heads_per_member`."""
+        unit = heads_per_member // self.units
+        u0, u1 = self.spans[i]
+        return u0 * unit, (u1 - u0) * unit
+
+
+def heads_in(x_shape: Sequence[int], g: int, chunks: HeadSpans, i: int) -> tuple[Window, Window, tuple[int, ...]]:
+    """Ulysses' exchange of head chunk i of (B, T, H, D): (src, dst, out_shape) of the all_to_all (split 2, concat 1)
+    of chunk i's heads of every member's block -> (B, G T, w, D)."""
     b, t, h, d = x_shape
-    w = h // (g * chunks)
-    return Window(2, h // g, i * w, w), Window(1, t, 0, t), (b, g * t, w, d)
+    first, w = chunks.width(h // g, i)
+    return Window(2, h // g, first, w), Window(1, t, 0, t), (b, g * t, w, d)
 
 
-def heads_out(res_shape: Sequence[int], heads: int, g: int, i: int) -> tuple[Window, Window, tuple[int, ...]]:
+def heads_out(res_shape: Sequence[int], g: int, chunks: HeadSpans, i: int) -> tuple[Window, Window, tuple[int, ...]]:
     """The way back: (B, G T, w, D) of head chunk i -> its heads of the final (B, T, heads, D) (the windows
-    unchunk_heads(all_to_all(res, split 1, concat 2)) would fill)."""
+    the all_to_all (split 1, concat 2) would fill)."""
     b, s, w, d = res_shape
     t = s // g
-    return Window(1, t, 0, t), Window(2, heads // g, i * w, w), (b, t, heads, d)
+    u0, u1 = chunks.spans[i]
+    per_member = w * chunks.units // (u1 - u0)
+    first, _ = chunks.width(per_member, i)
+    return Window(1, t, 0, t), Window(2, per_member, first, w), (b, t, g * per_member, d)
 
 
-def usable(x_shapes: Sequence[Sequence[int]], g: int, chunks: int, itemsize: int) -> bool:
+def usable(x_shapes: Sequence[Sequence[int]], g: int, chunks: HeadSpans, itemsize: int) -> bool:
     """Whether every exchange of a head-chunked Ulysses call has a 3-D copy layout (else the shift-based one runs)."""
+    if not chunks.fits([shape[2] // g for shape in x_shapes]):
+        return False
     try:
         for shape in x_shapes:
-            src, dst, out = heads_in(shape, g, chunks, 0)
-            block_geometry(shape, out, src, dst, itemsize, g)
-            src, dst, final = heads_out(out, shape[2], g, 0)
-            block_geometry(out, final, src, dst, itemsize, g)
+            for i in range(len(chunks.spans)):
+                src, dst, out = heads_in(shape, g, chunks, i)
+                block_geometry(shape, out, src, dst, itemsize, g)
+                src, dst, final = heads_out(out, g, chunks, i)
+                block_geometry(out, final, src, dst, itemsize, g)
     except ValueError:
         return False
     return math.prod(x_shapes[0]) > 0

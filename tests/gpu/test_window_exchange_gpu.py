@@ -141,16 +141,19 @@ def test_window_forty_in_a_row():
     np.testing.assert_array_equal(got, want)
 
 
-@pytest.mark.parametrize("chunks,own", [("1", "xla"), ("4", "xla"), ("4", "copy")])
+@pytest.mark.parametrize("chunks,own,half", [("1", "xla", "0"), ("4", "xla", "0"), ("4", "copy", "0"),
+                                             ("2", "xla", "1")])
 @pytest.mark.parametrize("causal", [False, True])
-def test_ulysses_windowed_matches_reference(monkeypatch, chunks, own, causal):
+def test_ulysses_windowed_matches_reference(monkeypatch, chunks, own, half, causal):
     """Ulysses with PK_JAX_ULYSSES_A2A=async over copy engines: every exchange windowed (no chunk slices or
-    assembly), each own block placed by XLA or copied on the side stream (PK_JAX_WINDOW_OWN), forward and
-    gradients vs the float32 reference on every GPU."""
+    assembly), each own block placed by XLA or copied on the side stream (PK_JAX_WINDOW_OWN), equal chunks or
+    half-width first and last ones (PK_JAX_ULYSSES_HALF_ENDS), forward and gradients vs the float32 reference on
+    every GPU."""
     from .test_context_gpu import TOL, assert_close, random_qkv, reference, sharded
 
     monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", chunks)
     monkeypatch.setenv("PK_JAX_WINDOW_OWN", own)
+    monkeypatch.setenv("PK_JAX_ULYSSES_HALF_ENDS", half)
     monkeypatch.setenv("PK_JAX_ULYSSES_A2A", "async")
     g = len(gpus())
     heads = 8 * g
