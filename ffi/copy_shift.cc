@@ -238,7 +238,8 @@ cudaPitchedPtr pitched(const void* base, int64_t pitch, int64_t width, int64_t s
 
 // How a strided block is copied (a contiguous one is always one cudaMemcpyPeerAsync):
 //   default: one cudaMemcpy3DBatchAsync op with cudaMemcpyFlagPreferOverlapWithCompute, the runtime's hint to keep
-//            a copy off the SMs (CUDA 12.8+). Not yet timed.
+//            a copy off the SMs (CUDA 12.8+). On 2x H100 (2026-11-26) a peer block copied so ran beside a kernel
+//            holding every SM (67 MB in 173 us); a local strided block still waited for free SMs.
 //   $PK_JAX_WINDOW_COPY=3d: one cudaMemcpy3DPeerAsync. On 2x H100 (2026-11-26 Ulysses timelines) it did not run
 //            beside a kernel holding every SM: each began as the attention kernel retired its CTAs, as if the driver
 //            ran it on SMs. (A cudaMemcpy2DAsync per slice did not overlap either, and was slower: 10.4 ms against
@@ -273,12 +274,11 @@ cudaError_t copy_3d(const Block3D& k, char* dst, int dst_dev, const char* src, i
 // Set once a batch copy was refused (a driver without it, or peer operands it does not take): the 3-D form then.
 std::atomic<bool> batch_refused{false};
 
-// Enqueues block `k` from src (on device src_dev) to dst (on device dst_dev) on `side` (a stream of `me`).
-cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src, int src_dev, int me,
-                       cudaStream_t side) {
+// Enqueues block `k` from src (on device `me`) to dst (on device dst_dev) on `side` (a stream of `me`).
+cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src, int me, cudaStream_t side) {
   if (k.height == 1 && k.depth == 1)  // contiguous on both sides: the plain copy the ring's shifts make, which
-    return cudaMemcpyPeerAsync(dst, dst_dev, src, src_dev, size_t(k.width), side);  // ran beside full-SM kernels
-  if (!batch_copies() || batch_refused.load()) return copy_3d(k, dst, dst_dev, src, src_dev, side);
+    return cudaMemcpyPeerAsync(dst, dst_dev, src, me, size_t(k.width), side);  // ran beside full-SM kernels
+  if (!batch_copies() || batch_refused.load()) return copy_3d(k, dst, dst_dev, src, me, side);
   // Unified addresses name both devices; the calling thread's device is made the stream's for the call.
   int prev = 0;
   cudaGetDevice(&prev);
@@ -301,7 +301,7 @@ cudaError_t copy_block(const Block3D& k, char* dst, int dst_dev, const char* src
       if (!batch_refused.exchange(true))
         std::fprintf(stderr, "pk_jax windowed all-to-all: cudaMemcpy3DBatchAsync refused (%s); 3-D copies from now "
                      "on\n", cudaGetErrorString(e));
-      e = copy_3d(k, dst, dst_dev, src, src_dev, side);
+      e = copy_3d(k, dst, dst_dev, src, me, side);
     }
   }
   if (prev != me) cudaSetDevice(prev);
@@ -323,8 +323,8 @@ std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const Wi
   // a strided local copy beside a kernel holding every SM waited for that kernel and held up the peer copies
   // queued behind it (2x H100, 2026-11-26).
   if (w.own_block)
-    if (cudaError_t e = copy_block(k, w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride, me, src(g.rank), me, me,
-                                   side); e != cudaSuccess)
+    if (cudaError_t e = copy_block(k, w.y + w.dst_offset + int64_t(g.rank) * w.dst_stride, me, src(g.rank), me, side);
+        e != cudaSuccess)
       return std::string("pk_jax windowed all-to-all: the own block: ") + cudaGetErrorString(e);
   if (g.size == 1) return "";
   // Every incoming block lands in this member's one y; the signature pins the block's shape and strides.
@@ -334,8 +334,7 @@ std::string copy_engine_all_to_all(const Group& g, const int* ordinals, const Wi
   for (int i = 0; i < t.n; ++i) t.dist[i] = i + 1, t.y[i] = w.y, t.signature[i] = signature;
   return exchange_on_board(g, t, [&](int i, char* target_y, int target) {
     const int target_rank = (g.rank + i + 1) % g.size;
-    return copy_block(k, target_y + w.dst_offset + int64_t(g.rank) * w.dst_stride, target, src(target_rank), me, me,
-                      side);
+    return copy_block(k, target_y + w.dst_offset + int64_t(g.rank) * w.dst_stride, target, src(target_rank), me, side);
   }, ordinals, side);
 }
 

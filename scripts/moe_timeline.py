@@ -2,7 +2,7 @@
 per-GPU shape (T 4096 per GPU, H 7168, E 256, top-8, F 2048, uniform routing), built as `bench moe` builds them:
     moe_mlp fwd, moe_mlp fwd+bwd (issue 27's >= 20x the JAX composition: which kernels, how much glue);
     dispatch_gemm fused, the grouped GEMM alone, dispatch then GEMM (the fused one is 1.3x the GEMM alone);
-    dispatch, combine: the exchanges alone (--shape 4096 4096 8 2 128: E 8 top-2, 311 GB/s at G 2, target 336).
+    dispatch, combine: the exchanges alone (--shape 4096 4096 8 2 128: E 8 top-2, 376 GB/s at G 2, target 336).
 
     python scripts/moe_timeline.py [--programs mlp_fwd ... dispatch combine] [--min-us 20] [--small]
                                    [--shape T H E K F]
@@ -23,7 +23,6 @@ from pk_jax.bench import moe
 from timeline import print_timeline, trace_events  # scripts/timeline.py (this script's directory is on sys.path)
 
 PROGRAMS = ("mlp_fwd", "mlp_fwd_bwd", "fused", "alone", "unfused", "dispatch", "combine")
-OPS = {"dispatch": "dispatch", "combine": "combine"}  # else moe_mlp (mlp_*) or dispatch_gemm
 
 
 def main() -> None:
@@ -41,7 +40,7 @@ def main() -> None:
         raise SystemExit(f"moe_timeline: {g} devices do not divide the {shape[2]} experts")
     mesh = Mesh(np.array(devices), (moe.AX,))
     for name in args.programs:
-        op = OPS.get(name, "moe_mlp" if name.startswith("mlp") else "dispatch_gemm")
+        op = name if name in ("dispatch", "combine") else "moe_mlp" if name.startswith("mlp") else "dispatch_gemm"
         case = moe.Case(op, *shape, "uniform", name == "mlp_fwd_bwd")
         xs, ours, bases, _, _ = moe._contenders(case, g, mesh, jnp.bfloat16)
         if name in ("alone", "unfused"):

@@ -48,8 +48,8 @@ def main() -> None:
             if backward else attn
         f = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, AX), out_specs=P(None, AX), check_vma=False))
         evs = trace_events(lambda: jax.block_until_ready(f(q, k, v)))
-        setting = (os.environ.get('PK_JAX_ULYSSES_CHUNKS', '1') + ' chunks, own blocks by '
-                   + os.environ.get('PK_JAX_WINDOW_OWN', 'xla')) if args.op == "ulysses" else \
+        setting = ('chunks ' + os.environ.get('PK_JAX_ULYSSES_CHUNKS', 'default') + ', exchange '
+                   + os.environ.get('PK_JAX_ULYSSES_A2A', 'auto')) if args.op == "ulysses" else \
             os.environ.get('PK_JAX_RING_TRANSPORT', 'pk')
         print_timeline(f"{args.op} {case} ({setting})", evs, args.min_us)
 

@@ -354,13 +354,12 @@ def test_ulysses_windowed_half_ends(monkeypatch, g, n, kv_heads, layout, causal)
 
 def _eqns(jaxpr):
     """Every equation of a jaxpr and of the jaxprs inside its equations' parameters."""
+    from jax.extend.core import jaxprs_in_params
+
     for eqn in jaxpr.eqns:
         yield eqn
-        for p in eqn.params.values():
-            for sub in p if isinstance(p, (tuple, list)) else (p,):
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    yield from _eqns(inner)
+        for sub in jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
 
 
 @pytest.mark.parametrize("engine", ["copy", "sm"])

@@ -92,12 +92,23 @@ def _on_gpus() -> bool:
     return jax.default_backend() == "gpu"
 
 
-def _chunks(xs: list[jax.Array], g: int, c: int) -> window_exchange.HeadSpans:
-    """The windowed pipeline's c head chunks, or with $PK_JAX_ULYSSES_HALF_ENDS=1 (read when traced; not yet timed)
-    c + 1 with the first and the last half as wide where every member's q and K/V blocks split that finely."""
+def _chunk_plan(xs: list[jax.Array], g: int, default: int) -> tuple[int, window_exchange.HeadSpans]:
+    """(c, the windowed pipeline's chunks): c head chunks ($PK_JAX_ULYSSES_CHUNKS, else `default`) cut down so they
+    split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads); with
+    $PK_JAX_ULYSSES_HALF_ENDS=1 (read when traced; not yet timed) c + 1 windowed chunks, the first and the last
+    half as wide, where the blocks split that finely."""
+    c = math.gcd(head_chunks(default), xs[0].shape[2] // g, xs[1].shape[2] // g)
     half = choice_setting(HALF_ENDS_VAR, "0", ("0", "1"), owner="pk_jax.ulysses_attention") == "1"
     spans = window_exchange.HeadSpans.half_ends(c)
-    return spans if half and spans.fits([x.shape[2] // g for x in xs]) else window_exchange.HeadSpans.uniform(c)
+    return c, spans if half and spans.fits([x.shape[2] // g for x in xs]) else window_exchange.HeadSpans.uniform(c)
+
+
+def _windows_fit(xs: list[jax.Array], g: int, chunks: window_exchange.HeadSpans) -> bool:
+    """Whether the windowed pipeline can serve: every member a GPU of this process, and every window of q, k, v
+    (and so of the output, dO and the gradients, which have their shapes) a 3-D copy layout."""
+    from pk_jax.distributed import is_multiprocess
+
+    return not is_multiprocess() and window_exchange.usable([x.shape for x in xs], g, chunks, xs[0].dtype.itemsize)
 
 
 def _auto_windowed(xs: list[jax.Array], g: int) -> bool:
@@ -106,11 +117,7 @@ def _auto_windowed(xs: list[jax.Array], g: int) -> bool:
     it was measured faster (2x H100, 2026-11-26: forward 1.68 / 1.46 / 1.27x the lax composition at S 2048 / 4096 /
     8192 against 1.33 / 1.23 / 1.16x for one pk exchange each way; fwd+bwd 1.31 / 1.24 / 1.14x against 1.25 /
     1.18x); elsewhere one pk exchange each way (the windowed pipeline is not yet measured at G > 2)."""
-    from pk_jax.distributed import is_multiprocess
-
-    c = math.gcd(head_chunks(AUTO_WINDOWED_CHUNKS), xs[0].shape[2] // g, xs[1].shape[2] // g)
-    return (g == 2 and _on_gpus() and not is_multiprocess()
-            and window_exchange.usable([x.shape for x in xs], g, _chunks(xs, g, c), xs[0].dtype.itemsize))
+    return g == 2 and _on_gpus() and _windows_fit(xs, g, _chunk_plan(xs, g, AUTO_WINDOWED_CHUNKS)[1])
 
 
 def local_kernel() -> bool:
@@ -190,9 +197,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     auto_windowed = mode == "auto" and _auto_windowed([q, k, v], g)
     if mode == "auto":
         mode = "async" if auto_windowed else "pk"
-    # Chunks must split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads).
-    c = math.gcd(head_chunks(AUTO_WINDOWED_CHUNKS if auto_windowed else 1), n // g, k.shape[2] // g)
-    chunks = _chunks([q, k, v], g, c)
+    c, chunks = _chunk_plan([q, k, v], g, AUTO_WINDOWED_CHUNKS if auto_windowed else 1)
     windowed = auto_windowed or (mode == "async" and g > 1 and _windowed([q, k, v], g, chunks))
     # SMs our attention leaves free beside the side stream: the SM shift's CTAs, or $PK_JAX_ULYSSES_RESERVE_SMS for
     # strided windowed copies; none without async exchanges.
@@ -271,13 +276,10 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
 
 
 def _windowed(xs: list[jax.Array], g: int, chunks: window_exchange.HeadSpans) -> bool:
-    """Whether the pipeline's exchanges are windowed all-to-alls (pk_jax/context/window_exchange.py): copy engines
-    ($PK_JAX_RING_SHIFT_ENGINE=copy) outside multi-process jobs, and every window of q, k, v (and so of the output,
-    dO and the gradients, which have their shapes) a 3-D copy layout. Decided once, for forward and backward."""
-    from pk_jax.distributed import is_multiprocess
-
-    return (shift_engine() == "copy" and not is_multiprocess()
-            and window_exchange.usable([x.shape for x in xs], g, chunks, xs[0].dtype.itemsize))
+    """Whether an explicit "async" pipeline's exchanges are windowed all-to-alls (pk_jax/context/window_exchange.py):
+    with copy engines ($PK_JAX_RING_SHIFT_ENGINE=copy) where the windows fit. Decided once, for forward and
+    backward."""
+    return shift_engine() == "copy" and _windows_fit(xs, g, chunks)
 
 
 def _pipelined_in_place(xs: list[jax.Array], chunks: window_exchange.HeadSpans, compute, axes,
