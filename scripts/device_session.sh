@@ -94,6 +94,7 @@
 #   x4ring2     (2 GPUs+) shift tests (every unroll), ring GPU tests (bf16 first accumulator hop), a timeline, the
 #               compute floor (issue 26's 5 %), ring rows at S 12288 per SHIFT_CFGS "ctas:unroll" (default
 #               "8:4 16:4 8:8 8:16 16:8": PK_JAX_RING_SHIFT_CTAS : PK_JAX_RING_SHIFT_UNROLL)                ~9 min
+#   x4copy      (4 GPUs) copy engines at G 4: first test, ring rows per TRANSPORTS, shift and window tests  ~8 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -431,6 +432,18 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  fwd_bwd_contiguous fwd_bwd_causal_zigzag --seqs 12288 --reps 10 \
                  --out "$OUT/$day-context-ring-ctas$ctas-unroll$unroll.json"
              done ;;
+    x4copy) # (4 GPUs) copy engines at G 4, their first run there: the copy shift's first test, ring rows at S 12288 per
+            # transport (TRANSPORTS, same turns), then the shift tests of both engines and the window tests (sub-axis too)
+            stage copy-first 120 env PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest -x -q -rs \
+              "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[copy-2]"
+            if grep -q " passed" "$OUT/copy-first.log" && ! grep -qE "failed|rror" "$OUT/copy-first.log"; then
+              stage x4-ring-bench 240 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases fwd_contiguous \
+                fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports ${TRANSPORTS:-pk-copy pk pk-copy-dq} \
+                --reps 10 --out "$OUT/$day-context-ring-x4copy.json"
+              stage copy-tests 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -q -rs tests/gpu/test_ring_shift_gpu.py
+              first_then_rest window "tests/gpu/test_window_exchange_gpu.py::test_window_alone_small" \
+                tests/gpu/test_window_exchange_gpu.py
+            fi ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
