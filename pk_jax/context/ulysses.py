@@ -353,18 +353,22 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
 
 
 def _async_fwd(q, k, v, axes, c, local):
-    return _async_forward(q, k, v, axes, c, local, True)  # (out, the residuals: each chunk's VJP)
+    out, vjps = _async_forward(q, k, v, axes, c, local, True)
+    return out, (out, vjps)  # the residuals: the output (for the backward's barrier) and each chunk's VJP
 
 
-def _async_bwd(axes, c, local, vjps, d_out):
+def _async_bwd(axes, c, local, residuals, d_out):
     """The same pipeline backwards: each chunk's output cotangent exchanged to the heads layout (the transpose of
     its output exchange), its attention's VJP, the three gradients exchanged back (the transpose of the input
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
+    out, vjps = residuals
     # The backward's exchanges start once every chunk's forward has run: else XLA defers the forward attention of
     # chunks 1.. (only their residuals are needed) into the backward, where their exchanges and the backward's
-    # share the side stream and each wait drains both (2x H100, 2026-11-26: most copies of fwd+bwd exposed).
-    d_out = lax.optimization_barrier((d_out, jax.tree_util.tree_leaves(vjps)))[0]
+    # share the side stream and each wait drains both (2x H100, 2026-11-26: most copies of fwd+bwd exposed). The
+    # barrier holds the whole output, which every chunk's attention call wrote; not the VJPs' residuals: with
+    # cuDNN's attention between, XLA 0.11.2 crashed compiling a barrier over them (segfault, 2x H200 2026-11-26).
+    d_out = lax.optimization_barrier((d_out, out))[0]
     vjp = lambda i, xs: list(vjps[i](xs[0]))
     if local.windowed:
         return tuple(_pipelined_in_place([d_out], local.chunks, vjp, axes, local.own_on_xla))

@@ -169,6 +169,27 @@ def test_ulysses_windowed_matches_reference(monkeypatch, chunks, own, half, caus
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
 
 
+@pytest.mark.parametrize("mode", ["auto", "async"])
+def test_ulysses_windowed_cudnn_gradients(monkeypatch, mode):
+    """The windowed pipeline with cuDNN's attention between (what `auto` runs at G 2; `async` over copy engines at
+    every G), forward and gradients vs the float32 reference (a barrier over the VJPs' residuals made XLA segfault
+    compiling this, 2x H200 2026-11-26)."""
+    from .test_context_gpu import TOL, assert_close, random_qkv, reference, sharded
+
+    monkeypatch.setenv("PK_JAX_ULYSSES_A2A", mode)
+    g = 2 if mode == "auto" else len(gpus())
+    heads = 4 * g
+    q, k, v, d_out = random_qkv(g + 61, 2, g * 256, heads, heads, 128)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", implementation="cudnn")
+    spec = jax.ShapeDtypeStruct(q.shape, jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    loss = lambda a, b, c: jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))(
+        a, b, c).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, spec, spec).compile().as_text()
+    assert 'custom_call_target="pk_exchange_start"' in hlo
+    got = sharded(attn, g, "contiguous", jnp.bfloat16, q, k, v, d_out)
+    assert_close(got, reference(q, k, v, d_out, False), TOL[jnp.bfloat16], f"ulysses windowed cuDNN {mode} G={g}")
+
+
 def _four_chunks_of_ours(monkeypatch):
     """Windowed Ulysses in 4 head chunks with our attention kernels: (G, chunks, the q/k/v spec, the call)."""
     monkeypatch.setenv("PK_JAX_ULYSSES_CHUNKS", "4")
