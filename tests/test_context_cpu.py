@@ -364,9 +364,9 @@ def _eqns(jaxpr):
 
 @pytest.mark.parametrize("engine", ["copy", "sm"])
 def test_ulysses_async_backward_waits_for_every_forward_chunk(monkeypatch, engine):
-    """The async backward's first exchange depends on the whole forward output (one optimization barrier over d_out
-    and it: every chunk's attention wrote into it), so XLA cannot defer chunks 1..c-1's forward attention into the
-    backward, where its exchanges would queue behind the backward's on the side stream."""
+    """The async backward's first exchange depends on every chunk's attention output (one optimization barrier over
+    d_out and them), so XLA cannot defer chunks 1..c-1's forward attention into the backward, where its exchanges
+    would queue behind the backward's on the side stream."""
     from pk_jax.context import ring_shift, ulysses
 
     c = 4
@@ -377,9 +377,10 @@ def test_ulysses_async_backward_waits_for_every_forward_chunk(monkeypatch, engin
     f = jax.shard_map(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp"), mesh=mesh(2), in_specs=P(None, "sp"),
                       out_specs=P(None, "sp"))
     jaxpr = jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v).jaxpr
-    local = (1, q.shape[1] // 2, *q.shape[2:])  # d_out's and the output's shape on one member
-    pairs = [[tuple(x.aval.shape) for x in e.invars] for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
-    assert [local, local] in pairs, f"no barrier over d_out and the forward output: {pairs}"
+    d_out = (1, q.shape[1] // 2, *q.shape[2:])  # on one member; a chunk's output: the whole sequence, its heads
+    chunk = (1, q.shape[1], q.shape[2] // 2 // c, q.shape[3])
+    shapes = [[tuple(x.aval.shape) for x in e.invars] for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
+    assert [d_out] + [chunk] * c in shapes, f"no barrier over d_out and every chunk's output: {shapes}"
 
 
 @pytest.mark.parametrize("g", [2, 3, 8])

@@ -335,7 +335,7 @@ def _pipelined_in_place(xs: list[jax.Array], chunks: window_exchange.HeadSpans, 
 
 def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
     """The head chunks pipelined (_pipelined, or _pipelined_in_place). keep_vjps: also return each chunk's attention
-    VJP (the backward's residuals)."""
+    output and VJP (the backward's residuals)."""
     g = local.g
     vjps = []
 
@@ -343,7 +343,7 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
         if not keep_vjps:
             return [local(*xs)]
         out, vjp = jax.vjp(local, *xs)
-        vjps.append(vjp)
+        vjps.append((out, vjp))
         return [out]
 
     if local.windowed:
@@ -353,8 +353,7 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
 
 
 def _async_fwd(q, k, v, axes, c, local):
-    out, vjps = _async_forward(q, k, v, axes, c, local, True)
-    return out, (out, vjps)  # the residuals: the output (for the backward's barrier) and each chunk's VJP
+    return _async_forward(q, k, v, axes, c, local, True)  # (out, the residuals: each chunk's output and VJP)
 
 
 def _async_bwd(axes, c, local, residuals, d_out):
@@ -362,13 +361,14 @@ def _async_bwd(axes, c, local, residuals, d_out):
     its output exchange), its attention's VJP, the three gradients exchanged back (the transpose of the input
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
-    out, vjps = residuals
+    chunk_outs, vjps = zip(*residuals)
     # The backward's exchanges start once every chunk's forward has run: else XLA defers the forward attention of
     # chunks 1.. (only their residuals are needed) into the backward, where their exchanges and the backward's
     # share the side stream and each wait drains both (2x H100, 2026-11-26: most copies of fwd+bwd exposed). The
-    # barrier holds the whole output, which every chunk's attention call wrote; not the VJPs' residuals: with
-    # cuDNN's attention between, XLA 0.11.2 crashed compiling a barrier over them (segfault, 2x H200 2026-11-26).
-    d_out = lax.optimization_barrier((d_out, out))[0]
+    # barrier holds each chunk's attention output, not the VJPs' residuals: with cuDNN's attention between, XLA
+    # 0.11.2 segfaulted compiling a barrier over those (2x H200, 2026-11-26). A barrier over the whole output
+    # did not hold the order (compiled ABABABAB at G 4).
+    d_out = lax.optimization_barrier((d_out, list(chunk_outs)))[0]
     vjp = lambda i, xs: list(vjps[i](xs[0]))
     if local.windowed:
         return tuple(_pipelined_in_place([d_out], local.chunks, vjp, axes, local.own_on_xla))
