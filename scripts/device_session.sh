@@ -95,6 +95,8 @@
 #               compute floor (issue 26's 5 %), ring rows at S 12288 per SHIFT_CFGS "ctas:unroll" (default
 #               "8:4 16:4 8:8 8:16 16:8": PK_JAX_RING_SHIFT_CTAS : PK_JAX_RING_SHIFT_UNROLL)                ~9 min
 #   x4copy      (4 GPUs) copy engines at G 4: first test, ring rows per TRANSPORTS, shift and window tests  ~8 min
+#   ulyssesbarrier (2 GPUs+) PK_JAX_ULYSSES_BWD_BARRIER=chunks: its GPU tests, then Ulysses fwd+bwd at G 2 with / without ~6 min
+#   cudnnprobe  can the ring's block pairs run on cuDNN (LSE out, backward with given stats)? + per-block timing ~1 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -444,6 +446,16 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
               first_then_rest window "tests/gpu/test_window_exchange_gpu.py::test_window_alone_small" \
                 tests/gpu/test_window_exchange_gpu.py
             fi ;;
+    ulyssesbarrier) # (2 GPUs+) the async backward's barrier over each chunk's output (PK_JAX_ULYSSES_BWD_BARRIER=chunks):
+                    # cuDNN gradient and compiled-order tests, then Ulysses fwd+bwd on GPUs PAIR (default 0,1) with and without
+                    stage ulysses-barrier-tests 120 python3 -m pytest tests/gpu/test_window_exchange_gpu.py -m gpu -q -rs \
+                      -k "cudnn or backward_after"
+                    for b in chunks none; do
+                      stage ulysses-barrier-$b 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_BWD_BARRIER=$b \
+                        python3 -m pk_jax.bench context --op ulysses_attention --cases fwd_bwd --seqs 2048 4096 --reps 10 \
+                        --out "$OUT/$day-context-ulysses-barrier-$b.json"
+                    done ;;
+    cudnnprobe) stage cudnn-probe 150 python3 -X faulthandler scripts/probe_cudnn_ring_block.py ;;  # (1 GPU)
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

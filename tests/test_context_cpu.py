@@ -259,9 +259,11 @@ def test_ulysses_attention_matches_whole_sequence_reference(g, layout, causal, n
 def test_ulysses_head_chunks(monkeypatch, chunks, a2a, g, layout, causal, n, kv_heads):
     """PK_JAX_ULYSSES_CHUNKS / PK_JAX_ULYSSES_A2A: the heads exchanged and attended in chunks (3 is cut to a count
     dividing every member's query and K/V heads), by either all-to-all or the asynchronous one (distance shifts,
-    its own VJP): the same result and gradients, and one exchange per chunk and tensor in the program."""
-    from pk_jax.context import ulysses
+    its own VJP; the SM shift engine, as the copy engines' windowed exchanges are test_ulysses_windowed_exchanges'):
+    the same result and gradients, and one exchange per chunk and tensor in the program."""
+    from pk_jax.context import ring_shift, ulysses
 
+    monkeypatch.setenv(ring_shift.ENGINE_VAR, "sm")
     monkeypatch.setenv(ulysses.CHUNKS_VAR, chunks)
     monkeypatch.setenv(ulysses.A2A_VAR, a2a)
     q, k, v, d_out = random_qkv(g + 7 * causal, 2, g * T_LOCAL, n, kv_heads, 16)
@@ -364,23 +366,30 @@ def _eqns(jaxpr):
 
 @pytest.mark.parametrize("engine", ["copy", "sm"])
 def test_ulysses_async_backward_waits_for_every_forward_chunk(monkeypatch, engine):
-    """The async backward's first exchange depends on every chunk's attention output (one optimization barrier over
-    d_out and them), so XLA cannot defer chunks 1..c-1's forward attention into the backward, where its exchanges
-    would queue behind the backward's on the side stream."""
+    """With PK_JAX_ULYSSES_BWD_BARRIER=chunks the async backward's first exchange depends on every chunk's attention
+    output (one optimization barrier over d_out and them), so XLA cannot defer chunks 1..c-1's forward attention
+    into the backward, where its exchanges would queue behind the backward's on the side stream; by default there
+    is no such barrier."""
     from pk_jax.context import ring_shift, ulysses
 
     c = 4
+    monkeypatch.setenv(ulysses.BWD_BARRIER_VAR, "chunks")
     monkeypatch.setenv(ulysses.A2A_VAR, "async")
     monkeypatch.setenv(ulysses.CHUNKS_VAR, str(c))
     monkeypatch.setenv(ring_shift.ENGINE_VAR, engine)
     q, k, v, _ = random_qkv(5, 1, 2 * T_LOCAL, 8, 8, 16)
     f = jax.shard_map(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp"), mesh=mesh(2), in_specs=P(None, "sp"),
                       out_specs=P(None, "sp"))
-    jaxpr = jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v).jaxpr
+
+    def barriers() -> list[list[tuple[int, ...]]]:  # each optimization barrier's operand shapes in the VJP
+        jaxpr = jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v).jaxpr
+        return [[tuple(x.aval.shape) for x in e.invars] for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
+
     d_out = (1, q.shape[1] // 2, *q.shape[2:])  # on one member; a chunk's output: the whole sequence, its heads
     chunk = (1, q.shape[1], q.shape[2] // 2 // c, q.shape[3])
-    shapes = [[tuple(x.aval.shape) for x in e.invars] for e in _eqns(jaxpr) if e.primitive.name == "optimization_barrier"]
-    assert [d_out] + [chunk] * c in shapes, f"no barrier over d_out and every chunk's output: {shapes}"
+    assert [d_out] + [chunk] * c in barriers(), f"no barrier over d_out and every chunk's output: {barriers()}"
+    monkeypatch.delenv(ulysses.BWD_BARRIER_VAR)
+    assert [d_out] + [chunk] * c not in barriers(), f"the default has no backward barrier: {barriers()}"
 
 
 @pytest.mark.parametrize("g", [2, 3, 8])

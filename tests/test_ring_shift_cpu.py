@@ -96,7 +96,11 @@ def test_ring_attention_uses_the_shift_primitives(g, monkeypatch):
     assert fwd.count("pk_ring_shift_start") == g - 1  # the last step sends nothing
     assert fwd.count("pk_ring_shift_done") == g - 1
     assert "ppermute" not in fwd
-    assert "reserve_sms=8" in fwd  # the attention leaves the shift kernel's SMs free
+    assert "engine=copy" in fwd and "reserve_sms=0" in fwd  # the default copy engines take no SM
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "sm")
+    f_sm, _ = _ring(g)  # traced afresh: the setting is read when traced
+    assert "reserve_sms=8" in str(jax.make_jaxpr(f_sm)(spec, spec, spec))  # the shift kernel's SMs left free
+    monkeypatch.delenv("PK_JAX_RING_SHIFT_ENGINE")
     grad = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), (0, 1, 2))
     bwd = str(jax.make_jaxpr(grad)(spec, spec, spec))
     # forward G-1, backward: G-1 K/V shifts and G-1 accumulator hops
@@ -160,17 +164,18 @@ def test_ring_shift_env_defaults(monkeypatch):
 
 
 def test_shift_engine_setting(monkeypatch):
-    """PK_JAX_RING_SHIFT_ENGINE: "sm" by default, "copy" reaches the primitive and frees the SMs the ring's
-    attention would leave to the shift kernel (multi-process jobs keep the kernel and its SMs); anything else is
-    refused by name."""
+    """PK_JAX_RING_SHIFT_ENGINE: "copy" by default, which reaches the primitive and frees the SMs the ring's
+    attention would leave to the shift kernel (multi-process jobs keep the kernel and its SMs); "sm" reserves them;
+    anything else is refused by name."""
     import pk_jax.distributed
     from pk_jax.context import ring
 
     for var in ("PK_JAX_RING_SHIFT_ENGINE", "PK_JAX_RING_TRANSPORT", "PK_JAX_RING_RESERVE_SMS", "PK_JAX_RING_SHIFT_CTAS"):
         monkeypatch.delenv(var, raising=False)
-    assert ring_shift.shift_engine() == "sm" and ring.reserve_sms() == 8
+    assert ring_shift.shift_engine() == "copy" and ring_shift.shift_sms() == 0 and ring.reserve_sms() == 0
+    monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "sm")
+    assert ring.reserve_sms() == 8
     monkeypatch.setenv("PK_JAX_RING_SHIFT_ENGINE", "copy")
-    assert ring_shift.shift_sms() == 0 and ring.reserve_sms() == 0
     with monkeypatch.context() as m:
         m.setattr(pk_jax.distributed, "is_multiprocess", lambda: True)
         assert ring_shift.shift_sms() == 8, "multi-process jobs run the kernel whatever the setting: SMs reserved"

@@ -11,14 +11,14 @@ state, no merge pass, no dynamic-update-slice, no conversion of the block); else
 Why: on 4x H100 the ring's causal zigzag forward spent ~1.9 ms of 7.6 in XLA glue around 4.8 ms of attention
 kernels (the step-0 concatenation, merges, dynamic-update-slices, a copy of the whole state per lax.cond step),
 issue 26's "partial outputs merged with the LSE in-kernel". Used by ring attention's forward (every layout) when
-$PK_JAX_RING_MERGE=kernel (default "xla": the earlier merges).
+$PK_JAX_RING_MERGE=kernel (default "dq": the forward's merges by XLA).
 
     dq, dk, dv = accumulate_bwd(q, k, v, do, lse, delta, offsets, dq, row_start=r, scale=s, causal=c)
 
 The backward's counterpart: a block pair's dK, dV, and its dQ added into rows [r, r + Tq) of the ring's float32
 dQ state (B, S, N, D) by the dQ conversion kernel in place (`pk_attention_bwd_accumulate`); on 4x H100 the add,
 its dynamic-update-slice and a copy of the state took ~0.6 ms per visiting step of the causal backward. Used by
-every ring backward pair whose rows are known at trace time, with $PK_JAX_RING_MERGE=kernel or dq.
+every ring backward pair whose rows are known at trace time, with $PK_JAX_RING_MERGE=dq (the default) or kernel.
 """
 
 from __future__ import annotations
@@ -48,11 +48,13 @@ pk_attention_bwd_accumulate_p.multiple_results = True
 
 def merge_in_kernel() -> str:
     """Where ring attention folds each block's result into its state: $PK_JAX_RING_MERGE, read when traced.
-    "xla" (default): the block's output, then XLA's merge / add and dynamic-update-slice; "kernel": the attention
-    kernels merge into the float32 states in place (accumulate: the forward; accumulate_bwd: the backward's dQ);
-    "dq": the backward's dQ only (on 2x H100, 2026-11-26, S 12288, the forward's in-kernel merge was 0.3-2.9 ms
-    slower than XLA's while the backward's saved 0.5-1.6 ms)."""
-    return choice_setting(ACC_VAR, "xla", ACC_MODES, owner="pk_jax.ring_attention")
+    "dq" (default): the backward's dQ added into its float32 state by the backward's dQ conversion in place, the
+    forward's blocks merged by XLA; "xla": the block's output, then XLA's merge / add and dynamic-update-slice,
+    forward and backward; "kernel": the attention kernels merge into the float32 states in place, the forward too
+    (accumulate / accumulate_bwd). On 2x H100 (2026-11-26, S 12288) the forward's in-kernel merge was 0.3-2.9 ms
+    slower than XLA's while the backward's saved 0.5-1.6 ms; on 4x H200 (2026-11-26, copy engines) "dq" was faster
+    than "xla" in every ring row at S 12288 (fwd+bwd 37.87 vs 39.39 ms, causal zigzag 25.83 vs 26.45)."""
+    return choice_setting(ACC_VAR, "dq", ACC_MODES, owner="pk_jax.ring_attention")
 
 
 def accumulate(q, k, v, offsets, acc, lse, *, row_start: int, merge: bool, scale: float, causal: bool,

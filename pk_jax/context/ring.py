@@ -140,10 +140,10 @@ RESERVE_SMS_VAR = "PK_JAX_RING_RESERVE_SMS"
 def reserve_sms() -> int:
     """SMs the ring's attention kernels leave free for the block transfers running beside them:
     $PK_JAX_RING_RESERVE_SMS, read when the ring is traced. Default: with the "pk" transport the ring
-    shift's CTA count ($PK_JAX_RING_SHIFT_CTAS, 8), so its kernel gets SMs while the attention runs (0 with
-    $PK_JAX_RING_SHIFT_ENGINE=copy: the copy engines take none); with "xla" 0 (on 2x H200, 2026-11-23, S 12288,
-    leaving 8 SMs free did not hide XLA's permute: forward 20.87 vs 20.42 ms, fwd+bwd 76.3 vs 71.9; XLA does not
-    run it under our kernel)."""
+    shift's SMs (ring_shift.shift_sms: 0 for the copy engines, the default, which take none; the kernel's CTA
+    count, $PK_JAX_RING_SHIFT_CTAS = 8, with $PK_JAX_RING_SHIFT_ENGINE=sm or in multi-process jobs); with "xla" 0
+    (on 2x H200, 2026-11-23, S 12288, leaving 8 SMs free did not hide XLA's permute: forward 20.87 vs 20.42 ms,
+    fwd+bwd 76.3 vs 71.9; XLA does not run it under our kernel)."""
     default = shift_sms() if transport() == "pk" else 0
     return int_setting(RESERVE_SMS_VAR, default, minimum=0, owner="pk_jax.ring_attention", what="a count of SMs")
 

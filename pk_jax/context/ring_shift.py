@@ -11,8 +11,9 @@ On GPUs (the extension built, the group on this host) start is the `pk_ring_shif
 records an event on XLA's stream, makes the device's side stream wait for it and launches the shift
 kernel there with `PK_JAX_RING_SHIFT_CTAS` CTAs (default 8; each pushes ~43-45 GB/s with 16-byte remote
 stores on 2x H200), then returns. XLA's stream goes on with the step's attention, which leaves that many
-SMs free (`reserve_sms`), so the transfer runs under it. `PK_JAX_RING_SHIFT_ENGINE=copy` moves the bytes
-with the copy engines instead (every member a GPU of this process; ffi/copy_shift.h): no SM is reserved. done is
+SMs free (`reserve_sms`), so the transfer runs under it: that is `PK_JAX_RING_SHIFT_ENGINE=sm`. By default
+(`copy`) the copy engines move the bytes instead where every member is a GPU of this process (ffi/copy_shift.h):
+no SM is reserved; multi-process jobs run the kernel. done is
 `pk_ring_shift_done`: XLA's stream waits for the side stream; its outputs alias ys. Handshakes use the
 control block's side channel (kernels/pk/control_block.h), so a pk collective that XLA runs on its own
 stream while a shift is in flight never takes the shift's epochs (docs/design.md).
@@ -73,14 +74,15 @@ def transport() -> str:
 
 
 def shift_engine() -> str:
-    """What moves a shift's bytes: $PK_JAX_RING_SHIFT_ENGINE, read when traced. "sm" (default): the shift kernel on
-    `shift_ctas()` SMs the attention leaves free; beside the attention on 4x H100 it pushed 166-221 GB/s whatever
-    its CTAs and loads in flight (2026-11-26), so the ring's forward waited for it. "copy": the copy engines
-    (cudaMemcpyPeerAsync on the side stream, handshakes by CUDA events between the members; 396 GB/s to a peer on
-    4x H200), no SM taken, so the attention keeps them all; where a member is in another process the kernel runs
-    instead. On 2x H100 (2026-11-26) its hops ran at ~390 GB/s beside the attention and the ring's causal rows were
-    0.3-1.8 ms faster than with the kernel, the others level; not yet run on 4 GPUs, so not the default."""
-    return choice_setting(ENGINE_VAR, "sm", ENGINES, owner="pk_jax.ring_attention")
+    """What moves a shift's bytes: $PK_JAX_RING_SHIFT_ENGINE, read when traced. "copy" (default): the copy engines
+    (cudaMemcpyPeerAsync on the side stream, handshakes by CUDA events between the members), no SM taken, so the
+    attention keeps them all; where a member is in another process the kernel runs instead. "sm": the shift kernel
+    on `shift_ctas()` SMs the attention leaves free; beside the attention on 4x H100 it pushed 166-221 GB/s whatever
+    its CTAs and loads in flight, so the ring's forward waited for it. Measured side by side (ring rows at S 12288):
+    on 4x H200 (2026-11-26) the copy engines were level on the forward (10.43 vs 10.38 ms) and faster on the others
+    (causal zigzag fwd 6.85 vs 7.11, fwd+bwd 39.39 vs 40.31, causal zigzag fwd+bwd 26.45 vs 28.22); on 2x H100
+    0.3-1.8 ms faster on the causal rows and level on the others."""
+    return choice_setting(ENGINE_VAR, "copy", ENGINES, owner="pk_jax.ring_attention")
 
 
 def shift_sms() -> int:

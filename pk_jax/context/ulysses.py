@@ -14,8 +14,9 @@ and can run under it. $PK_JAX_ULYSSES_A2A picks the exchange:
 - "lax": jax.lax.all_to_all (NCCL, which XLA may schedule asynchronously);
 - "async": the exchanges on the side stream, chunk i+1's q/k/v and chunk i-1's output moving under chunk i's
   attention, as the issue's "a head's attention starts as soon as its slices have landed"; the backward pipelines
-  its exchanges the same way. Shifts at distances 1..G-1 (pk_jax/context/async_all_to_all.py), or, with
-  $PK_JAX_RING_SHIFT_ENGINE=copy outside multi-process jobs, windowed all-to-alls (the windowed pipeline).
+  its exchanges the same way. Windowed all-to-alls (the windowed pipeline) with the copy engines
+  ($PK_JAX_RING_SHIFT_ENGINE=copy, the default) outside multi-process jobs; else shifts at distances 1..G-1
+  (pk_jax/context/async_all_to_all.py).
 The windowed pipeline (pk_jax/context/window_exchange.py): chunk i is read from the whole q/k/v by the copy engines
 and its output written into its heads of the whole result; only peer blocks travel on the side stream (flagged to
 prefer overlap with compute, they run beside an attention kernel holding every SM), and each own block is placed on
@@ -74,11 +75,19 @@ LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
 RESERVE_VAR = "PK_JAX_ULYSSES_RESERVE_SMS"
 OWN_VAR = "PK_JAX_WINDOW_OWN"
 HALF_ENDS_VAR = "PK_JAX_ULYSSES_HALF_ENDS"
+BWD_BARRIER_VAR = "PK_JAX_ULYSSES_BWD_BARRIER"
 
 
 def head_chunks(default: int = 1) -> int:
     """$PK_JAX_ULYSSES_CHUNKS: head chunks per exchange (`default` when unset), read when traced."""
     return int_setting(CHUNKS_VAR, default, minimum=1, owner="pk_jax.ulysses_attention", what="a count of head chunks")
+
+
+def backward_barrier() -> str:
+    """$PK_JAX_ULYSSES_BWD_BARRIER, read when traced: "none" (default) or "chunks", the async backward held behind
+    one optimization barrier over d_out and every chunk's forward attention output (opt-in, not yet run on a GPU;
+    see _async_bwd)."""
+    return choice_setting(BWD_BARRIER_VAR, "none", ("none", "chunks"), owner="pk_jax.ulysses_attention")
 
 
 def exchange() -> str:
@@ -277,7 +286,7 @@ def _pipelined(chunks: list[list[jax.Array]], compute, axes) -> list[list[jax.Ar
 
 def _windowed(xs: list[jax.Array], g: int, chunks: window_exchange.HeadSpans) -> bool:
     """Whether an explicit "async" pipeline's exchanges are windowed all-to-alls (pk_jax/context/window_exchange.py):
-    with copy engines ($PK_JAX_RING_SHIFT_ENGINE=copy) where the windows fit. Decided once, for forward and
+    with copy engines ($PK_JAX_RING_SHIFT_ENGINE=copy, the default) where the windows fit. Decided once, for forward and
     backward."""
     return shift_engine() == "copy" and _windows_fit(xs, g, chunks)
 
@@ -362,13 +371,14 @@ def _async_bwd(axes, c, local, residuals, d_out):
     exchange), chunk i+1's cotangent and chunk i-1's gradients moving under chunk i's VJP."""
     g = local.g
     chunk_outs, vjps = zip(*residuals)
-    # The backward's exchanges start once every chunk's forward has run: else XLA defers the forward attention of
-    # chunks 1.. (only their residuals are needed) into the backward, where their exchanges and the backward's
-    # share the side stream and each wait drains both (2x H100, 2026-11-26: most copies of fwd+bwd exposed). The
-    # barrier holds each chunk's attention output, not the VJPs' residuals: with cuDNN's attention between, XLA
-    # 0.11.2 segfaulted compiling a barrier over those (2x H200, 2026-11-26). A barrier over the whole output
-    # did not hold the order (compiled ABABABAB at G 4).
-    d_out = lax.optimization_barrier((d_out, list(chunk_outs)))[0]
+    # XLA may defer the forward attention of chunks 1.. (only their residuals are needed) into the backward, where
+    # their exchanges and the backward's share the side stream and each wait drains both (2x H100, 2026-11-26: most
+    # copies of fwd+bwd exposed). Tried on 4x H200 (2026-11-26): a barrier over d_out and every VJP residual held
+    # the order (all forward attention first) but made XLA 0.11.2 segfault compiling fwd+bwd with cuDNN's attention
+    # between (the G 2 default); one over d_out and the whole output compiled but did not hold the order. The one
+    # below, over each chunk's attention output, is opt-in until a GPU has run it.
+    if backward_barrier() == "chunks":
+        d_out = lax.optimization_barrier((d_out, list(chunk_outs)))[0]
     vjp = lambda i, xs: list(vjps[i](xs[0]))
     if local.windowed:
         return tuple(_pipelined_in_place([d_out], local.chunks, vjp, axes, local.own_on_xla))

@@ -169,14 +169,16 @@ def test_ulysses_windowed_matches_reference(monkeypatch, chunks, own, half, caus
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ulysses windowed {chunks} G={g}")
 
 
+@pytest.mark.parametrize("barrier", ["none", "chunks"])
 @pytest.mark.parametrize("mode", ["auto", "async"])
-def test_ulysses_windowed_cudnn_gradients(monkeypatch, mode):
+def test_ulysses_windowed_cudnn_gradients(monkeypatch, mode, barrier):
     """The windowed pipeline with cuDNN's attention between (what `auto` runs at G 2; `async` over copy engines at
-    every G), forward and gradients vs the float32 reference (a barrier over the VJPs' residuals made XLA segfault
-    compiling this, 2x H200 2026-11-26)."""
+    every G), with and without the backward's barrier (PK_JAX_ULYSSES_BWD_BARRIER), forward and gradients vs the
+    float32 reference (a barrier over the VJPs' residuals made XLA segfault compiling this, 2x H200 2026-11-26)."""
     from .test_context_gpu import TOL, assert_close, random_qkv, reference, sharded
 
     monkeypatch.setenv("PK_JAX_ULYSSES_A2A", mode)
+    monkeypatch.setenv("PK_JAX_ULYSSES_BWD_BARRIER", barrier)
     g = 2 if mode == "auto" else len(gpus())
     heads = 4 * g
     q, k, v, d_out = random_qkv(g + 61, 2, g * 256, heads, heads, 128)
@@ -222,9 +224,11 @@ def test_ulysses_windowed_compiled_order(monkeypatch):
 
 
 def test_ulysses_windowed_backward_after_every_forward_chunk(monkeypatch):
-    """fwd+bwd (4 chunks, our attention kernels): every chunk's forward attention runs before the first backward
-    kernel in the compiled order, so the backward's exchanges do not queue behind deferred forward ones (XLA
-    deferred chunks 1.. into the backward before the barrier in _async_bwd: most copies ran exposed)."""
+    """fwd+bwd (4 chunks, our attention kernels) with PK_JAX_ULYSSES_BWD_BARRIER=chunks: every chunk's forward
+    attention runs before the first backward kernel in the compiled order, so the backward's exchanges do not
+    queue behind deferred forward ones (without a barrier XLA deferred chunks 1.. into the backward, 2x H100: most
+    copies ran exposed; a barrier over the whole output compiled to ABABABAB at G 4)."""
+    monkeypatch.setenv("PK_JAX_ULYSSES_BWD_BARRIER", "chunks")
     g, c, spec, attn = _four_chunks_of_ours(monkeypatch)
     loss = lambda q, k, v: jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))(
         q, k, v).astype(jnp.float32).sum()
