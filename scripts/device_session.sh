@@ -96,7 +96,8 @@
 #               "8:4 16:4 8:8 8:16 16:8": PK_JAX_RING_SHIFT_CTAS : PK_JAX_RING_SHIFT_UNROLL)                ~9 min
 #   x4copy      (4 GPUs) copy engines at G 4: first test, ring rows per TRANSPORTS, shift and window tests  ~8 min
 #   ulyssesbarrier (2 GPUs+) PK_JAX_ULYSSES_BWD_BARRIER=chunks: its GPU tests, then Ulysses fwd+bwd at G 2 with / without ~6 min
-#   cudnnprobe  can the ring's block pairs run on cuDNN (LSE out, backward with given stats)? + per-block timing ~1 min
+#   ringcudnn   the ring's pairs on cuDNN (PK_JAX_RING_LOCAL=cudnn): the one-GPU probe (compiles? right? per-block
+#               timing), then (2 GPUs+) its GPU tests and ring rows against the default                      ~1-8 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -455,7 +456,15 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                         python3 -m pk_jax.bench context --op ulysses_attention --cases fwd_bwd --seqs 2048 4096 --reps 10 \
                         --out "$OUT/$day-context-ulysses-barrier-$b.json"
                     done ;;
-    cudnnprobe) stage cudnn-probe 150 python3 -X faulthandler scripts/probe_cudnn_ring_block.py ;;  # (1 GPU)
+    ringcudnn) # the ring's block pairs on cuDNN (PK_JAX_RING_LOCAL=cudnn): the one-GPU probe; if it ran clean, the GPU
+               # tests (2 GPUs+) and ring rows at S 12288 against the default in the same turns (2 GPUs+)
+               stage cudnn-probe 150 python3 -X faulthandler scripts/probe_cudnn_ring_block.py
+               if grep -q "^ring G 1 causal=True" "$OUT/cudnn-probe.log" && ! grep -qE "FAILED|Fatal" "$OUT/cudnn-probe.log"; then
+                 stage cudnn-ring-tests 150 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -rs -k cudnn
+                 stage cudnn-ring-bench 240 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                   fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports \
+                   pk-copy-dq-cudnn pk-copy-dq --reps 10 --out "$OUT/$day-context-ring-cudnn.json"
+               fi ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -1,49 +1,42 @@
-"""Can ring attention run its block pairs on cuDNN? A one-GPU probe (run it on a device; ~1 min).
+"""Can ring attention run its block pairs on cuDNN (pk_jax/context/cudnn_block.py)? A one-GPU probe, ~1 min.
 
-The ring needs two things cuDNN's JAX binding does not offer through jax.nn.dot_product_attention:
-  1. each block's log-sum-exp beside its output (to merge blocks): the internal
-     `fused_attention_stablehlo.dot_product_attention(..., return_residual=True)`;
-  2. each pair's backward with the *merged* output and LSE of the whole row (ring-flash-attention's scheme):
-     the internal cuDNN backward primitive fed an output and softmax statistics that XLA computed, not the
-     ones its forward call produced. On 4x H200 (2026-11-26) XLA 0.11.2 segfaulted compiling a program where
-     a cuDNN forward's residuals had users besides its backward, so this may not compile.
-Steps (each prints OK or the error; run under `python -X faulthandler` so a crash names its step):
-  merge     two key halves' outputs and LSEs merged vs attention over the whole keys (LSE units, layout)
-  backward  each half's backward with the merged output and LSE; dQ summed, dK/dV concatenated, vs jax.vjp
-  causal    the same with the diagonal half causal (the zigzag ring's diagonal pairs)
-  timing    per-block fwd and bwd ms at the ring's block shapes: cuDNN (this route) vs our kernels
+cudnn_block takes two things from JAX's internal cuDNN binding that jax.nn.dot_product_attention does not give:
+each block's LSE (`return_residual=True`), and the backward primitive fed the whole row's merged output and LSE
+rather than the ones its forward produced. On 4x H200 (2026-11-26) XLA 0.11.2 segfaulted compiling a program
+in which a cuDNN forward's residuals had users besides its backward, so the second may not compile. Run this
+under `python -X faulthandler`, so a crash names its step. Each step prints OK or the error:
+  merge     two key halves through cudnn_block.forward, merged by their LSEs, vs the whole keys in one call
+            (the LSE's units and layout)
+  backward  each half's cudnn_block.backward with the merged output and LSE: dQ summed, dK/dV concatenated,
+            vs jax.vjp of a float32 reference
+  diagonal  a zigzag ring's own q0 pair: Tq = C queries against Tk = 2C keys, causal top-left (cuDNN's mask with
+            Tq != Tk), forward and backward
+  ring      pk_jax.ring_attention with PK_JAX_RING_LOCAL=cudnn on a group of one (this GPU), causal and not,
+            vs the reference
+  timing    per-block ms at the ring's block shapes (S 12288 at 4 and 2 GPUs): cuDNN forward with LSE, its
+            backward fed statistics, against our kernels
 
-    python -X faulthandler scripts/probe_cudnn_ring_block.py [--steps merge backward causal timing]
+    python -X faulthandler scripts/probe_cudnn_ring_block.py [--steps merge backward diagonal ring timing]
 """
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src.cudnn import fused_attention_stablehlo as fa
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
+import pk_jax
+from pk_jax.context import cudnn_block
+from pk_jax.context.online_softmax import merge
 
-def cudnn_fwd(q, k, v, scale, causal):
-    """(out in q's dtype, stats as cuDNN returns them)."""
-    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    out, stats = fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask, return_residual=True)
-    return out, stats
-
-
-def cudnn_bwd(q, k, v, out, stats, d_out, scale, causal):
-    """dq, dk, dv of one block with a given output and statistics (the whole row's, in the ring)."""
-    nu = jnp.zeros(0, q.dtype)
-    mask = fa.MaskType.CAUSAL if causal else fa.MaskType.NO_MASK
-    grads = fa._dot_product_attention_bwd_p_wrapper.bind(
-        q, k, v, nu, nu, nu, nu, nu, nu, nu, stats, out, d_out, scale=scale, seed=42, dropout_rate=0.0,
-        variadic_args=(False, False), mask_type=mask, layout=fa.AttentionLayout.BTNH.value,
-        sliding_window_length=None)
-    return grads[:3]
+SCALE = 1 / math.sqrt(128)
 
 
 def data(b, t, n, d, seed=0):
@@ -56,76 +49,81 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def merged(q, k, v, scale, causal_second):
-    """Both halves of the keys attended separately, merged by their LSEs: (out f32, lse (B, N, T) like cuDNN's
-    statistics). causal_second: rows t.. see keys t.. causally, rows < t none of them."""
+def reference_grads(q, k, v, d_out, mask=None):
+    """(out, dq, dk, dv) of float32 attention with an optional (Tq, Tk) boolean mask."""
+    f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="xla",
+                                                     mask=None if mask is None else mask[None, None])
+    f32 = lambda x: x.astype(jnp.float32)
+    out, vjp = jax.vjp(f, f32(q), f32(k), f32(v))
+    return (out, *vjp(f32(d_out)))
+
+
+def halves(q, k, v, d_out):
+    """Two key halves (no mask) merged, then each half's backward with the merged output and LSE."""
     t = k.shape[1] // 2
-    o0, s0 = cudnn_fwd(q, k[:, :t], v[:, :t], scale, False)
-    o1, s1 = cudnn_fwd(q[:, t:] if causal_second else q, k[:, t:], v[:, t:], scale, causal_second)
-    if causal_second:
-        s1 = jnp.concatenate([jnp.full(s1.shape, -jnp.inf, s1.dtype), s1], axis=2)
-        o1 = jnp.concatenate([jnp.zeros_like(o1), o1], axis=1)
-    lse = jnp.logaddexp(s0, s1)
-    w = lambda s: jnp.swapaxes(jnp.exp(s - lse), 1, 2)[..., None]  # (B, T, N, 1)
-    return o0.astype(jnp.float32) * w(s0) + o1.astype(jnp.float32) * w(s1), lse
+    fwd = lambda k, v: cudnn_block.forward(q, k, v, scale=SCALE, causal=False, visible="all")
+    (o0, l0), (o1, l1) = fwd(k[:, :t], v[:, :t]), fwd(k[:, t:], v[:, t:])
+    out, lse = merge(o0.astype(jnp.float32), l0, o1.astype(jnp.float32), l1)
+    bwd = lambda k, v: cudnn_block.backward(q, k, v, out, d_out, lse, scale=SCALE, causal=False, visible="all")
+    (dq0, dk0, dv0), (dq1, dk1, dv1) = bwd(k[:, :t], v[:, :t]), bwd(k[:, t:], v[:, t:])
+    return out, lse, dq0 + dq1, jnp.concatenate([dk0, dk1], 1), jnp.concatenate([dv0, dv1], 1)
 
 
-def step_merge(args):
-    q, k, v, _ = data(2, 1024, 8, 128)
-    scale = 1 / math.sqrt(128)
-    whole, stats = jax.jit(lambda q, k, v: cudnn_fwd(q, k, v, scale, False))(q, k, v)
-    print("stats shape", stats.shape, stats.dtype, "(q", q.shape, ")")
-    out, lse = jax.jit(lambda q, k, v: merged(q, k, v, scale, False))(q, k, v)
-    print(f"merge: out rel {rel(out, whole):.2e}, lse rel {rel(lse, stats):.2e}  (both ~1e-3 or less: OK)")
+def step_merge():
+    q, k, v, d_out = data(2, 1024, 8, 128)
+    whole, lse_whole = jax.jit(lambda q, k, v: cudnn_block.forward(q, k, v, scale=SCALE, causal=False,
+                                                                   visible="all"))(q, k, v)
+    out, lse, *_ = jax.jit(halves)(q, k, v, d_out)
+    print(f"merge: out rel {rel(out, whole):.2e}, lse rel {rel(lse, lse_whole):.2e} (<= ~1e-2: OK)")
 
 
-def _pair_grads(q, k, v, d_out, scale, causal_second):
-    t = k.shape[1] // 2
-    out, lse = merged(q, k, v, scale, causal_second)
-    out = out.astype(q.dtype)
-    dq0, dk0, dv0 = cudnn_bwd(q, k[:, :t], v[:, :t], out, lse, d_out, scale, False)
-    if causal_second:
-        sl = (slice(None), slice(t, None))
-        dq1, dk1, dv1 = cudnn_bwd(q[sl], k[:, t:], v[:, t:], out[sl], lse[:, :, t:], d_out[sl], scale, True)
-        dq1 = jnp.concatenate([jnp.zeros_like(dq1), dq1], axis=1)
-    else:
-        dq1, dk1, dv1 = cudnn_bwd(q, k[:, t:], v[:, t:], out, lse, d_out, scale, False)
-    return (dq0.astype(jnp.float32) + dq1.astype(jnp.float32), jnp.concatenate([dk0, dk1], 1),
-            jnp.concatenate([dv0, dv1], 1))
-
-
-def _check_backward(causal_second: bool):
+def step_backward():
     q, k, v, d_out = data(2, 1024, 8, 128, seed=1)
-    scale = 1 / math.sqrt(128)
-    t = k.shape[1] // 2
-    if causal_second:  # the reference: rows < t see keys < t; rows >= t see keys < t and keys t.. causally
-        rows = jnp.arange(q.shape[1])[:, None]
-        cols = jnp.arange(k.shape[1])[None, :]
-        mask = (cols < t) | (rows >= cols)
-    else:
-        mask = None
-    ref = lambda q, k, v: jax.nn.dot_product_attention(q.astype(jnp.float32), k.astype(jnp.float32),
-                                                       v.astype(jnp.float32), scale=scale,
-                                                       mask=None if mask is None else mask[None, None])
-    _, vjp = jax.vjp(ref, q, k, v)
-    want = vjp(d_out.astype(jnp.float32))
-    got = jax.jit(lambda *a: _pair_grads(*a, scale, causal_second))(q, k, v, d_out)
-    errs = [rel(g, w) for g, w in zip(got, want)]
-    print(f"{'causal' if causal_second else 'backward'}: dq / dk / dv rel {errs[0]:.2e} / {errs[1]:.2e} / "
-          f"{errs[2]:.2e}  (<= ~1e-2 for bf16: OK)")
+    out, _, dq, dk, dv = jax.jit(halves)(q, k, v, d_out)
+    want = reference_grads(q, k, v, d_out)
+    print("backward: out / dq / dk / dv rel " + " / ".join(f"{rel(a, b):.2e}" for a, b in zip((out, dq, dk, dv), want))
+          + " (<= ~2e-2 for bf16: OK)")
 
 
-def step_backward(args):
-    _check_backward(False)
+def step_diagonal():
+    c = 512
+    q, k, v, d_out = data(2, 2 * c, 8, 128, seed=2)
+    q, d_out = q[:, :c], d_out[:, :c]  # queries of the first chunk against both chunks' keys
+    mask = jnp.arange(c)[:, None] >= jnp.arange(2 * c)[None, :]
+
+    def run(q, k, v, d_out):
+        out, lse = cudnn_block.forward(q, k, v, scale=SCALE, causal=True, visible="diagonal")
+        return (out, *cudnn_block.backward(q, k, v, out, d_out, lse, scale=SCALE, causal=True, visible="diagonal"))
+    got = jax.jit(run)(q, k, v, d_out)
+    want = reference_grads(q, k, v, d_out, mask)
+    print("diagonal (Tq 512, Tk 1024, top-left): out / dq / dk / dv rel "
+          + " / ".join(f"{rel(a, b):.2e}" for a, b in zip(got, want)) + " (<= ~2e-2: OK)")
 
 
-def step_causal(args):
-    _check_backward(True)
+def step_ring():
+    os.environ[cudnn_block.LOCAL_VAR] = "cudnn"
+    try:
+        m = Mesh(np.array(jax.devices()[:1]), ("sp",))
+        for causal in (False, True):
+            q, k, v, d_out = data(2, 1024, 8, 128, seed=3 + causal)
+            f = jax.shard_map(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal), mesh=m,
+                              in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+
+            def run(q, k, v, d_out):
+                out, vjp = jax.vjp(f, q, k, v)
+                return (out, *vjp(d_out))
+            hlo = jax.jit(run).lower(q, k, v, d_out).compile().as_text()
+            got = jax.jit(run)(q, k, v, d_out)
+            mask = (jnp.arange(1024)[:, None] >= jnp.arange(1024)[None, :]) if causal else None
+            want = reference_grads(q, k, v, d_out, mask)
+            print(f"ring G 1 causal={causal}: cuDNN calls in HLO {hlo.count('__cudnn')}, out / dq / dk / dv rel "
+                  + " / ".join(f"{rel(a, b):.2e}" for a, b in zip(got, want)))
+    finally:
+        os.environ.pop(cudnn_block.LOCAL_VAR, None)
 
 
 def _time(f, *a, reps=20):
-    r = f(*a)
-    jax.block_until_ready(r)
+    jax.block_until_ready(f(*a))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
@@ -136,28 +134,32 @@ def _time(f, *a, reps=20):
     return float(np.median(ts))
 
 
-def step_timing(args):
-    import pk_jax
+def step_timing():
+    from pk_jax.attention import _delta, _kernel_attention, _offset_array, pk_attention_bwd_p
 
-    for b, t, n in ((16, 3072, 16), (16, 6144, 16)):  # a block of the 4- and 2-GPU ring at S 12288
-        q, k, v, d_out = data(b, t, n, 128, seed=2)
-        scale = 1 / math.sqrt(128)
-        fwd = jax.jit(lambda q, k, v: cudnn_fwd(q, k, v, scale, False))
-        out, stats = fwd(q, k, v)
-        bwd = jax.jit(lambda *a: cudnn_bwd(*a, scale, False))
-        ours_fwd = jax.jit(lambda q, k, v: pk_jax.attention(q, k, v, return_lse=True, implementation="pk"))
-        ours_fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(pk_jax.attention(q, k, v, implementation="pk")
-                                                           .astype(jnp.float32) * d_out), (0, 1, 2)))
-        cudnn_fb = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax.nn.dot_product_attention(
-            q, k, v, implementation="cudnn").astype(jnp.float32) * d_out), (0, 1, 2)))
-        row = dict(cudnn_fwd=_time(fwd, q, k, v), cudnn_bwd_given_stats=_time(bwd, q, k, v, out, stats, d_out),
-                   cudnn_fwd_bwd=_time(cudnn_fb, q, k, v), ours_fwd=_time(ours_fwd, q, k, v),
-                   ours_fwd_bwd=_time(ours_fb, q, k, v))
-        print(f"timing B{b} T{t} N{n} D128 (ms, median of 20 x 5 calls): " +
-              "  ".join(f"{key} {val:.3f}" for key, val in row.items()))
+    for b, t, n in ((16, 3072, 16), (16, 6144, 16)):  # a ring block at S 12288 on 4 and on 2 GPUs
+        q, k, v, d_out = data(b, t, n, 128, seed=5)
+        fwd = jax.jit(lambda q, k, v: cudnn_block.forward(q, k, v, scale=SCALE, causal=False, visible="all"))
+        out, lse = fwd(q, k, v)
+        bwd = jax.jit(lambda q, k, v, o, do, l: cudnn_block.backward(q, k, v, o, do, l, scale=SCALE, causal=False,
+                                                                     visible="all"))
+        offsets = _offset_array(0, 0)
+        ours_fwd = jax.jit(lambda q, k, v: _kernel_attention(q, k, v, offsets, SCALE, False, 0))
+        o2, l2 = ours_fwd(q, k, v)
+        delta = _delta(o2, d_out, jnp.zeros_like(l2))
+
+        def ours_bwd(q, k, v, do, l, d):
+            return pk_attention_bwd_p.bind(q, k, v, do, l, d, offsets, scale=SCALE, causal=False, reserve_sms=0,
+                                           dq_f32=True)
+        ours_bwd = jax.jit(ours_bwd)
+        row = dict(cudnn_fwd=_time(fwd, q, k, v), cudnn_bwd=_time(bwd, q, k, v, out, d_out, lse),
+                   ours_fwd=_time(ours_fwd, q, k, v), ours_bwd=_time(ours_bwd, q, k, v, d_out, l2, delta))
+        flops = 4 * b * n * t * t * 128
+        print(f"timing B{b} T{t} N{n} D128, ms (TFLOP/s): " + "  ".join(
+            f"{key} {ms:.3f} ({flops * (2.5 if 'bwd' in key else 1) / ms / 1e9:.0f})" for key, ms in row.items()))
 
 
-STEPS = dict(merge=step_merge, backward=step_backward, causal=step_causal, timing=step_timing)
+STEPS = dict(merge=step_merge, backward=step_backward, diagonal=step_diagonal, ring=step_ring, timing=step_timing)
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
@@ -167,7 +169,7 @@ if __name__ == "__main__":
     for name in args.steps:
         print(f"--- {name}", flush=True)
         try:
-            STEPS[name](args)
-        except Exception as e:  # a step that fails says why; the next still runs
-            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+            STEPS[name]()
+        except Exception as e:  # a step that fails says why; the next one still runs
+            print(f"{name}: FAILED {type(e).__name__}: {str(e)[:600]}", flush=True)
     sys.stdout.flush()

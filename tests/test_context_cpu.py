@@ -656,3 +656,72 @@ def test_trace_time_errors_name_the_argument():
         f(lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp"), (1, 8, 3, 8), (1, 8, 3, 8))
     with pytest.raises(NameError, match="'tp' is not a mesh axis"):
         f(lambda a, b, c: pk_jax.ring_attention(a, b, c, "tp"), (1, 8, 2, 8), (1, 8, 2, 8))
+
+
+def _fake_cudnn(monkeypatch) -> tuple[list[bool], list[bool]]:
+    """$PK_JAX_RING_LOCAL=cudnn on CPU: cuDNN's two calls replaced by XLA functions of the same contract (forward:
+    out in q's dtype and statistics (B, N, Tq), top-left causal mask or none; backward: gradients from a given
+    output and statistics). Returns the lists each traced forward / backward call appends its mask to."""
+    from pk_jax.context import block_attention as blocks
+    from pk_jax.context import cudnn_block
+
+    masks: list[bool] = []
+    bwd_masks: list[bool] = []
+
+    def fwd(q, k, v, scale, top_left):
+        masks.append(top_left)
+        out, lse = blocks.block_attention(q, k, v, scale=scale, causal=top_left)  # offsets (0, 0): top-left
+        return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+    def bwd(q, k, v, out, stats, do, scale, top_left):
+        bwd_masks.append(top_left)
+        delta = jnp.sum(do.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+        dq, dk, dv = blocks.block_attention_bwd(q, k, v, do, jnp.swapaxes(stats, 1, 2), delta, scale=scale,
+                                                causal=top_left)
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+    monkeypatch.setenv(cudnn_block.LOCAL_VAR, "cudnn")
+    monkeypatch.setattr(cudnn_block, "_on_gpu", lambda: True)
+    monkeypatch.setattr(cudnn_block, "_cudnn_fwd", fwd)
+    monkeypatch.setattr(cudnn_block, "_cudnn_bwd", bwd)
+    return masks, bwd_masks
+
+
+@pytest.mark.parametrize("transport", ["pk", "xla"])
+@pytest.mark.parametrize("g,layout,causal,n,kv_heads", [c for c in RING_CASES if c[0] <= 4])
+def test_ring_cudnn_route_matches_reference(monkeypatch, transport, g, layout, causal, n, kv_heads):
+    """PK_JAX_RING_LOCAL=cudnn (cuDNN's calls stood in for by XLA functions of their contract): the pairs cuDNN can
+    mask (none, or top-left causal on a diagonal pair) go to it, forward and backward with the whole row's output
+    and LSE, the others stay on our kernel path; result and gradients equal the whole-sequence reference."""
+    masks, bwd_masks = _fake_cudnn(monkeypatch)
+    monkeypatch.setenv("PK_JAX_RING_TRANSPORT", transport)
+    q, k, v, d_out = random_qkv(g * 11 + causal, 2, g * T_LOCAL, n, kv_heads, 16, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 3e-2)
+    assert masks and bwd_masks, "no pair went to cuDNN"
+    assert any(masks) == any(bwd_masks) == causal, f"a top-left mask where the ring is causal only: {masks}"
+
+
+def test_ring_cudnn_route_pairs(monkeypatch):
+    """Which zigzag causal pairs cuDNN takes at G 4 ("pk" transport), forward and backward: the own q0 pair
+    (diagonal, top-left mask) and the three visiting blocks (no mask; both branches of each step's lax.cond); the
+    own q1 pair (its mask shifted by a chunk) stays on our kernel. Default ("pk"): none."""
+    from pk_jax.context import cudnn_block
+
+    g = 4
+    masks, bwd_masks = _fake_cudnn(monkeypatch)
+    q, k, v, _ = random_qkv(3, 1, g * T_LOCAL, 4, 2, 64, jnp.bfloat16)  # head dim 64: our kernel takes the rest
+    f = jax.shard_map(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True), mesh=mesh(g),
+                      in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    jaxpr = str(jax.make_jaxpr(f)(q, k, v))
+    assert sorted(masks) == [False] * 2 * (g - 1) + [True], masks  # visiting: low and high branches of lax.cond
+    assert len(re.findall(r"\bpk_attention\[", jaxpr)) == 1, "the q1 pair on our kernel"
+    masks.clear()
+    grads = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2)))(q, k, v))
+    assert sorted(bwd_masks) == [False] * 2 * (g - 1) + [True], bwd_masks
+    assert len(re.findall(r"\bpk_attention_bwd\w*\[", grads)) == 1, "the q1 pair's backward on our kernel"
+    masks.clear()
+    bwd_masks.clear()
+    monkeypatch.setenv(cudnn_block.LOCAL_VAR, "pk")
+    jax.make_jaxpr(f)(q, k, v)
+    assert masks == [] and bwd_masks == []

@@ -143,11 +143,13 @@ def _env(var: str, value: str | None) -> Iterator[None]:
 
 # --ring-transports names: the ring's transport; for "pk" what moves the bytes ("-copy": PK_JAX_RING_SHIFT_ENGINE=copy)
 # and where the ring folds blocks into its states ("-acc": PK_JAX_RING_MERGE=kernel, in the attention kernels;
-# "-dq": =dq, the backward's dQ only).
+# "-dq": =dq, the backward's dQ only); "-cudnn": the block pairs cuDNN can mask on cuDNN (PK_JAX_RING_LOCAL=cudnn).
 TRANSPORTS = {f"pk{'-copy' if engine == 'copy' else ''}{suffix}": {
-                  "PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine, "PK_JAX_RING_MERGE": merge}
+                  "PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine, "PK_JAX_RING_MERGE": merge,
+                  "PK_JAX_RING_LOCAL": "pk"}
               for engine in ("sm", "copy") for suffix, merge in (("", "xla"), ("-acc", "kernel"), ("-dq", "dq"))}
-TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla"}
+TRANSPORTS["pk-copy-dq-cudnn"] = {**TRANSPORTS["pk-copy-dq"], "PK_JAX_RING_LOCAL": "cudnn"}
+TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from pk_jax._env import int_setting
-from pk_jax.context import ring_overlap
+from pk_jax.context import cudnn_block, ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_accumulate import accumulate, accumulate_bwd, merge_in_kernel
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
@@ -161,8 +161,9 @@ def _offsets(q_offset, kv_offset) -> jax.Array:
     return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
 
 
-def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, reserve: int):
-    """One block pair's attention and its LSE: (out (B, Tq, N, H) float32, lse (B, Tq, N) float32). Our
+def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, reserve: int, visible: str | None = None):
+    """One block pair's attention and its LSE: (out (B, Tq, N, H) float32, lse (B, Tq, N) float32). cuDNN where
+    $PK_JAX_RING_LOCAL=cudnn and it takes the pair (cudnn_block.takes; `visible`: BlockPair.visible), else our
     attention kernel where it takes the call (bf16/f16, head_dim 64/128; the offsets are traced, read by
     the kernel from device memory; where no kernel is built its primitive lowers to the XLA block path),
     else the XLA block path. The kernel's output stays in q's dtype (each block rounds once before the
@@ -170,6 +171,8 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, res
     converted, and the merge reads it as it is."""
     from pk_jax.attention import _bind, _kernel_refusal  # pk_jax.attention imports this package
 
+    if cudnn_block.takes(q, k, causal, visible):
+        return cudnn_block.forward(q, k, v, scale=scale, causal=causal, visible=visible)
     if _kernel_refusal(q, k, scale) is not None:
         return block_attention(q, k, v, scale=scale, causal=causal, q_offset=q_offset, kv_offset=kv_offset)
     offsets = _offsets(q_offset, kv_offset)
@@ -177,8 +180,10 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, res
     return out, jnp.swapaxes(lse, 1, 2)
 
 
-def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset, reserve: int):
-    """One block pair's (dq float32, dk, dv) from the final lse and delta (B, Tq, N): our backward kernel
+def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset, reserve: int,
+                    out=None, visible: str | None = None):
+    """One block pair's (dq float32, dk, dv) from the final lse and delta (B, Tq, N): cuDNN's backward fed the
+    final `out` and lse where $PK_JAX_RING_LOCAL=cudnn and it takes the pair (cudnn_block), else our backward kernel
     where the forward kernel takes the call and the backward kernel is on (pk_jax.attention.
     backward_kernel_enabled; its primitive lowers to the XLA block path off CUDA), else the XLA block path
     (which holds a (Tq_chunk, Tk) float32 score block per head in memory). dk and dv stay in the dtype they
@@ -187,6 +192,8 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
     4 GPUs, S 12288), and a fresh part can leave for the next member as it is (exactly)."""
     from pk_jax.attention import _kernel_refusal, backward_kernel_enabled, pk_attention_bwd_p
 
+    if out is not None and cudnn_block.takes(q, k, causal, visible):
+        return cudnn_block.backward(q, k, v, out, do, lse, scale=scale, causal=causal, visible=visible)
     if _kernel_refusal(q, k, scale) is not None or not backward_kernel_enabled():
         return block_attention_bwd(q, k, v, do, lse, delta, scale=scale, causal=causal, q_offset=q_offset,
                                    kv_offset=kv_offset)
@@ -213,7 +220,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
             out, lse = state
             o_b, l_b = _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
                                       _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset, p.kv_offset,
-                                      reserve)
+                                      reserve, p.visible)
             if fresh and p.q_len == q.shape[1]:
                 return o_b, l_b
             if not fresh:
@@ -227,7 +234,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
         own, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
         block = lambda p, causal: _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
                                                  _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset,
-                                                 p.kv_offset, reserve)
+                                                 p.kv_offset, reserve, p.visible)
         if isinstance(step, int) and step == 0:
             (o0, l0), (o1, l1) = (block(p, True) for p in own)
             return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([l0, l1], axis=1)
@@ -260,7 +267,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
-    elif merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None:
+    elif merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None and cudnn_block.ring_local() != "cudnn":
         return _forward_accumulated(q, k, v, axes, g, rank, causal, layout, scale)
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
@@ -328,7 +335,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                     and backward_kernel_enabled())
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
-        q, do, lse, delta = local
+        q, do, lse, delta, out = local
 
         def add_kv(acc, part):
             """acc + part at the pair's key rows, in float32; acc None: a fresh (zero) accumulator, so the part
@@ -345,21 +352,23 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             dq, (dk, dv) = state
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
-            if dq_in_kernel and isinstance(p.q_start, int):  # the dQ conversion adds into the state in place
+            on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible)
+            if dq_in_kernel and isinstance(p.q_start, int) and not on_cudnn:  # the dQ conversion adds in place
                 offsets = _offsets(p.q_offset, p.kv_offset)
                 dq, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse), sl_q(delta),
                                                 offsets, dq, row_start=p.q_start, scale=scale, causal=causal,
                                                 reserve_sms=reserve)
                 return dq, (add_kv(dk, dk_b), add_kv(dv, dv_b))
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
-                                               sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve)
+                                               sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve,
+                                               sl_q(out), p.visible)
             return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
         if p.active is not True:  # lax.cond needs arrays on both sides, of run's (float32) dtype
             dq, (dk, dv) = state
             state = (dq, tuple(zero_kv() if a is None else a.astype(jnp.float32) for a in (dk, dv)))
         return _when(p.active, run, state)
 
-    def run(pairs, kv, state, local=(q, do, lse, delta), in_flight: bool | None = None):
+    def run(pairs, kv, state, local=(q, do, lse, delta, out), in_flight: bool | None = None):
         """The pairs' gradients added into state; in_flight: a ring shift may run beside them (SMs left free);
         None: whenever there is a ring (G > 1)."""
         reserve = _reserve(g > 1 if in_flight is None else in_flight)
@@ -387,7 +396,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                                         low=lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
                                         high=lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)))
         dq, (dk, dv) = ring_overlap.backward_steps(
-            axes, g, dq, (k, v), (q, do, lse, delta),
+            axes, g, dq, (k, v), (q, do, lse, delta, out),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
             own_last=lambda kv, dq, own, local: run(last, kv, (dq, own), local),
             visiting=visiting_pairs,

@@ -42,6 +42,10 @@ class BlockPair:
     q_offset: Index     # global position of query row q_start
     kv_offset: Index    # global position of key row kv_start
     active: bool | jax.Array = True   # False/traced: the pair is fully masked on some members
+    # Under a causal mask, what the pair sees (static, for kernels that take no offsets, pk_jax/context/
+    # cudnn_block.py): "all" every key, for every query, wherever the pair is active; "diagonal": q_offset ==
+    # kv_offset (row i sees keys 0..i); "shifted": any other cut of the mask. Without a causal mask: "all".
+    visible: str = "all"
 
 
 def zigzag_offset(member: Index, piece: Index, g: int, chunk: int) -> Index:
@@ -57,14 +61,14 @@ def step_pairs(*, layout: Layout, causal: bool, g: int, t_local: int, rank: jax.
         return [BlockPair(0, t_local, 0, t_local, 0, 0)]
     if layout == "contiguous":
         if first:
-            return [BlockPair(0, t_local, 0, t_local, rank * t_local, rank * t_local)]
+            return [BlockPair(0, t_local, 0, t_local, rank * t_local, rank * t_local, visible="diagonal")]
         return [BlockPair(0, t_local, 0, t_local, rank * t_local, src * t_local, active=src < rank)]
     c = t_local // 2
     off = lambda member, piece: zigzag_offset(member, piece, g, c)
     if first:
-        return [BlockPair(0, c, 0, c, off(rank, 0), off(rank, 0)),
+        return [BlockPair(0, c, 0, c, off(rank, 0), off(rank, 0), visible="diagonal"),
                 BlockPair(c, c, 0, c, off(rank, 1), off(rank, 0)),
-                BlockPair(c, c, c, c, off(rank, 1), off(rank, 1))]
+                BlockPair(c, c, c, c, off(rank, 1), off(rank, 1), visible="diagonal")]
     h = jnp.where(src < rank, 0, 1)
     return [BlockPair(c, c, 0, c, off(rank, 1), off(src, 0)),
             BlockPair(h * c, c, h * c, c, off(rank, h), off(src, h))]
@@ -85,8 +89,8 @@ def zigzag_whole_chunks(*, g: int, t_local: int, rank: jax.Array) -> tuple[tuple
     visible to every query, so they are right with or without the causal mask."""
     c = t_local // 2
     at = lambda member, piece: zigzag_offset(member, piece, g, c)
-    own = (BlockPair(0, c, 0, 2 * c, at(rank, 0), at(rank, 0)),
-           BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c))
+    own = (BlockPair(0, c, 0, 2 * c, at(rank, 0), at(rank, 0), visible="diagonal"),
+           BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c, visible="shifted"))
     visiting = (BlockPair(0, 2 * c, 0, c, 2 * c, 0), BlockPair(c, c, 0, 2 * c, 2 * c, 0))
     return own, visiting
 
@@ -112,5 +116,6 @@ def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank:
         return pairs, []
     p, half = pairs[0], t_local // 2
     top = dataclasses.replace(p, q_len=half)
-    bottom = dataclasses.replace(p, q_start=p.q_start + half, q_len=half, q_offset=p.q_offset + half)
+    bottom = dataclasses.replace(p, q_start=p.q_start + half, q_len=half, q_offset=p.q_offset + half,
+                                 visible="all" if p.visible == "all" else "shifted")
     return [top], [bottom]

@@ -189,3 +189,22 @@ def test_ring_attention_on_a_sub_axis(sp_first):
     put = lambda x: jax.device_put(to_zigzag(x, g).astype(jnp.bfloat16), NamedSharding(m, spec))
     got = [from_zigzag(np.asarray(x.astype(jnp.float32)), g) for x in run(*(put(x) for x in (q, k, v, d_out)))]
     assert_close(got, reference(q, k, v, d_out, True), TOL[jnp.bfloat16], f"ring on sp of a {shape} mesh {names}")
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal):
+    """PK_JAX_RING_LOCAL=cudnn (opt-in, pk_jax/context/cudnn_block.py): the pairs cuDNN can mask run on it,
+    forward with its LSE and backward fed the whole row's output and LSE; on every GPU, bf16, GQA, head dim 128,
+    a length that is not a power of two; forward and gradients vs the float32 reference; the program calls cuDNN."""
+    monkeypatch.setenv("PK_JAX_RING_LOCAL", "cudnn")
+    g = group_sizes()[-1]
+    q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 192, 8, 2, 128)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    spec = jax.ShapeDtypeStruct(q.shape, jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    kv_spec = jax.ShapeDtypeStruct(k.shape, jnp.bfloat16, sharding=NamedSharding(mesh(g), P(None, "sp")))
+    loss = lambda a, b, c: jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))(
+        a, b, c).astype(jnp.float32).sum()
+    hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, kv_spec, kv_spec).compile().as_text()
+    assert "__cudnn" in hlo, "no cuDNN call in the ring's program"
+    got = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
+    assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ring on cuDNN G={g} {layout} {causal}")

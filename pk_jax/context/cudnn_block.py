@@ -1,0 +1,92 @@
+"""Ring attention's block pairs on cuDNN (opt-in: $PK_JAX_RING_LOCAL=cudnn; default "pk", our kernels).
+
+    out, lse = forward(q, k, v, scale=s, causal=c)
+    dq, dk, dv = backward(q, k, v, out, do, lse, scale=s, causal=c)
+
+Why: at 4 GPUs the ring's non-causal rows are bound by the attention kernels, and ours trail cuDNN (0.86-0.97x
+fwd+bwd on H200; issue 18), so the ring at S 12288 reached 1.05x all_gather + cuDNN fwd+bwd against a 1.37x bound
+(4x H200, 2026-11-26).
+
+The ring needs two things jax.nn.dot_product_attention does not give, so this calls JAX's cuDNN binding
+(jax._src.cudnn.fused_attention_stablehlo, pinned with jax 0.11.2) directly:
+- forward: each block's log-sum-exp beside its output (`return_residual=True`: cuDNN's softmax statistics, natural
+  log, (B, N, Tq) float32, the layout of our kernel's LSE), to merge blocks.
+- backward: each pair's gradients computed with the whole row's output and LSE, not the block's (as
+  ring-flash-attention does with flash-attn): cuDNN's backward primitive fed the merged `out` and `lse`. It
+  recomputes P = exp(s - lse) and delta = rowsum(dO * out), so the pairs' gradients add up.
+Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair runs here only if it needs no
+mask or is a "diagonal" pair (ring_schedule.BlockPair.visible); other pairs stay on our kernel. cuDNN cannot
+leave SMs free, so pair it with the copy-engine shifts (the default engine).
+Not yet run on a GPU (2026-11-26): `scripts/probe_cudnn_ring_block.py` checks that XLA compiles a cuDNN backward
+fed statistics it did not produce (on 4x H200 XLA 0.11.2 segfaulted where a cuDNN forward's residuals had other
+users) and that the results match.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pk_jax._env import choice_setting
+
+LOCAL_VAR = "PK_JAX_RING_LOCAL"
+LOCALS = ("pk", "cudnn")
+
+
+def ring_local() -> str:
+    """$PK_JAX_RING_LOCAL, read when traced: "pk" (default, our attention kernels) or "cudnn" (this module)."""
+    return choice_setting(LOCAL_VAR, "pk", LOCALS, owner="pk_jax.ring_attention")
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None) -> bool:
+    """Whether cuDNN runs this pair: selected, on GPUs, 16-bit inputs, a head dim cuDNN takes (a multiple of 8,
+    <= 256 on Hopper), and a mask it can express (none, or causal on a diagonal pair)."""
+    d = q.shape[-1]
+    return (ring_local() == "cudnn" and _on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype
+            and d % 8 == 0 and d <= 256 and (not causal or visible in ("all", "diagonal")))
+
+
+def _top_left(causal: bool, visible: str | None) -> bool:
+    """cuDNN's causal mask where the pair needs one (a diagonal pair under a causal ring); none where every key is
+    visible to every query."""
+    return causal and visible == "diagonal"
+
+
+def _cudnn_fwd(q, k, v, scale: float, top_left: bool):
+    """(out in q's dtype, stats (B, N, Tq) float32): cuDNN's forward with its softmax statistics."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    mask = fa.MaskType.CAUSAL if top_left else fa.MaskType.NO_MASK
+    return fa.dot_product_attention(q, k, v, scale=scale, mask_type=mask, return_residual=True)
+
+
+def _cudnn_bwd(q, k, v, out, stats, do, scale: float, top_left: bool):
+    """(dq, dk, dv) in the inputs' dtype: cuDNN's backward primitive with the given output and statistics."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    unused = jnp.zeros(0, q.dtype)
+    mask = fa.MaskType.CAUSAL if top_left else fa.MaskType.NO_MASK
+    grads = fa._dot_product_attention_bwd_p_wrapper.bind(
+        q, k, v, unused, unused, unused, unused, unused, unused, unused, stats, out, do, scale=scale, seed=42,
+        dropout_rate=0.0, variadic_args=(False, False), mask_type=mask, layout=fa.AttentionLayout.BTNH.value,
+        sliding_window_length=None)
+    return tuple(grads[:3])
+
+
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool,
+            visible: str | None) -> tuple[jax.Array, jax.Array]:
+    """One pair: (out (B, Tq, N, H) in q's dtype, lse (B, Tq, N) float32), as ring._block_forward returns."""
+    out, stats = _cudnn_fwd(q, k, v, scale, _top_left(causal, visible))
+    return out, jnp.swapaxes(stats, 1, 2)
+
+
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, do: jax.Array, lse: jax.Array, *,
+             scale: float, causal: bool, visible: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One pair's (dq float32, dk, dv in k's dtype) from the whole row's out (B, Tq, N, H) and lse (B, Tq, N)."""
+    dq, dk, dv = _cudnn_bwd(q, k, v, out.astype(q.dtype), jnp.swapaxes(lse, 1, 2), do.astype(q.dtype), scale,
+                            _top_left(causal, visible))
+    return dq.astype(jnp.float32), dk, dv
