@@ -49,6 +49,13 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def report(what: str, names: str, got, want, tol: float = 2e-2) -> None:
+    """One line: each array's relative error against the reference, then OK, or FAILED past `tol` (bf16)."""
+    errs = [rel(a, b) for a, b in zip(got, want)]
+    verdict = "OK" if all(e <= tol for e in errs) else f"FAILED (tol {tol})"
+    print(f"{what}: {names} rel " + " / ".join(f"{e:.2e}" for e in errs) + f"  {verdict}")
+
+
 def reference_grads(q, k, v, d_out, mask=None):
     """(out, dq, dk, dv) of float32 attention with an optional (Tq, Tk) boolean mask."""
     f = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, scale=SCALE, implementation="xla",
@@ -74,15 +81,13 @@ def step_merge():
     whole, lse_whole = jax.jit(lambda q, k, v: cudnn_block.forward(q, k, v, scale=SCALE, causal=False,
                                                                    visible="all"))(q, k, v)
     out, lse, *_ = jax.jit(halves)(q, k, v, d_out)
-    print(f"merge: out rel {rel(out, whole):.2e}, lse rel {rel(lse, lse_whole):.2e} (<= ~1e-2: OK)")
+    report("merge", "out / lse", (out, lse), (whole, lse_whole))
 
 
 def step_backward():
     q, k, v, d_out = data(2, 1024, 8, 128, seed=1)
     out, _, dq, dk, dv = jax.jit(halves)(q, k, v, d_out)
-    want = reference_grads(q, k, v, d_out)
-    print("backward: out / dq / dk / dv rel " + " / ".join(f"{rel(a, b):.2e}" for a, b in zip((out, dq, dk, dv), want))
-          + " (<= ~2e-2 for bf16: OK)")
+    report("backward", "out / dq / dk / dv", (out, dq, dk, dv), reference_grads(q, k, v, d_out))
 
 
 def step_diagonal():
@@ -94,10 +99,8 @@ def step_diagonal():
     def run(q, k, v, d_out):
         out, lse = cudnn_block.forward(q, k, v, scale=SCALE, causal=True, visible="diagonal")
         return (out, *cudnn_block.backward(q, k, v, out, d_out, lse, scale=SCALE, causal=True, visible="diagonal"))
-    got = jax.jit(run)(q, k, v, d_out)
-    want = reference_grads(q, k, v, d_out, mask)
-    print("diagonal (Tq 512, Tk 1024, top-left): out / dq / dk / dv rel "
-          + " / ".join(f"{rel(a, b):.2e}" for a, b in zip(got, want)) + " (<= ~2e-2: OK)")
+    report("diagonal (Tq 512, Tk 1024, top-left)", "out / dq / dk / dv", jax.jit(run)(q, k, v, d_out),
+           reference_grads(q, k, v, d_out, mask))
 
 
 def step_ring():
@@ -115,9 +118,10 @@ def step_ring():
             hlo = jax.jit(run).lower(q, k, v, d_out).compile().as_text()
             got = jax.jit(run)(q, k, v, d_out)
             mask = (jnp.arange(1024)[:, None] >= jnp.arange(1024)[None, :]) if causal else None
-            want = reference_grads(q, k, v, d_out, mask)
-            print(f"ring G 1 causal={causal}: cuDNN calls in HLO {hlo.count('__cudnn')}, out / dq / dk / dv rel "
-                  + " / ".join(f"{rel(a, b):.2e}" for a, b in zip(got, want)))
+            report(f"ring G 1 causal={causal}, {hlo.count('custom_call_target="__cudnn')} cuDNN calls", "out / dq / dk / dv",
+                   got, reference_grads(q, k, v, d_out, mask))
+            if "__cudnn" not in hlo:
+                print("ring: FAILED no cuDNN call in the compiled program")
     finally:
         os.environ.pop(cudnn_block.LOCAL_VAR, None)
 

@@ -681,7 +681,7 @@ def _fake_cudnn(monkeypatch) -> tuple[list[bool], list[bool]]:
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
     monkeypatch.setenv(cudnn_block.LOCAL_VAR, "cudnn")
-    monkeypatch.setattr(cudnn_block, "_on_gpu", lambda: True)
+    monkeypatch.setattr(cudnn_block, "_on_gpu", lambda d: True)
     monkeypatch.setattr(cudnn_block, "_cudnn_fwd", fwd)
     monkeypatch.setattr(cudnn_block, "_cudnn_bwd", bwd)
     return masks, bwd_masks
@@ -725,3 +725,43 @@ def test_ring_cudnn_route_pairs(monkeypatch):
     monkeypatch.setenv(cudnn_block.LOCAL_VAR, "pk")
     jax.make_jaxpr(f)(q, k, v)
     assert masks == [] and bwd_masks == []
+
+
+@pytest.mark.parametrize("visible,mask", [("diagonal", "CAUSAL"), ("all", "NO_MASK")])
+def test_cudnn_block_lowers_to_cudnn_calls(monkeypatch, visible, mask):
+    """cudnn_block's real calls, lowered for CUDA on this CPU machine (cuDNN's version and capability checks
+    stubbed): one cuDNN forward and one backward, the backward fed q, k, v, the statistics, dO and the output
+    (6 operands), both with the mask the pair needs."""
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    from pk_jax.context import cudnn_block
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(fa, "check_compute_capability", lambda capability: True)
+    q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((1, 256, 2, 64), jnp.bfloat16)  # GQA, Tk != Tq
+
+    def pair(q, k, v, do):
+        out, lse = cudnn_block.forward(q, k, v, scale=0.125, causal=True, visible=visible)
+        return cudnn_block.backward(q, k, v, out, do, lse, scale=0.125, causal=True, visible=visible)
+
+    text = jax.jit(pair).trace(q, kv, kv, q).lower(lowering_platforms=("cuda",)).as_text()
+    calls = [ln for ln in text.splitlines() if "stablehlo.custom_call @__cudnn$fmha" in ln]
+    assert [re.search(r"@__cudnn\$(\w+)\(", ln)[1] for ln in calls] == ["fmhaSoftmax", "fmhaSoftmaxBackward"], calls
+    assert len(re.search(r"Backward\(([^)]*)\)", calls[1])[1].split(",")) == 6
+    assert all(f"mask_type\\22: \\22{mask}\\22" in ln for ln in calls)
+
+
+def test_ring_cudnn_route_mixed_with_our_kernel(monkeypatch):
+    """Head dim 64 (our kernel takes what cuDNN does not), contiguous causal at G 4 with the backward's in-kernel
+    dQ add (PK_JAX_RING_MERGE=dq): each member's diagonal and visiting pairs on cuDNN (stand-ins), the split
+    diagonal's bottom half on our kernel path, per pair as expected; result and gradients equal the reference."""
+    g = 4
+    masks, bwd_masks = _fake_cudnn(monkeypatch)
+    monkeypatch.setenv("PK_JAX_RING_MERGE", "dq")
+    q, k, v, d_out = random_qkv(77, 1, g * T_LOCAL, 4, 2, 64, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True, layout="contiguous")
+    assert_all_close(sharded(attn, g, "contiguous", q, k, v, d_out), reference(q, k, v, d_out, True), 3e-2)
+    # forward: step 0 the diagonal (top-left), steps 1..3 the whole block (no mask); backward: step 0's top half
+    # (top-left; the bottom half's mask is shifted: our kernel), steps 1..3 no mask
+    assert sorted(masks) == [False] * (g - 1) + [True] and sorted(bwd_masks) == [False] * (g - 1) + [True], (
+        masks, bwd_masks)

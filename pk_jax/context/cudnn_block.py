@@ -16,13 +16,17 @@ The ring needs two things jax.nn.dot_product_attention does not give, so this ca
   recomputes P = exp(s - lse) and delta = rowsum(dO * out), so the pairs' gradients add up.
 Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair runs here only if it needs no
 mask or is a "diagonal" pair (ring_schedule.BlockPair.visible); other pairs stay on our kernel. cuDNN cannot
-leave SMs free, so pair it with the copy-engine shifts (the default engine).
+leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts, the default engine).
+Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
+sum (our kernel hands the ring float32 dQ).
 Not yet run on a GPU (2026-11-26): `scripts/probe_cudnn_ring_block.py` checks that XLA compiles a cuDNN backward
 fed statistics it did not produce (on 4x H200 XLA 0.11.2 segfaulted where a cuDNN forward's residuals had other
 users) and that the results match.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +42,35 @@ def ring_local() -> str:
     return choice_setting(LOCAL_VAR, "pk", LOCALS, owner="pk_jax.ring_attention")
 
 
-def _on_gpu() -> bool:
-    return jax.default_backend() == "gpu"
+@functools.cache
+def _max_head_dim() -> int:
+    """The largest head dim cuDNN's flash attention takes here: 256 on Hopper and later, 128 before; 0 where there
+    is no CUDA GPU or no cuDNN (the binding's own checks)."""
+    try:
+        from jax._src import xla_bridge
+        from jax._src.cudnn import fused_attention_stablehlo as fa
+
+        if "cuda" not in xla_bridge.get_backend().platform_version:
+            return 0
+        fa.check_cudnn_version()
+        return 256 if fa.check_compute_capability("9.0") else 128
+    except Exception:  # no GPU backend, ROCm, no cuDNN: our kernels serve every pair
+        return 0
+
+
+def _on_gpu(d: int) -> bool:
+    return d <= _max_head_dim()
 
 
 def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None) -> bool:
-    """Whether cuDNN runs this pair: selected, on GPUs, 16-bit inputs, a head dim cuDNN takes (a multiple of 8,
-    <= 256 on Hopper), and a mask it can express (none, or causal on a diagonal pair)."""
+    """Whether cuDNN runs this pair: selected, a CUDA GPU with cuDNN, 16-bit inputs, a head dim cuDNN takes (a
+    multiple of 8, up to _max_head_dim()), no shift kernel needing SMs beside it, and a mask it can express (none,
+    or causal on a diagonal pair)."""
+    from pk_jax.context.ring_shift import shift_sms
+
     d = q.shape[-1]
-    return (ring_local() == "cudnn" and _on_gpu() and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype
-            and d % 8 == 0 and d <= 256 and (not causal or visible in ("all", "diagonal")))
+    return (ring_local() == "cudnn" and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
+            and (not causal or visible in ("all", "diagonal")) and shift_sms() == 0 and _on_gpu(d))
 
 
 def _top_left(causal: bool, visible: str | None) -> bool:

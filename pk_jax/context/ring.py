@@ -267,7 +267,8 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
-    elif merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None and cudnn_block.ring_local() != "cudnn":
+    elif (merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None
+          and not cudnn_block.takes(q, k, False, "all")):  # the accumulating forward is our kernel's
         return _forward_accumulated(q, k, v, axes, g, rank, causal, layout, scale)
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
@@ -333,6 +334,8 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     # kernel (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
     dq_in_kernel = (merge_in_kernel() in ("kernel", "dq") and transport() == "pk" and _kernel_refusal(q, k, scale) is None
                     and backward_kernel_enabled())
+    # The pairs on cuDNN (cudnn_block) read the final output; without them it stays out of the steps' inputs.
+    out_for_pairs = out if cudnn_block.takes(q, k, False, "all") else None
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
         q, do, lse, delta, out = local
@@ -361,14 +364,14 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                 return dq, (add_kv(dk, dk_b), add_kv(dv, dv_b))
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
                                                sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve,
-                                               sl_q(out), p.visible)
+                                               None if out is None else sl_q(out), p.visible)
             return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
         if p.active is not True:  # lax.cond needs arrays on both sides, of run's (float32) dtype
             dq, (dk, dv) = state
             state = (dq, tuple(zero_kv() if a is None else a.astype(jnp.float32) for a in (dk, dv)))
         return _when(p.active, run, state)
 
-    def run(pairs, kv, state, local=(q, do, lse, delta, out), in_flight: bool | None = None):
+    def run(pairs, kv, state, local=(q, do, lse, delta, out_for_pairs), in_flight: bool | None = None):
         """The pairs' gradients added into state; in_flight: a ring shift may run beside them (SMs left free);
         None: whenever there is a ring (G > 1)."""
         reserve = _reserve(g > 1 if in_flight is None else in_flight)
@@ -396,7 +399,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                                         low=lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
                                         high=lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)))
         dq, (dk, dv) = ring_overlap.backward_steps(
-            axes, g, dq, (k, v), (q, do, lse, delta, out),
+            axes, g, dq, (k, v), (q, do, lse, delta, out_for_pairs),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
             own_last=lambda kv, dq, own, local: run(last, kv, (dq, own), local),
             visiting=visiting_pairs,
