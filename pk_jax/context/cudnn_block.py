@@ -1,7 +1,8 @@
 """Ring attention's block pairs on cuDNN (opt-in: $PK_JAX_RING_LOCAL=cudnn; default "pk", our kernels).
 
-    out, lse = forward(q, k, v, scale=s, causal=c)
-    dq, dk, dv = backward(q, k, v, out, do, lse, scale=s, causal=c)
+    if takes(q, k, causal, pair.visible):
+        out, lse = forward(q, k, v, scale=s, causal=causal, visible=pair.visible)
+        dq, dk, dv = backward(q, k, v, out, do, lse, scale=s, causal=causal, visible=pair.visible)
 
 Why: at 4 GPUs the ring's non-causal rows are bound by the attention kernels, and ours trail cuDNN (0.86-0.97x
 fwd+bwd on H200; issue 18), so the ring at S 12288 reached 1.05x all_gather + cuDNN fwd+bwd against a 1.37x bound
