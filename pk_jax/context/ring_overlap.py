@@ -89,7 +89,8 @@ def forward_steps(axes: tuple[Hashable, ...], g: int, carry, kv: KV, local, comp
 def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, local, *, own_first: Callable,
                    own_last: Callable, visiting: Callable, final_dtype) -> tuple[jax.Array, KV]:
     """The overlapped backward ring. `local`: the member's own inputs (a pytree: q, dO, lse, delta and, for pairs
-    on cuDNN, the output), handed to every callback. Callbacks (dq float32; dk/dv float32 or a fresh part in its own dtype, which sums widen):
+    on cuDNN, the output), handed to every callback. Callbacks (dq float32; dk/dv float32 or a fresh part in its
+    own dtype, which sums widen):
       own_first(kv, dq, local) -> (dq, own):   the first part of step 0's pairs; own = (dk, dv) of the local block
       own_last(kv, dq, own, local) -> (dq, own): the rest of step 0's pairs, added into own
       visiting(step, kv, dq, local) -> (dq, c): step s >= 1's pairs on the visiting block; c = its (dk, dv)

@@ -25,9 +25,9 @@ held up the peer copies behind it). On 2x H100 (2026-11-26), 8 chunks, cuDNN bet
 the lax composition at S 2048 / 4096 / 8192 (one pk exchange each way: 1.33 / 1.23 / 1.16x), fwd+bwd 1.31 / 1.24 /
 1.14x (1.25 / 1.18x). The shift-based async chunks lost to one exchange on 4x H100 (per chunk a slice of every array
 and a select assembling the arrivals cost more than the overlap saved; docs/benchmarks.md), and chunks of one batch
-element (every block contiguous after a transpose) lost on 2x H100 (0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 (not
-yet timed) makes the first and last chunks half as wide: less exchange exposed before the first attention and after
-the last.
+element (every block contiguous after a transpose) lost on 2x H100 (0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 makes
+the first and last chunks half as wide: less exchange exposed before the first attention and after the last (on
+2x H200, 2026-11-26, 0.01-0.02x ahead in five rows of one run: within noise, so opt-in).
 $PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels (they can leave SMs free for the SM shift); the
 default is jax.nn.dot_product_attention (cuDNN on GPUs). Same result for every setting (the same per-head attention).
 """
@@ -104,7 +104,7 @@ def _on_gpus() -> bool:
 def _chunk_plan(xs: list[jax.Array], g: int, default: int) -> tuple[int, window_exchange.HeadSpans]:
     """(c, the windowed pipeline's chunks): c head chunks ($PK_JAX_ULYSSES_CHUNKS, else `default`) cut down so they
     split every member's query and K/V heads evenly (GQA: a chunk's queries keep their K/V heads); with
-    $PK_JAX_ULYSSES_HALF_ENDS=1 (read when traced; not yet timed) c + 1 windowed chunks, the first and the last
+    $PK_JAX_ULYSSES_HALF_ENDS=1 (read when traced) c + 1 windowed chunks, the first and the last
     half as wide, where the blocks split that finely."""
     c = math.gcd(head_chunks(default), xs[0].shape[2] // g, xs[1].shape[2] // g)
     half = choice_setting(HALF_ENDS_VAR, "0", ("0", "1"), owner="pk_jax.ulysses_attention") == "1"
