@@ -98,6 +98,7 @@
 #   ulyssesbarrier (2 GPUs+) PK_JAX_ULYSSES_BWD_BARRIER=chunks: its GPU tests, then Ulysses fwd+bwd at G 2 with / without ~6 min
 #   ringcudnn   the ring's pairs on cuDNN (PK_JAX_RING_LOCAL=cudnn): the one-GPU probe (compiles? right? per-block
 #               timing), then (2 GPUs+) its GPU tests and ring rows against the default                      ~1-8 min
+#   subaxis     (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh (two copy-engine rings at once)  ~1 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -465,6 +466,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports \
                    pk-copy-dq-cudnn pk-copy-dq --reps 10 --out "$OUT/$day-context-ring-cudnn.json"
                fi ;;
+    subaxis) # (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh: two copy-engine rings at once
+             stage subaxis 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -rs -k sub_axis ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
