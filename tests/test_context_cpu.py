@@ -659,7 +659,7 @@ def test_trace_time_errors_name_the_argument():
 
 
 def _fake_cudnn(monkeypatch) -> tuple[list[bool], list[bool]]:
-    """$PK_JAX_RING_LOCAL=cudnn on CPU: cuDNN's two calls replaced by XLA functions of the same contract (forward:
+    """The cuDNN route (the default, pk_jax/context/cudnn_block.py) on CPU: cuDNN's two calls replaced by XLA functions of the same contract (forward:
     out in q's dtype and statistics (B, N, Tq), top-left causal mask or none; backward: gradients from a given
     output and statistics). Returns the lists each traced forward / backward call appends its mask to."""
     from pk_jax.context import block_attention as blocks
@@ -705,7 +705,7 @@ def test_ring_cudnn_route_matches_reference(monkeypatch, transport, g, layout, c
 def test_ring_cudnn_route_pairs(monkeypatch):
     """Which zigzag causal pairs cuDNN takes at G 4 ("pk" transport), forward and backward: the own q0 pair
     (diagonal, top-left mask) and the three visiting blocks (no mask; both branches of each step's lax.cond); the
-    own q1 pair (its mask shifted by a chunk) stays on our kernel. Default ("pk"): none."""
+    own q1 pair (its mask shifted by a chunk) stays on our kernel. $PK_JAX_RING_LOCAL=pk: none."""
     from pk_jax.context import cudnn_block
 
     g = 4

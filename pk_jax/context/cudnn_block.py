@@ -1,4 +1,4 @@
-"""Ring attention's block pairs on cuDNN (opt-in: $PK_JAX_RING_LOCAL=cudnn; default "pk", our kernels).
+"""Ring attention's block pairs on cuDNN (the default where takes() accepts a pair; $PK_JAX_RING_LOCAL=pk: our kernels).
 
     if takes(q, k, causal, pair.visible):
         out, lse = forward(q, k, v, scale=s, causal=causal, visible=pair.visible)
@@ -6,7 +6,8 @@
 
 Why: at 4 GPUs the ring's non-causal rows are bound by the attention kernels, and ours trail cuDNN (0.86-0.97x
 fwd+bwd on H200; issue 18), so the ring at S 12288 reached 1.05x all_gather + cuDNN fwd+bwd against a 1.37x bound
-(4x H200, 2026-11-26).
+(4x H200, 2026-11-26). On cuDNN, same run, S 12288 (docs/benchmarks.md, session 19): fwd 9.01 against 9.89 ms on
+our kernels, causal zigzag 6.36 / 6.77, fwd+bwd 36.84 / 37.58, causal zigzag fwd+bwd 25.62 / 25.75.
 
 The ring needs two things jax.nn.dot_product_attention does not give, so this calls JAX's cuDNN binding
 (jax._src.cudnn.fused_attention_stablehlo, pinned with jax 0.11.2) directly:
@@ -17,12 +18,13 @@ The ring needs two things jax.nn.dot_product_attention does not give, so this ca
   recomputes P = exp(s - lse) and delta = rowsum(dO * out), so the pairs' gradients add up.
 Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair runs here only if it needs no
 mask or is a "diagonal" pair (ring_schedule.BlockPair.visible); other pairs stay on our kernel. cuDNN cannot
-leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts, the default engine).
+leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts: single-process jobs;
+multi-process jobs keep the SM shift and so our kernels).
 Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
 sum (our kernel hands the ring float32 dQ).
-Not yet run on a GPU (2026-11-26): `scripts/probe_cudnn_ring_block.py` checks that XLA compiles a cuDNN backward
-fed statistics it did not produce (on 4x H200 XLA 0.11.2 segfaulted where a cuDNN forward's residuals had other
-users) and that the results match.
+Checked on a GPU (4x H200, 2026-11-26): `scripts/probe_cudnn_ring_block.py` (XLA compiles a cuDNN backward fed
+statistics it did not produce; merge, backward, diagonal and ring at G 1 match a float32 reference to 2-3e-3) and
+the ring's GPU tests on cuDNN at G 4.
 """
 
 from __future__ import annotations
@@ -39,8 +41,9 @@ LOCALS = ("pk", "cudnn")
 
 
 def ring_local() -> str:
-    """$PK_JAX_RING_LOCAL, read when traced: "pk" (default, our attention kernels) or "cudnn" (this module)."""
-    return choice_setting(LOCAL_VAR, "pk", LOCALS, owner="pk_jax.ring_attention")
+    """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair) or "pk"
+    (our attention kernels for every pair)."""
+    return choice_setting(LOCAL_VAR, "cudnn", LOCALS, owner="pk_jax.ring_attention")
 
 
 @functools.cache

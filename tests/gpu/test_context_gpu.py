@@ -193,7 +193,7 @@ def test_ring_attention_on_a_sub_axis(sp_first):
 
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
 def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal):
-    """PK_JAX_RING_LOCAL=cudnn (opt-in, pk_jax/context/cudnn_block.py): the pairs cuDNN can mask run on it,
+    """PK_JAX_RING_LOCAL=cudnn (the default, pk_jax/context/cudnn_block.py): the pairs cuDNN can mask run on it,
     forward with its LSE and backward fed the whole row's output and LSE; on every GPU, bf16, GQA, head dim 128,
     a length that is not a power of two; forward and gradients vs the float32 reference; the program calls cuDNN."""
     monkeypatch.setenv("PK_JAX_RING_LOCAL", "cudnn")
