@@ -99,6 +99,7 @@
 #   ringcudnn   the ring's pairs on cuDNN (PK_JAX_RING_LOCAL=cudnn): the one-GPU probe (compiles? right? per-block
 #               timing), then (2 GPUs+) its GPU tests and ring rows against the default                      ~1-8 min
 #   subaxis     (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh (two copy-engine rings at once)  ~1 min
+#   ring2       (4 GPUs) the ring's 2-GPU rows (S 12288, 24576) on GPUs PAIR (default 0,1) at defaults        ~4 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -468,6 +469,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                fi ;;
     subaxis) # (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh: two copy-engine rings at once
              stage subaxis 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -rs -k sub_axis ;;
+    ring2) # (4 GPUs) the ring's 2-GPU rows on GPUs PAIR (default 0,1) at defaults: S 12288 and 24576
+           stage ring2 ${RING2_LIMIT:-240} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+             --op ring_attention --seqs 12288 24576 --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous \
+             fwd_bwd_causal_zigzag --reps 10 --out "$OUT/$day-context-ring-2gpu.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
