@@ -124,6 +124,33 @@ def test_ring_accumulators_in_the_input_dtype(monkeypatch, layout, causal):
         sharded(attn, g, layout, q, k, v, d_out)
 
 
+@pytest.mark.parametrize("g,layout,causal,n,kv_heads,head_dim", [(2, "zigzag", True, 4, 4, 16),
+                                                                   (4, "contiguous", True, 4, 2, 64),
+                                                                   (4, "zigzag", False, 4, 1, 16),
+                                                                   (8, "zigzag", True, 4, 2, 64),
+                                                                   (4, "zigzag", True, 4, 2, 64)])
+def test_ring_deferred_sums_match_reference_and_eager(monkeypatch, g, layout, causal, n, kv_heads, head_dim):
+    """PK_JAX_RING_SUMS=deferred: the backward keeps dQ and the owner's dK/dV as parts (row_sum.RowSum) summed
+    in one pass; gradients equal the whole-sequence reference and the eager sums' closely (float32 order only).
+    Head dim 64 in bf16 takes our kernels, with the in-kernel dQ add (PK_JAX_RING_MERGE=dq) mixed in; 16 the
+    XLA block path. A bad value is refused by name."""
+    from pk_jax.context import row_sum
+
+    dtype = jnp.bfloat16 if head_dim == 64 else jnp.float32
+    q, k, v, d_out = random_qkv(60 + g + causal, 1, g * T_LOCAL, n, kv_heads, head_dim, dtype)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    eager = sharded(attn, g, layout, q, k, v, d_out)
+    monkeypatch.setenv(row_sum.SUMS_VAR, "deferred")
+    got = sharded(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout),
+                  g, layout, q, k, v, d_out)
+    assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2 if dtype == jnp.bfloat16 else 2e-5)
+    assert_all_close(got, eager, 1e-2 if dtype == jnp.bfloat16 else 1e-5)
+    monkeypatch.setenv(row_sum.SUMS_VAR, "later")
+    with pytest.raises(ValueError, match=row_sum.SUMS_VAR):
+        sharded(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout),
+                g, layout, q, k, v, d_out)
+
+
 @pytest.mark.parametrize("g,layout,causal", [(2, "zigzag", True), (4, "contiguous", False)])
 def test_ring_blocks_take_the_attention_kernel_for_16_bit_inputs(g, layout, causal):
     """bf16 with head_dim 64: each block pair binds our attention kernel (pk_attention; its traced offsets
@@ -700,6 +727,20 @@ def test_ring_cudnn_route_matches_reference(monkeypatch, transport, g, layout, c
     assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 3e-2)
     assert masks and bwd_masks, "no pair went to cuDNN"
     assert any(masks) == any(bwd_masks) == causal, f"a top-left mask where the ring is causal only: {masks}"
+
+
+@pytest.mark.parametrize("g,layout,causal", [(4, "zigzag", True), (4, "contiguous", False), (2, "contiguous", True)])
+def test_ring_cudnn_route_with_deferred_sums(monkeypatch, g, layout, causal):
+    """The cuDNN route (stand-ins) with PK_JAX_RING_SUMS=deferred: each pair's dQ (cuDNN's, in bf16) kept as a part
+    and summed once; result and gradients equal the whole-sequence reference."""
+    from pk_jax.context import row_sum
+
+    masks, bwd_masks = _fake_cudnn(monkeypatch)
+    monkeypatch.setenv(row_sum.SUMS_VAR, "deferred")
+    q, k, v, d_out = random_qkv(g * 13 + causal, 2, g * T_LOCAL, 4, 2, 16, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 3e-2)
+    assert bwd_masks, "no pair's backward went to cuDNN"
 
 
 def test_ring_cudnn_route_pairs(monkeypatch):

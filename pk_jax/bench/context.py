@@ -146,11 +146,13 @@ def _env(var: str, value: str | None) -> Iterator[None]:
 # "-dq": =dq, the backward's dQ only); "-cudnn": the block pairs cuDNN can mask on cuDNN (PK_JAX_RING_LOCAL=cudnn).
 TRANSPORTS = {f"pk{'-copy' if engine == 'copy' else ''}{suffix}": {
                   "PK_JAX_RING_TRANSPORT": "pk", "PK_JAX_RING_SHIFT_ENGINE": engine, "PK_JAX_RING_MERGE": merge,
-                  "PK_JAX_RING_LOCAL": "pk"}
+                  "PK_JAX_RING_LOCAL": "pk", "PK_JAX_RING_SUMS": "eager", "PK_JAX_RING_ACC_DTYPE": "float32"}
               for engine in ("sm", "copy") for suffix, merge in (("", "xla"), ("-acc", "kernel"), ("-dq", "dq"))}
 TRANSPORTS["pk-copy-dq-cudnn"] = {**TRANSPORTS["pk-copy-dq"], "PK_JAX_RING_LOCAL": "cudnn"}
 # "-bf16hops": every dK/dV hop of the backward in the input dtype ($PK_JAX_RING_ACC_DTYPE=input).
 TRANSPORTS["pk-copy-dq-cudnn-bf16hops"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_ACC_DTYPE": "input"}
+# "-deferred": blocks merged and gradient parts summed once at the end ($PK_JAX_RING_SUMS=deferred, row_sum.py).
+TRANSPORTS["pk-copy-dq-cudnn-deferred"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_SUMS": "deferred"}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 

@@ -21,6 +21,7 @@ Two transports ($PK_JAX_RING_TRANSPORT, read when traced; pk_jax/context/ring_sh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -34,10 +35,12 @@ from pk_jax.context import cudnn_block, ring_overlap
 from pk_jax.context._varying import full_varying
 from pk_jax.context.block_accumulate import accumulate, accumulate_bwd, merge_in_kernel
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
+from pk_jax.context.lse_parts import LseParts
 from pk_jax.context.online_softmax import merge
 from pk_jax.context.ring_schedule import (BlockPair, Layout, own_pairs_split, step_pairs, zigzag_visiting_cond,
                                           zigzag_whole_chunks)
 from pk_jax.context.ring_shift import shift_sms, transport
+from pk_jax.context.row_sum import RowSum, deferred_sums
 from pk_jax.sharding import group_size, normalize_axis_name
 from pk_jax.sharding.mesh_groups import AxisName
 
@@ -264,11 +267,47 @@ def _forward(q, k, v, axes, causal, layout, scale):
         # The "xla" transport's lax.scan carries float32; the unrolled "pk" steps take any dtype.
         return f32(state) if transport() == "xla" else state
 
+    def deferred_compute(step, kv, parts: LseParts, q=q) -> LseParts:
+        """compute with $PK_JAX_RING_SUMS=deferred: each block's (out, lse) kept as a part (lse_parts), merged
+        once at the end. A pair that runs under a lax.cond on some members (contiguous causal) is merged into
+        the state as it comes; zigzag causal's visiting pair (low or high) leaves its cond over every local row
+        (out 0, lse -inf where it has none), in q's dtype for 16-bit inputs."""
+        reserve = _reserve(not (isinstance(step, int) and step == g - 1))  # the last step sends nothing
+        block = lambda p, causal: _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
+                                                 _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset,
+                                                 p.kv_offset, reserve, p.visible)
+        if causal and layout == "zigzag":
+            own, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
+            if isinstance(step, int) and step == 0:
+                for p in own:
+                    parts = parts.add(*block(p, True), p.q_start)
+                return parts
+            dtype = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
+
+            def whole_rows(p):
+                def run(_):
+                    o, l = block(p, False)
+                    one = LseParts.empty(q.shape).add(o.astype(dtype), l, p.q_start)
+                    o, l = one.result() if p.q_len != q.shape[1] else (o, l)
+                    return o.astype(dtype), l
+                return run
+            return parts.add(*zigzag_visiting_cond(g=g, rank=rank, step=step, low=whole_rows(low),
+                                                   high=whole_rows(high), operand=()), 0)
+        for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
+            if p.active is True and isinstance(p.q_start, int):
+                parts = parts.add(*block(p, causal), p.q_start)
+            else:  # merged now, under its lax.cond
+                state = parts.result() if parts.parts or parts.base is not None else (out, lse)
+                parts = LseParts(pair_fwd(p, kv, state, q, False, reserve), (), (), q.shape)
+        return parts
+
     if transport() == "xla":
         out, lse = _ring_steps(axes, g, (out, lse), (k, v), compute)
     elif (merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None
           and not cudnn_block.takes(q, k, False, "all")):  # the accumulating forward is our kernel's
         return _forward_accumulated(q, k, v, axes, g, rank, causal, layout, scale)
+    elif deferred_sums():
+        out, lse = ring_overlap.forward_steps(axes, g, LseParts.empty(q.shape), (k, v), q, deferred_compute).result()
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
     return out.astype(q.dtype), lse
@@ -329,6 +368,14 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     dkv = (full_varying(k.shape, 0.0, jnp.float32, like=like, axes=axes),) * 2  # the "xla" transport's accumulators
 
     zero_kv = lambda dtype=jnp.float32: full_varying(k.shape, 0.0, dtype, like=like, axes=axes)
+    zero_q = lambda: full_varying(q.shape, 0.0, jnp.float32, like=like, axes=axes)
+    # $PK_JAX_RING_SUMS=deferred ("pk" transport): dQ and the owner's dK/dV kept as RowSum parts, summed in one
+    # pass where an array is needed (a lax.cond operand, a hop, an in-kernel add, the end) instead of one float32
+    # pass per pair.
+    deferred = transport() == "pk" and deferred_sums()
+    if deferred:
+        dq = RowSum.of(dq)
+    as_array = lambda x: x.array() if isinstance(x, RowSum) else x  # float32 where it is a RowSum
     # PK_JAX_RING_MERGE=kernel or dq: each pair's dQ added into the float32 state by the backward's dQ conversion
     # kernel (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
     dq_in_kernel = (merge_in_kernel() in ("kernel", "dq") and transport() == "pk" and _kernel_refusal(q, k, scale) is None
@@ -342,7 +389,9 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
         def add_kv(acc, part):
             """acc + part at the pair's key rows, in float32; acc None: a fresh (zero) accumulator, so the part
             is taken as is, in its own dtype: whole if it covers every key row, else written into zeros of
-            that dtype (exact either way; no zeros read back)."""
+            that dtype (exact either way; no zeros read back). Deferred sums: a RowSum (static key rows)."""
+            if isinstance(acc, RowSum) or (acc is None and deferred and isinstance(p.kv_start, int)):
+                return (acc or RowSum.empty(k.shape)).add(part, p.kv_start)
             if acc is None:
                 if isinstance(p.kv_start, int) and p.kv_start == 0 and p.kv_len == k.shape[1]:
                     return part
@@ -357,17 +406,23 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible)
             if dq_in_kernel and isinstance(p.q_start, int) and not on_cudnn:  # the dQ conversion adds in place
                 offsets = _offsets(p.q_offset, p.kv_offset)
-                dq, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse), sl_q(delta),
-                                                offsets, dq, row_start=p.q_start, scale=scale, causal=causal,
-                                                reserve_sms=reserve)
+                base = (dq.base if dq.base is not None else zero_q()) if isinstance(dq, RowSum) else dq
+                base, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
+                                                  sl_q(delta), offsets, base, row_start=p.q_start, scale=scale,
+                                                  causal=causal, reserve_sms=reserve)
+                dq = dataclasses.replace(dq, base=base) if isinstance(dq, RowSum) else base  # parts stay pending
                 return dq, (add_kv(dk, dk_b), add_kv(dv, dv_b))
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
                                                sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve,
                                                None if out is None else sl_q(out), p.visible)
+            if isinstance(dq, RowSum):
+                return dq.add(dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
             return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
         if p.active is not True:  # lax.cond needs arrays on both sides, of run's (float32) dtype
             dq, (dk, dv) = state
-            state = (dq, tuple(zero_kv() if a is None else a.astype(jnp.float32) for a in (dk, dv)))
+            state = (as_array(dq), tuple(zero_kv() if a is None else as_array(a).astype(jnp.float32) for a in (dk, dv)))
+            dq, dkv_ = _when(p.active, run, state)
+            return (RowSum.of(dq) if deferred else dq), dkv_
         return _when(p.active, run, state)
 
     def run(pairs, kv, state, local=(q, do, lse, delta, out_for_pairs), in_flight: bool | None = None):
@@ -378,6 +433,18 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             state = pair_bwd(p, kv, state, local, reserve)
         dq, (dk, dv) = state
         return dq, tuple(zero_kv() if a is None else a for a in (dk, dv))  # a step without pairs
+
+    def contribution(c):
+        """A visiting step's (dk, dv) as the arrays that leave for the next member: a RowSum in the dtype that
+        keeps it exact (a single pair's part: the kernel's)."""
+        return tuple(x.total(x.exact_dtype()) if isinstance(x, RowSum) else x for x in c)
+
+    def in_cond(fn):
+        """fn for a lax.cond branch: dq in and out as a float32 array, dK/dV as arrays."""
+        def branch(dq):
+            dq, c = fn(dq)
+            return as_array(dq), contribution(c)
+        return branch
 
     pairs_at = lambda step: step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step)
     if transport() == "xla":
@@ -392,18 +459,37 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
 
         def visiting_pairs(step, kv, dq, local):
             if not (causal and layout == "zigzag"):
-                return run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
+                dq, c = run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
+                return dq, contribution(c)
             _, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
-            return zigzag_visiting_cond(g=g, rank=rank, step=step, operand=dq,
-                                        low=lambda dq: run([low], kv, (dq, (None, None)), local, busy(step)),
-                                        high=lambda dq: run([high], kv, (dq, (None, None)), local, busy(step)))
+            if deferred and cudnn_block.takes(q, kv[0], causal, "all"):  # the pair's dQ leaves the cond as a part
+                return visiting_part(step, kv, dq, local, low, high)
+            dq, c = zigzag_visiting_cond(
+                g=g, rank=rank, step=step, operand=as_array(dq),
+                low=in_cond(lambda dq: run([low], kv, (dq, (None, None)), local, busy(step))),
+                high=in_cond(lambda dq: run([high], kv, (dq, (None, None)), local, busy(step))))
+            return (RowSum.of(dq) if deferred else dq), c
+        def visiting_part(step, kv, dq, local, low, high):
+            """Deferred sums, zigzag causal, the pair on cuDNN: the step's one pair (low or high, lax.cond) returns
+            its dQ over every local row (zeros where it has none) in q's dtype (cuDNN's, exact), added to dq as a
+            part: no float32 pass inside the cond, and none to flush dq before it. (Pairs on our kernel keep the
+            cond over dq: their dQ is added in place by the kernel.)"""
+            def branch(pair):
+                def fn(_):
+                    dq_part, c = run([pair], kv, (RowSum.empty(q.shape), (None, None)), local, busy(step))
+                    return dq_part.total(q.dtype), contribution(c)
+                return fn
+            dq_part, c = zigzag_visiting_cond(g=g, rank=rank, step=step, operand=(), low=branch(low), high=branch(high))
+            return dq.add(dq_part, 0), c
+
         dq, (dk, dv) = ring_overlap.backward_steps(
             axes, g, dq, (k, v), (q, do, lse, delta, out_for_pairs),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
             own_last=lambda kv, dq, own, local: run(last, kv, (dq, own), local),
             visiting=visiting_pairs,
             final_dtype=k.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    result = lambda x, dtype: x.total(dtype) if isinstance(x, RowSum) else x.astype(dtype)
+    return result(dq, q.dtype), result(dk, k.dtype), result(dv, v.dtype)
 
 
 _ring_attention.defvjp(_fwd_rule, _bwd_rule)

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 
 from pk_jax._env import choice_setting
 from pk_jax.context.ring_shift import after_token, shift_done, shift_start
+from pk_jax.context.row_sum import RowSum
 
 KV = tuple[jax.Array, jax.Array]
 ACC_DTYPE_VAR = "PK_JAX_RING_ACC_DTYPE"
@@ -95,7 +96,8 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
       own_last(kv, dq, own, local) -> (dq, own): the rest of step 0's pairs, added into own
       visiting(step, kv, dq, local) -> (dq, c): step s >= 1's pairs on the visiting block; c = its (dk, dv)
     Returns (dq, (dk, dv)) float32 (at G 1 dk/dv may keep the part's dtype), dk/dv of the local block summed
-    over every member's queries."""
+    over every member's queries; dq and own may be row_sum.RowSum (deferred sums), the arrival then added as a
+    part."""
     if g == 1:
         dq, own = own_first(kv, dq, local)
         return own_last(kv, dq, own, local)
@@ -126,4 +128,5 @@ def backward_steps(axes: tuple[Hashable, ...], g: int, dq: jax.Array, kv: KV, lo
     # written out before the wait but fused with the final add (and the caller's conversion), one pass instead of
     # three (2 GPUs, S 12288 causal: ~0.5 ms per array).
     arrived = shift_done(ys, token, keep_alive=sent, after=dq)
-    return dq, tuple(o.astype(jnp.float32) + a.astype(jnp.float32) for o, a in zip(own, arrived))
+    plus = lambda o, a: o.add(a, 0) if isinstance(o, RowSum) else o.astype(jnp.float32) + a.astype(jnp.float32)
+    return dq, tuple(plus(o, a) for o, a in zip(own, arrived))

@@ -192,6 +192,25 @@ def test_ring_attention_on_a_sub_axis(sp_first):
 
 
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
+def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causal):
+    """PK_JAX_RING_SUMS=deferred (pk_jax/context/row_sum.py, lse_parts.py): blocks merged and gradient parts summed
+    once at the end, with the pairs on cuDNN (the default) and on our kernels (PK_JAX_RING_LOCAL=pk); bf16, GQA,
+    a length that is not a power of two, on every GPU; forward and gradients vs the float32 reference; on our
+    kernels the same bits on a second call (cuDNN's backward adds dQ with atomics)."""
+    monkeypatch.setenv("PK_JAX_RING_SUMS", "deferred")
+    g = group_sizes()[-1]
+    q, k, v, d_out = random_qkv(g * 7 + causal, 2, g * 192, 8, 2, 128)
+    for local in ("cudnn", "pk"):
+        monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
+        attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+        got = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
+        assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"deferred {local} G={g} {layout}")
+        if local == "pk":
+            again = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
+            assert all(np.array_equal(a, b) for a, b in zip(got, again)), "deferred on our kernels: bits changed"
+
+
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
 def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal):
     """PK_JAX_RING_LOCAL=cudnn (the default, pk_jax/context/cudnn_block.py): the pairs cuDNN can mask run on it,
     forward with its LSE and backward fed the whole row's output and LSE; on every GPU, bf16, GQA, head dim 128,
