@@ -101,7 +101,8 @@
 #   subaxis     (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh (two copy-engine rings at once)  ~1 min
 #   ring2       (4 GPUs) the ring's 2-GPU rows (S 12288, 24576) on GPUs PAIR (default 0,1) at defaults        ~4 min
 #   ringnext    (2 GPUs+) deferred merges/sums (PK_JAX_RING_SUMS=deferred) and bf16 hops vs the default: GPU tests,
-#               ring rows at S 12288 with the compute floor, 2-GPU causal zigzag fwd+bwd S 24576, S 49152 fwd+bwd  ~9 min
+#               ring rows at S 12288 with the compute floor, 2-GPU causal zigzag fwd+bwd S 24576, a timeline     ~9 min
+#   ringnextlong (4 GPUs) the S 49152 fwd+bwd rows, deferred sums vs the default                          ~5 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -487,10 +488,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 stage ring-next-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
                   --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn \
                   pk-copy-dq-cudnn-deferred --reps 10 --out "$OUT/$day-context-ring-next-2gpu.json"
-                stage ring-next-long 200 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 --cases \
-                  fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn pk-copy-dq-cudnn-deferred \
-                  --reps 5 --out "$OUT/$day-context-ring-next-long.json"
+                stage ring-next-timeline 90 python3 scripts/ring_timeline.py --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag
               fi ;;
+    ringnextlong) # (4 GPUs) after ringnext: the S 49152 fwd+bwd rows, deferred sums against the default, same turns
+              stage ring-next-long 300 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 --cases \
+                fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn pk-copy-dq-cudnn-deferred \
+                --reps 5 --out "$OUT/$day-context-ring-next-long.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

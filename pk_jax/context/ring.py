@@ -469,6 +469,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                 low=in_cond(lambda dq: run([low], kv, (dq, (None, None)), local, busy(step))),
                 high=in_cond(lambda dq: run([high], kv, (dq, (None, None)), local, busy(step))))
             return (RowSum.of(dq) if deferred else dq), c
+
         def visiting_part(step, kv, dq, local, low, high):
             """Deferred sums, zigzag causal, the pair on cuDNN: the step's one pair (low or high, lax.cond) returns
             its dQ over every local row (zeros where it has none) in q's dtype (cuDNN's, exact), added to dq as a
