@@ -1,10 +1,12 @@
-"""RowSum (pk_jax/context/row_sum.py): parts at static rows summed in one pass, against NumPy."""
+"""RowSum (pk_jax/context/row_sum.py) and LseParts (lse_parts.py): parts at static rows summed / merged in one
+pass, against NumPy and the block-by-block merge."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pk_jax.context.lse_parts import LseParts
 from pk_jax.context.row_sum import RowSum
 
 
@@ -57,6 +59,38 @@ def test_exact_dtype_only_for_disjoint_parts_without_base():
                                   [0, 0, 1, 1, 1, 1, 0, 0])
 
 
-def test_bad_part_shape_is_refused():
+def test_bad_part_shape_or_rows_are_refused():
     with pytest.raises(ValueError, match="does not fit"):
         RowSum.empty((1, 8, 2)).add(jnp.ones((1, 4, 3)), 0)
+    for start in (6, -2):
+        with pytest.raises(ValueError, match="not within"):
+            RowSum.empty((1, 8, 2)).add(jnp.ones((1, 4, 2)), start)
+        with pytest.raises(ValueError, match="not within"):
+            LseParts.empty((1, 8, 2, 3)).add(jnp.ones((1, 4, 2, 3)), jnp.zeros((1, 4, 2)), start)
+    assert RowSum.empty((1, 8, 2)).add(jnp.ones((1, 4, 2)), np.int64(4)).starts == (4,)  # NumPy ints are static
+
+
+def test_lse_parts_merge_equals_sequential_merges():
+    """LseParts (one pass) against online_softmax.merge applied block by block; rows no block covers: out 0, lse
+    -inf; a base alone comes back as it is."""
+    from pk_jax.context.online_softmax import merge
+
+    rng = np.random.default_rng(3)
+    shape = (2, 10, 3, 4)
+    blocks = [(rng.standard_normal((2, n, 3, 4)).astype(np.float32), rng.standard_normal((2, n, 3)).astype(np.float32), a)
+              for n, a in ((10, 0), (4, 0), (3, 6), (10, 0))]
+    out = jnp.zeros(shape)
+    lse = jnp.full(shape[:3], -jnp.inf)
+    s = LseParts.empty(shape, max_parts=2)
+    for o, l, a in blocks:
+        m = merge(out[:, a:a + o.shape[1]], lse[:, a:a + o.shape[1]], jnp.asarray(o), jnp.asarray(l))
+        out, lse = out.at[:, a:a + o.shape[1]].set(m[0]), lse.at[:, a:a + o.shape[1]].set(m[1])
+        s = s.add(jnp.asarray(o), jnp.asarray(l), a)
+    got_out, got_lse = s.result()
+    np.testing.assert_allclose(np.asarray(got_out), np.asarray(out), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_lse), np.asarray(lse), rtol=1e-5, atol=1e-6)
+    part = LseParts.empty(shape).add(jnp.ones((2, 4, 3, 4)), jnp.zeros((2, 4, 3)), 2)
+    o, l = part.result()
+    assert np.all(np.asarray(o)[:, :2] == 0) and np.all(np.isneginf(np.asarray(l)[:, 6:]))
+    flushed = part.flush()
+    assert flushed.result()[0] is flushed.base[0]

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax.context._varying import full_varying
-from pk_jax.context.row_sum import MAX_PARTS, row_segments
+from pk_jax.context.row_sum import MAX_PARTS, row_segments, static_start
 
 
 def merge_many(outs: list[jax.Array], lses: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -60,7 +60,8 @@ class LseParts:
 
     def add(self, out: jax.Array, lse: jax.Array, start: int) -> LseParts:
         """These parts plus a block's (out (B, Tq, N, H), lse (B, Tq, N)) at query rows [start, start + Tq)."""
-        if not isinstance(start, int):
+        start = static_start(start, out.shape[1], self.shape[1], "LseParts.add")
+        if start is None:
             raise TypeError("LseParts.add: a static row start (merge a traced one into the state instead)")
         if out.shape[0] != self.shape[0] or out.shape[2:] != self.shape[2:] or lse.shape != out.shape[:3]:
             raise ValueError(f"LseParts.add: block {out.shape} / lse {lse.shape} does not fit rows of {self.shape}")
@@ -70,6 +71,8 @@ class LseParts:
     def result(self) -> tuple[jax.Array, jax.Array]:
         """(out float32 (B, T, N, H), lse (B, T, N)) of every part and the base: one expression."""
         rows = self.shape[1]
+        if not self.parts and self.base is not None:
+            return self.base
         if self.base is None and len(self.parts) == 1 and self.parts[0][0].shape == self.shape:
             out, lse = self.parts[0]
             return out.astype(jnp.float32), lse.astype(jnp.float32)  # one block covering every row

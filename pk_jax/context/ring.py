@@ -209,6 +209,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     g = group_size(axes)
     rank = lax.axis_index(axes)
+    sums_deferred = deferred_sums()  # read (and checked) whatever the transport
     out = full_varying(q.shape, 0.0, jnp.float32, like=(q, k, v), axes=axes)
     lse = full_varying(q.shape[:3], -jnp.inf, jnp.float32, like=(q, k, v), axes=axes)
 
@@ -271,7 +272,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
         """compute with $PK_JAX_RING_SUMS=deferred: each block's (out, lse) kept as a part (lse_parts), merged
         once at the end. A pair that runs under a lax.cond on some members (contiguous causal) is merged into
         the state as it comes; zigzag causal's visiting pair (low or high) leaves its cond over every local row
-        (out 0, lse -inf where it has none), in q's dtype for 16-bit inputs."""
+        (out 0, lse -inf where it has none) in the dtype the block was written in."""
         reserve = _reserve(not (isinstance(step, int) and step == g - 1))  # the last step sends nothing
         block = lambda p, causal: _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
                                                  _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset,
@@ -282,13 +283,12 @@ def _forward(q, k, v, axes, causal, layout, scale):
                 for p in own:
                     parts = parts.add(*block(p, True), p.q_start)
                 return parts
-            dtype = q.dtype if jnp.dtype(q.dtype).itemsize == 2 else jnp.float32
-
             def whole_rows(p):
                 def run(_):
                     o, l = block(p, False)
-                    one = LseParts.empty(q.shape).add(o.astype(dtype), l, p.q_start)
-                    o, l = one.result() if p.q_len != q.shape[1] else (o, l)
+                    dtype = o.dtype  # as the block wrote it (low and high take the same path: the same dtype)
+                    if p.q_len != q.shape[1]:
+                        o, l = LseParts.empty(q.shape).add(o, l, p.q_start).result()
                     return o.astype(dtype), l
                 return run
             return parts.add(*zigzag_visiting_cond(g=g, rank=rank, step=step, low=whole_rows(low),
@@ -306,7 +306,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
     elif (merge_in_kernel() == "kernel" and _kernel_refusal(q, k, scale) is None
           and not cudnn_block.takes(q, k, False, "all")):  # the accumulating forward is our kernel's
         return _forward_accumulated(q, k, v, axes, g, rank, causal, layout, scale)
-    elif deferred_sums():
+    elif sums_deferred:
         out, lse = ring_overlap.forward_steps(axes, g, LseParts.empty(q.shape), (k, v), q, deferred_compute).result()
     else:
         out, lse = ring_overlap.forward_steps(axes, g, (out, lse), (k, v), q, compute)
@@ -372,7 +372,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     # $PK_JAX_RING_SUMS=deferred ("pk" transport): dQ and the owner's dK/dV kept as RowSum parts, summed in one
     # pass where an array is needed (a lax.cond operand, a hop, an in-kernel add, the end) instead of one float32
     # pass per pair.
-    deferred = transport() == "pk" and deferred_sums()
+    deferred = deferred_sums() and transport() == "pk"
     if deferred:
         dq = RowSum.of(dq)
     as_array = lambda x: x.array() if isinstance(x, RowSum) else x  # float32 where it is a RowSum

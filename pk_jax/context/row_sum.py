@@ -19,6 +19,7 @@ only.
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,17 @@ def deferred_sums() -> bool:
     dK/dV parts added into float32 as they come) or "deferred" (kept as RowSum parts, added in one pass; the "pk"
     transport only). Not yet timed on a GPU."""
     return choice_setting(SUMS_VAR, "eager", ("eager", "deferred"), owner="pk_jax.ring_attention") == "deferred"
+
+
+def static_start(start, length: int, rows: int, owner: str) -> int | None:
+    """`start` as a Python int (None where it is traced), checked: rows [start, start + length) lie in [0, rows)."""
+    try:
+        start = operator.index(start)
+    except TypeError:  # a tracer
+        return None
+    if not 0 <= start <= rows - length:
+        raise ValueError(f"{owner}: rows [{start}, {start + length}) are not within [0, {rows})")
+    return start
 
 
 def row_segments(rows: int, spans: list[tuple[int, int]]) -> list[tuple[int, int, list[int]]]:
@@ -67,13 +79,14 @@ class RowSum:
         """This sum plus `part` at rows [start, start + part.shape[1])."""
         if part.shape[0] != self.shape[0] or part.shape[2:] != self.shape[2:]:
             raise ValueError(f"RowSum.add: part {part.shape} does not fit rows of {self.shape}")
-        if not isinstance(start, int):  # traced: added now, into the base
+        static = static_start(start, part.shape[1], self.shape[1], "RowSum.add")
+        if static is None:  # traced: added now, into the base
             base = self.flush().array()
             return RowSum.of(lax.dynamic_update_slice_in_dim(
                 base, lax.dynamic_slice_in_dim(base, start, part.shape[1], axis=1) + part.astype(jnp.float32),
                 start, axis=1), self.max_parts)
         s = self if len(self.parts) < self.max_parts else self.flush()
-        return RowSum(s.base, (*s.parts, part), (*s.starts, start), self.shape, self.max_parts)
+        return RowSum(s.base, (*s.parts, part), (*s.starts, static), self.shape, self.max_parts)
 
     def spans(self) -> list[tuple[int, int]]:
         return [(a, a + p.shape[1]) for p, a in zip(self.parts, self.starts)]
