@@ -123,3 +123,27 @@ def test_communication_off_keeps_every_steps_attention(backward):
             off = dots()
     assert on >= 2 * g, f"{on} dots for {g} steps"  # at least QK^T and PV per step
     assert off == on, f"communication off: {off} dots, on: {on} (steps merged)"
+
+
+def test_programs_compiled_ahead_are_the_ones_timed(monkeypatch):
+    """_CompileAhead ($PK_JAX_BENCH_COMPILE_WORKERS): the suite's programs compiled on 2 workers before any timing
+    give the rows one-at-a-time compiles give (checks, peak bytes), and the rows take them (ours and alone; no cuDNN
+    baseline on CPU); 1 worker compiles nothing ahead."""
+    run = lambda: context.run(small=True, reps=1, only="ring_attention", names=["fwd_causal_zigzag", "fwd_bwd_contiguous"])
+    monkeypatch.setenv(context.COMPILE_WORKERS_VAR, "1")
+    assert context._CompileAhead().pool is None
+    serial = run()
+    monkeypatch.setenv(context.COMPILE_WORKERS_VAR, "2")
+    used = []
+    real_get = context._CompileAhead.get
+    def get(self, key):
+        future = real_get(self, key)
+        if future is not None:
+            used.append(key)
+        return future
+    monkeypatch.setattr(context._CompileAhead, "get", get)
+    ahead = run()
+    assert [r["case"] for r in ahead] == [r["case"] for r in serial]
+    for a, b in zip(ahead, serial):
+        assert a["extra"]["check"] == b["extra"]["check"] and a["extra"]["peak_bytes"] == b["extra"]["peak_bytes"]
+    assert {kind for _, kind in used} == {"ours", "alone"}  # no cuDNN baseline on CPU

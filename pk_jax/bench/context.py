@@ -24,6 +24,7 @@ chunks against the keys they see (one call per chunk, every member at once), and
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import itertools
@@ -165,21 +166,59 @@ def _transport(name: str | None) -> Iterator[None]:
         yield
 
 
-def _compile(jitted, args):
-    """(callable, peak bytes, error): a contender that fails to compile (e.g. out of memory) is reported."""
+def _compile(jitted, args, ahead: concurrent.futures.Future | None = None):
+    """(callable, peak bytes, error): a contender that fails to compile (e.g. out of memory) is reported. `ahead`:
+    the same program's compile started earlier (_CompileAhead); its result is taken instead of compiling again."""
     try:
-        compiled = jitted.lower(*args).compile()
+        compiled = ahead.result() if ahead is not None else jitted.lower(*args).compile()
         return (lambda xs: compiled(*xs)), _peak_bytes(compiled), None
     except Exception as e:  # noqa: BLE001 - reported in the row, the suite goes on
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
 
 
-def _baseline(c: Case, g: int, mesh: Mesh, args):
-    """The all-gather baseline with cuDNN where it accepts the call, else XLA."""
+COMPILE_WORKERS_VAR = "PK_JAX_BENCH_COMPILE_WORKERS"
+
+
+class _CompileAhead:
+    """The suite's programs compiled on a thread pool before any row is timed: compiling took about half of a
+    4-GPU suite's wall time one program at a time (24 rows x 3 programs of a few seconds each). Traced and
+    lowered here, in this thread (the settings a lowering reads come from the environment, which is not
+    per-thread), from abstract inputs (no device memory); only XLA's compile runs on the workers, and every
+    compile has finished before the first timing (wait()), so none runs beside a measurement. Programs under a
+    non-default ring transport are compiled where they are timed, inside their settings. Workers:
+    $PK_JAX_BENCH_COMPILE_WORKERS (default min(8, CPUs); 1: off)."""
+
+    def __init__(self):
+        workers = int(os.environ.get(COMPILE_WORKERS_VAR, "") or min(8, os.cpu_count() or 1))
+        self.pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else None
+        self.futures: dict[tuple, concurrent.futures.Future] = {}
+
+    def add(self, key: tuple, program: Callable, specs) -> None:
+        if self.pool is None:
+            return
+        try:
+            lowered = program.lower(*specs)
+        except Exception:  # noqa: BLE001 - compiled (and its error reported) where it is timed
+            return
+        self.futures[key] = self.pool.submit(lowered.compile)
+
+    def get(self, key: tuple) -> concurrent.futures.Future | None:
+        return self.futures.pop(key, None)
+
+    def wait(self) -> None:
+        if self.pool is not None:
+            concurrent.futures.wait(list(self.futures.values()))
+            self.pool.shutdown(wait=True)
+
+
+def _baseline(c: Case, g: int, mesh: Mesh, args, ahead: concurrent.futures.Future | None = None):
+    """The all-gather baseline with cuDNN where it accepts the call, else XLA. `ahead`: the first
+    implementation's compile, started earlier."""
     impls = ["cudnn", None] if jax.devices()[0].platform == "gpu" else [None]
     err = None
-    for impl in impls:
-        fn, peak, err = _compile(_program(_gathered_attention(c, g, impl), mesh, c.backward), args)
+    for i, impl in enumerate(impls):
+        fn, peak, err = _compile(_program(_gathered_attention(c, g, impl), mesh, c.backward), args,
+                                 ahead if i == 0 else None)
         if fn is not None:
             try:
                 jax.block_until_ready(fn(args))
@@ -189,18 +228,27 @@ def _baseline(c: Case, g: int, mesh: Mesh, args):
     return None, None, None, err
 
 
-def _attention_alone(c: Case, g: int, dtype):
+def _alone_program(c: Case, g: int, dtype):
+    """(program, abstract inputs) of _attention_alone, or None if G does not divide B."""
+    if c.b % g:
+        return None
+    impl = "cudnn" if jax.devices()[0].platform == "gpu" else None
+    spec = jax.ShapeDtypeStruct((c.b // g, c.s, c.n, c.d), dtype)
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=c.causal, implementation=impl)
+    return _program(attend, None, c.backward), [spec] * 3
+
+
+def _attention_alone(c: Case, g: int, dtype, ahead: concurrent.futures.Future | None = None):
     """One device's share without communication: B/G whole sequences (None if G does not divide B), on random
     inputs drawn as ours are. Not zeros: tensor cores fed zeros draw less power and hold higher clocks, so zeros
     made this floor optimistic (bench runs before session 19; their `bound` columns are too high)."""
     if c.b % g:
         return None
-    impl = "cudnn" if jax.devices()[0].platform == "gpu" else None
     shape = (c.b // g, c.s, c.n, c.d)
     make = jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype))
     args = [make(key) for key in jax.random.split(jax.random.key(1000 + c.s), 3)]
-    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=c.causal, implementation=impl)
-    fn, _, err = _compile(_program(attend, None, c.backward), args)
+    program, _ = _alone_program(c, g, dtype)
+    fn, _, err = _compile(program, args, ahead)
     return None if fn is None else (fn, args)
 
 
@@ -311,28 +359,43 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     rows = []
+    sharding = NamedSharding(mesh, P(None, AX))
+    selected = []
     for c in cases(g, small):
         if (only and c.op != only) or (names and c.name not in names) or (seqs and c.s not in seqs):
             continue
         if c.op == "ulysses_attention" and c.n % g:
             print(f"  skip {c.op} {c.name} N={c.n}: G={g} does not divide the heads")
             continue
-        sharding = NamedSharding(mesh, P(None, AX))
+        selected.append(c)
+    ahead = _CompileAhead()
+    for c in selected:
+        specs = [jax.ShapeDtypeStruct((c.b, c.s, c.n, c.d), dtype, sharding=sharding)] * 3
+        if not transports or c.op != "ring_attention":  # other transports: compiled inside their settings, below
+            ahead.add((c, "ours"), _program(_ours(c), mesh, c.backward), specs)
+        if jax.devices()[0].platform == "gpu":
+            ahead.add((c, "base"), _program(_gathered_attention(c, g, "cudnn"), mesh, c.backward), specs)
+        alone = _alone_program(c, g, dtype)
+        if alone is not None:
+            ahead.add((c, "alone"), *alone)
+    ahead.wait()  # every compile done before the first timing
+    for c in selected:
         keys = jax.random.split(jax.random.key(len(rows)), 3)
         make = jax.jit(lambda key: jax.random.normal(key, (c.b, c.s, c.n, c.d), jnp.float32).astype(dtype),
                        out_shardings=sharding)
         args = [make(key) for key in keys]
         ring_transports = (transports or [None]) if c.op == "ring_attention" else [None]
         compiled = []
-        for t in ring_transports:
+        for i, t in enumerate(ring_transports):
             with _transport(t):
-                fn, fn_peak, err = _compile(_program(_ours(c), mesh, c.backward), args)
+                fn, fn_peak, err = _compile(_program(_ours(c), mesh, c.backward), args,
+                                            ahead.get((c, "ours")) if i == 0 and t is None else None)
             if fn is None:
                 raise RuntimeError(f"pk_jax.bench context: {c.op} {c.name} (transport {t}) failed to compile: {err}")
             compiled.append((fn, fn_peak))
         (ours, peak), others = compiled[0], [fn for fn, _ in compiled[1:]]
-        base, base_peak, base_impl, base_err = _baseline(c, g, mesh, args)
-        alone = _attention_alone(c, g, dtype)
+        base, base_peak, base_impl, base_err = _baseline(c, g, mesh, args, ahead.get((c, "base")))
+        alone = _attention_alone(c, g, dtype, ahead.get((c, "alone")))
         got = ours(args)
         transport_check = {}
         for t, fn in zip(ring_transports[1:], others):
