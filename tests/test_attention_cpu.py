@@ -365,3 +365,29 @@ def test_bwd_primitive_dq_f32_keeps_dq_float32_under_vmap():
     dq_v, _, _ = jax.vmap(lambda *a: bind(True, *a))(*(stacked(x) for x in (q, k, v, do, lse, delta)))
     assert dq_v.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(dq_v[1]), np.asarray(dq32), rtol=1e-6, atol=1e-6)
+
+
+def test_bench_programs_compiled_ahead(monkeypatch):
+    """The attention bench compiles every row's programs on 2 workers before timing (compile_ahead): the rows
+    equal one-at-a-time compiles' (checks, errors against the baseline), and they take the programs compiled ahead."""
+    from pk_jax.bench import attention as bench, compile_ahead
+
+    run = lambda: bench.run(quick=True, reps=1, cases=["fwd", "fwd_bwd_causal"], seqs=[256])
+    monkeypatch.setenv(compile_ahead.WORKERS_VAR, "1")
+    serial = run()
+    monkeypatch.setenv(compile_ahead.WORKERS_VAR, "2")
+    taken = []
+    real_get = compile_ahead.CompileAhead.get
+
+    def get(self, key):
+        future = real_get(self, key)
+        if future is not None:
+            taken.append(key[-1])
+        return future
+    monkeypatch.setattr(compile_ahead.CompileAhead, "get", get)
+    ahead = run()
+    assert serial and [r["case"] for r in ahead] == [r["case"] for r in serial]
+    for a, b in zip(ahead, serial):
+        assert a["extra"]["check"] == b["extra"]["check"] == "ok"
+        assert a["extra"]["rel_err_vs_baseline"] == b["extra"]["rel_err_vs_baseline"]
+    assert sorted(set(taken)) == ["base", "default"]

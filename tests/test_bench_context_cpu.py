@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from pk_jax.bench import context
+from pk_jax.bench import compile_ahead, context
 
 
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("contiguous", False)])
@@ -126,22 +126,22 @@ def test_communication_off_keeps_every_steps_attention(backward):
 
 
 def test_programs_compiled_ahead_are_the_ones_timed(monkeypatch):
-    """_CompileAhead ($PK_JAX_BENCH_COMPILE_WORKERS): the suite's programs compiled on 2 workers before any timing
+    """compile_ahead.CompileAhead ($PK_JAX_BENCH_COMPILE_WORKERS): the suite's programs compiled on 2 workers before any timing
     give the rows one-at-a-time compiles give (checks, peak bytes), and the rows take them (ours and alone; no cuDNN
     baseline on CPU); 1 worker compiles nothing ahead."""
     run = lambda: context.run(small=True, reps=1, only="ring_attention", names=["fwd_causal_zigzag", "fwd_bwd_contiguous"])
-    monkeypatch.setenv(context.COMPILE_WORKERS_VAR, "1")
-    assert context._CompileAhead().pool is None
+    monkeypatch.setenv(compile_ahead.WORKERS_VAR, "1")
+    assert compile_ahead.CompileAhead().pool is None
     serial = run()
-    monkeypatch.setenv(context.COMPILE_WORKERS_VAR, "2")
+    monkeypatch.setenv(compile_ahead.WORKERS_VAR, "2")
     used = []
-    real_get = context._CompileAhead.get
+    real_get = compile_ahead.CompileAhead.get
     def get(self, key):
         future = real_get(self, key)
         if future is not None:
             used.append(key)
         return future
-    monkeypatch.setattr(context._CompileAhead, "get", get)
+    monkeypatch.setattr(compile_ahead.CompileAhead, "get", get)
     ahead = run()
     assert [r["case"] for r in ahead] == [r["case"] for r in serial]
     for a, b in zip(ahead, serial):

@@ -37,6 +37,7 @@ import pk_jax
 from pk_jax.attention import (BWD_VARIANT_VAR, BWD_VARIANTS, DEFAULT_BWD_VARIANT, DEFAULT_FWD_VARIANT,
                               FWD_VARIANT_VAR, FWD_VARIANTS, FWD_VARIANTS_SAME_BITS, SCHEDULE_VAR)
 from pk_jax.bench import results, timing
+from pk_jax.bench.compile_ahead import CompileAhead
 from pk_jax.bench.progress import Progress
 
 CASES = {"fwd": (False, 1), "fwd_causal": (True, 1), "fwd_gqa": (False, 8), "fwd_causal_gqa": (True, 8)}
@@ -85,8 +86,15 @@ def _runner(fn):
     return jax.jit(lambda triples: [fn(*t) for t in triples])
 
 
-def _compiled_with_schedule(fn, triples, kernel: str):
-    """_runner(fn) compiled now, with the kernel version `kernel` chosen by the variables read at lowering:
+def _compiled_with_schedule(fn, triples, kernel: str, ahead=None):
+    """_runner(fn) compiled (or `ahead`'s compile of it, started earlier: compile_ahead), with the kernel version
+    `kernel` chosen by the variables read at lowering."""
+    return ahead.result() if ahead is not None else _lowered_with_schedule(fn, triples, kernel).compile()
+
+
+def _lowered_with_schedule(fn, triples, kernel: str):
+    """_runner(fn) lowered now (triples: arrays or ShapeDtypeStructs), with the kernel version `kernel` chosen by the
+    variables read at lowering:
     "default" = DEFAULT_FWD_VARIANT; "pipelined" = the base variant's second consumer schedule; a forward
     variant's name (FWD_VARIANTS) that variant; "bwd_<name>" the default forward with backward variant <name>
     (BWD_VARIANTS). The backward variant is DEFAULT_BWD_VARIANT unless named."""
@@ -99,7 +107,7 @@ def _compiled_with_schedule(fn, triples, kernel: str):
     old = {var: os.environ.get(var) for var in env}
     os.environ.update(env)
     try:
-        return _runner(fn).lower(triples).compile()
+        return _runner(fn).lower(triples)
     finally:
         for var, value in old.items():
             if value is None:
@@ -166,19 +174,37 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
             if (not seqs or shape[1] in seqs) and (not head_dims or shape[3] in head_dims)]
     bar = Progress(len(todo), "attention")
     rows = []
-    for (b, s, n, d), case in todo:
+
+    def row_setup(b, s, n, d, case):
+        """(causal, grads, kv heads, calls per measure, base name, base fn, our fn) of a row."""
         causal, ratio_kv = CASES[case]
         grads = case.startswith("fwd_bwd")
         kh = n // ratio_kv
         per_call = (2 * b * s * n * d + 2 * b * s * kh * d) * (4 if grads else 2)  # grads: + d_out, dq, dk, dv
         count = timing.calls_per_measure(per_call, budget_bytes=8 << 30, lo=2 if on_gpu else 1, hi=20 if on_gpu else 2)
-        triples = _inputs(b, s, n, kh, d, count, seed=len(rows) * 101, grads=grads)
-        flops = 4.0 * b * s * s * n * d * (0.5 if causal else 1.0) * (1.0 + BWD_FLOPS if grads else 1.0)
         base_name, base_fn = _baseline(causal, on_gpu)
         pk_fn = lambda q, k, v: pk_jax.attention(q, k, v, causal=causal, implementation="pk")
         if grads:
             base_fn, pk_fn = _with_grads(base_fn), _with_grads(pk_fn)
-        base = _runner(base_fn)
+        return causal, grads, kh, count, base_name, base_fn, pk_fn
+
+    ahead = CompileAhead()  # every row's programs compiled on a thread pool before the first timing
+    for (b, s, n, d), case in todo:
+        _, grads, kh, count, _, base_fn, pk_fn = row_setup(b, s, n, d, case)
+        heads = (n, kh, kh, n) if grads else (n, kh, kh)
+        specs = [tuple(jax.ShapeDtypeStruct((b, s, h, d), jnp.bfloat16) for h in heads)] * count
+        for name in ["default", *(bwd_extras if grads else extras)]:
+            ahead.add(((b, s, n, d), case, name), None, None,
+                      lower=lambda name=name, pk_fn=pk_fn, specs=specs: _lowered_with_schedule(pk_fn, specs, name))
+        ahead.add(((b, s, n, d), case, "base"), _runner(base_fn), [specs])
+    ahead.wait()
+    for (b, s, n, d), case in todo:
+        causal, grads, kh, count, base_name, base_fn, pk_fn = row_setup(b, s, n, d, case)
+        triples = _inputs(b, s, n, kh, d, count, seed=len(rows) * 101, grads=grads)
+        flops = 4.0 * b * s * s * n * d * (0.5 if causal else 1.0) * (1.0 + BWD_FLOPS if grads else 1.0)
+        base_ahead = ahead.get(((b, s, n, d), case, "base"))
+        base = (lambda xs, f=base_ahead.result(): f(xs)) if base_ahead is not None and base_ahead.exception() is None \
+            else _runner(base_fn)
 
         def rel(got, want):  # worst relative error norm over the outputs (out; dq, dk, dv with grads)
             got, want = (got, want) if grads else ((got,), (want,))
@@ -186,10 +212,11 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
                        for g, w in zip(got, want))
 
         try:
-            ours = _compiled_with_schedule(pk_fn, triples, "default")
+            ours = _compiled_with_schedule(pk_fn, triples, "default", ahead.get(((b, s, n, d), case, "default")))
             names = bwd_extras if grads else extras
-            others = [_compiled_with_schedule(pk_fn, triples, name) for name in names]
-            want = base(triples[:1])[0]
+            others = [_compiled_with_schedule(pk_fn, triples, name, ahead.get(((b, s, n, d), case, name)))
+                      for name in names]
+            want = base(triples)[0]  # the first call's outputs (all `count` calls run: one program for both uses)
             got = ours(triples)[0]
             err = rel(got, want)
             other_out = [fn(triples)[0] for fn in others]

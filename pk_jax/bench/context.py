@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.bench import results, timing
+from pk_jax.bench.compile_ahead import CompileAhead
 
 AX = "sp"
 
@@ -168,47 +169,12 @@ def _transport(name: str | None) -> Iterator[None]:
 
 def _compile(jitted, args, ahead: concurrent.futures.Future | None = None):
     """(callable, peak bytes, error): a contender that fails to compile (e.g. out of memory) is reported. `ahead`:
-    the same program's compile started earlier (_CompileAhead); its result is taken instead of compiling again."""
+    the same program's compile started earlier (compile_ahead.CompileAhead); its result is taken instead of compiling again."""
     try:
         compiled = ahead.result() if ahead is not None else jitted.lower(*args).compile()
         return (lambda xs: compiled(*xs)), _peak_bytes(compiled), None
     except Exception as e:  # noqa: BLE001 - reported in the row, the suite goes on
         return None, None, f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"
-
-
-COMPILE_WORKERS_VAR = "PK_JAX_BENCH_COMPILE_WORKERS"
-
-
-class _CompileAhead:
-    """The suite's programs compiled on a thread pool before any row is timed: compiling took about half of a
-    4-GPU suite's wall time one program at a time (24 rows x 3 programs of a few seconds each). Traced and
-    lowered here, in this thread (the settings a lowering reads come from the environment, which is not
-    per-thread), from abstract inputs (no device memory); only XLA's compile runs on the workers, and every
-    compile has finished before the first timing (wait()), so none runs beside a measurement. Programs under a
-    non-default ring transport are compiled where they are timed, inside their settings. Workers:
-    $PK_JAX_BENCH_COMPILE_WORKERS (default min(8, CPUs); 1: off)."""
-
-    def __init__(self):
-        workers = int(os.environ.get(COMPILE_WORKERS_VAR, "") or min(8, os.cpu_count() or 1))
-        self.pool = concurrent.futures.ThreadPoolExecutor(workers) if workers > 1 else None
-        self.futures: dict[tuple, concurrent.futures.Future] = {}
-
-    def add(self, key: tuple, program: Callable, specs) -> None:
-        if self.pool is None:
-            return
-        try:
-            lowered = program.lower(*specs)
-        except Exception:  # noqa: BLE001 - compiled (and its error reported) where it is timed
-            return
-        self.futures[key] = self.pool.submit(lowered.compile)
-
-    def get(self, key: tuple) -> concurrent.futures.Future | None:
-        return self.futures.pop(key, None)
-
-    def wait(self) -> None:
-        if self.pool is not None:
-            concurrent.futures.wait(list(self.futures.values()))
-            self.pool.shutdown(wait=True)
 
 
 def _baseline(c: Case, g: int, mesh: Mesh, args, ahead: concurrent.futures.Future | None = None):
@@ -368,7 +334,7 @@ def run(small: bool, reps: int, dtype=jnp.bfloat16, only: str | None = None, nam
             print(f"  skip {c.op} {c.name} N={c.n}: G={g} does not divide the heads")
             continue
         selected.append(c)
-    ahead = _CompileAhead()
+    ahead = CompileAhead()  # compiled on a thread pool before the first timing (pk_jax/bench/compile_ahead.py)
     for c in selected:
         specs = [jax.ShapeDtypeStruct((c.b, c.s, c.n, c.d), dtype, sharding=sharding)] * 3
         if not transports or c.op != "ring_attention":  # other transports: compiled inside their settings, below
