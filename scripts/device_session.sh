@@ -100,7 +100,8 @@
 #               timing), then (2 GPUs+) its GPU tests and ring rows against the default                      ~1-8 min
 #   subaxis     (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh (two copy-engine rings at once)  ~1 min
 #   ring2       (4 GPUs) the ring's 2-GPU rows (S 12288, 24576) on GPUs PAIR (default 0,1) at defaults        ~4 min
-#   ringnext    (2 GPUs+) deferred merges/sums (PK_JAX_RING_SUMS=deferred) and bf16 hops vs the default: GPU tests,
+#   ringnext    (2 GPUs+) deferred merges/sums (PK_JAX_RING_SUMS=deferred), bf16 hops and bottom-right pairs split for
+#               cuDNN (PK_JAX_RING_LOCAL=cudnn-split) vs the default: GPU tests,
 #               ring rows at S 12288 with the compute floor, 2-GPU causal zigzag fwd+bwd S 24576, a timeline     ~9 min
 #   ringnextlong (4 GPUs) the S 49152 fwd+bwd rows, deferred sums vs the default                          ~5 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
@@ -479,15 +480,15 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ringnext) # (2 GPUs+; 4 for the 4-GPU rows) deferred merges/sums and bf16 hops against the default, same turns: the
               # deferred GPU tests, ring rows at S 12288 with the compute floor, the 2-GPU causal zigzag fwd+bwd at S 24576
               # (GPUs PAIR), then the S 49152 fwd+bwd rows
-              stage deferred-tests 150 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -rs -k deferred
+              stage deferred-tests 150 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -rs -k "deferred or cudnn"
               if grep -q " passed" "$OUT/deferred-tests.log" && ! grep -qE "failed|rror" "$OUT/deferred-tests.log"; then
                 stage ring-next 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases fwd_contiguous \
                   fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn \
-                  pk-copy-dq-cudnn-deferred pk-copy-dq-cudnn-bf16hops --compute-floor --reps 10 \
+                  pk-copy-dq-cudnn-deferred pk-copy-dq-cudnn-bf16hops pk-copy-dq-cudnn-split --compute-floor --reps 10 \
                   --out "$OUT/$day-context-ring-next.json"
                 stage ring-next-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
                   --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn \
-                  pk-copy-dq-cudnn-deferred --reps 10 --out "$OUT/$day-context-ring-next-2gpu.json"
+                  pk-copy-dq-cudnn-deferred pk-copy-dq-cudnn-split --reps 10 --out "$OUT/$day-context-ring-next-2gpu.json"
                 stage ring-next-timeline 90 python3 scripts/ring_timeline.py --cases fwd_bwd_contiguous fwd_bwd_causal_zigzag
               fi ;;
     ringnextlong) # (4 GPUs) after ringnext: the S 49152 fwd+bwd rows, deferred sums against the default, same turns

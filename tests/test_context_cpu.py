@@ -735,6 +735,26 @@ def test_ring_cudnn_route_matches_reference(monkeypatch, transport, g, layout, c
     assert any(masks) == any(bwd_masks) == causal, f"a top-left mask where the ring is causal only: {masks}"
 
 
+@pytest.mark.parametrize("g,layout,sums", [(4, "zigzag", "eager"), (2, "zigzag", "deferred"), (4, "contiguous", "eager"),
+                                          (2, "contiguous", "deferred")])
+def test_ring_cudnn_split_route(monkeypatch, g, layout, sums):
+    """PK_JAX_RING_LOCAL=cudnn-split (cuDNN's calls stood in for): the "bottom_right" pairs too (zigzag's own q1
+    pair; contiguous causal's bottom half of the split diagonal, backward) run as two cuDNN calls (their visible
+    keys, then their diagonal), so no pair is left on our kernel; result and gradients equal the reference."""
+    from pk_jax.context import cudnn_block, row_sum
+
+    masks, bwd_masks = _fake_cudnn(monkeypatch)
+    monkeypatch.setenv(cudnn_block.LOCAL_VAR, "cudnn-split")
+    monkeypatch.setenv(row_sum.SUMS_VAR, sums)
+    q, k, v, d_out = random_qkv(g * 17, 1, g * T_LOCAL, 4, 2, 64, jnp.bfloat16)  # head dim 64: our kernel would take it
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True, layout=layout)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    grads = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2)))(q, k, v))
+    assert not re.findall(r"\bpk_attention(_bwd)?\w*\[", grads), "a pair left on our kernel"
+    assert True in bwd_masks and False in bwd_masks
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, True), 3e-2)
+
+
 @pytest.mark.parametrize("g,layout,causal", [(4, "zigzag", True), (4, "contiguous", False), (2, "contiguous", True)])
 def test_ring_cudnn_route_with_deferred_sums(monkeypatch, g, layout, causal):
     """The cuDNN route (stand-ins) with PK_JAX_RING_SUMS=deferred: each pair's dQ (cuDNN's, in bf16) kept as a part

@@ -155,6 +155,8 @@ TRANSPORTS["pk-copy-dq-cudnn"] = {**TRANSPORTS["pk-copy-dq"], "PK_JAX_RING_LOCAL
 TRANSPORTS["pk-copy-dq-cudnn-bf16hops"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_ACC_DTYPE": "input"}
 # "-deferred": blocks merged and gradient parts summed once at the end ($PK_JAX_RING_SUMS=deferred, row_sum.py).
 TRANSPORTS["pk-copy-dq-cudnn-deferred"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_SUMS": "deferred"}
+# "-split": cuDNN also takes the bottom-right pairs, as two calls each ($PK_JAX_RING_LOCAL=cudnn-split).
+TRANSPORTS["pk-copy-dq-cudnn-split"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_LOCAL": "cudnn-split"}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 

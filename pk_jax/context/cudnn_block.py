@@ -17,7 +17,9 @@ The ring needs two things jax.nn.dot_product_attention does not give, so this ca
   ring-flash-attention does with flash-attn): cuDNN's backward primitive fed the merged `out` and `lse`. It
   recomputes P = exp(s - lse) and delta = rowsum(dO * out), so the pairs' gradients add up.
 Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair runs here only if it needs no
-mask or is a "diagonal" pair (ring_schedule.BlockPair.visible); other pairs stay on our kernel. cuDNN cannot
+mask or is a "diagonal" pair (ring_schedule.BlockPair.visible); other pairs stay on our kernel, except that
+$PK_JAX_RING_LOCAL=cudnn-split (opt-in) also runs the "bottom_right" ones (the zigzag own q1 pair, the bottom half
+of a split diagonal) as two cuDNN calls: their fully visible keys, then their diagonal. cuDNN cannot
 leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts: single-process jobs;
 multi-process jobs keep the SM shift and so our kernels).
 Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
@@ -37,12 +39,13 @@ import jax.numpy as jnp
 from pk_jax._env import choice_setting
 
 LOCAL_VAR = "PK_JAX_RING_LOCAL"
-LOCALS = ("pk", "cudnn")
+LOCALS = ("pk", "cudnn", "cudnn-split")
 
 
 def ring_local() -> str:
-    """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair) or "pk"
-    (our attention kernels for every pair)."""
+    """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair), "pk"
+    (our attention kernels for every pair) or "cudnn-split" (opt-in, not yet timed: also the "bottom_right" pairs,
+    as two cuDNN calls each: split_bottom_right)."""
     return choice_setting(LOCAL_VAR, "cudnn", LOCALS, owner="pk_jax.ring_attention")
 
 
@@ -73,8 +76,16 @@ def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None) -> bool
     from pk_jax.context.ring_shift import shift_sms
 
     d = q.shape[-1]
-    return (ring_local() == "cudnn" and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
-            and (not causal or visible in ("all", "diagonal")) and shift_sms() == 0 and _on_gpu(d))
+    local = ring_local()
+    masks = ("all", "diagonal", "bottom_right") if local == "cudnn-split" else ("all", "diagonal")
+    return (local != "pk" and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
+            and (not causal or visible in masks) and shift_sms() == 0 and _on_gpu(d))
+
+
+def split_bottom_right(tk: int, tq: int) -> tuple[tuple[int, int, str], tuple[int, int, str]]:
+    """A "bottom_right" pair's keys as two pairs cuDNN's masks express: ((start, length, visible), ...): the first
+    tk - tq keys, which every query sees ("all"), and the last tq on the diagonal ("diagonal", top-left)."""
+    return (0, tk - tq, "all"), (tk - tq, tq, "diagonal")
 
 
 def _top_left(causal: bool, visible: str | None) -> bool:
@@ -106,14 +117,27 @@ def _cudnn_bwd(q, k, v, out, stats, do, scale: float, top_left: bool):
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: bool,
             visible: str | None) -> tuple[jax.Array, jax.Array]:
-    """One pair: (out (B, Tq, N, H) in q's dtype, lse (B, Tq, N) float32), as ring._block_forward returns."""
+    """One pair: (out (B, Tq, N, H) in q's dtype, lse (B, Tq, N) float32), as ring._block_forward returns. A
+    "bottom_right" pair: two calls (split_bottom_right) merged by their LSE."""
+    from pk_jax.context.online_softmax import merge
+
+    if causal and visible == "bottom_right":
+        (o_a, l_a), (o_b, l_b) = (forward(q, k[:, a:a + n], v[:, a:a + n], scale=scale, causal=True, visible=vis)
+                                  for a, n, vis in split_bottom_right(k.shape[1], q.shape[1]))
+        out, lse = merge(o_a.astype(jnp.float32), l_a, o_b.astype(jnp.float32), l_b)
+        return out.astype(q.dtype), lse
     out, stats = _cudnn_fwd(q, k, v, scale, _top_left(causal, visible))
     return out, jnp.swapaxes(stats, 1, 2)
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, do: jax.Array, lse: jax.Array, *,
              scale: float, causal: bool, visible: str | None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One pair's (dq float32, dk, dv in k's dtype) from the whole row's out (B, Tq, N, H) and lse (B, Tq, N)."""
+    """One pair's (dq float32, dk, dv in k's dtype) from the whole row's out (B, Tq, N, H) and lse (B, Tq, N). A
+    "bottom_right" pair: two calls (split_bottom_right), dQ summed, dK/dV of their key rows concatenated."""
+    if causal and visible == "bottom_right":
+        parts = [backward(q, k[:, a:a + n], v[:, a:a + n], out, do, lse, scale=scale, causal=True, visible=vis)
+                 for a, n, vis in split_bottom_right(k.shape[1], q.shape[1])]
+        return (parts[0][0] + parts[1][0], *(jnp.concatenate([a, b], axis=1) for a, b in zip(parts[0][1:], parts[1][1:])))
     dq, dk, dv = _cudnn_bwd(q, k, v, out.astype(q.dtype), jnp.swapaxes(lse, 1, 2), do.astype(q.dtype), scale,
                             _top_left(causal, visible))
     return dq.astype(jnp.float32), dk, dv

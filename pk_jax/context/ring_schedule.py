@@ -44,7 +44,9 @@ class BlockPair:
     active: bool | jax.Array = True   # False/traced: the pair is fully masked on some members
     # Under a causal mask, what the pair sees (static, for kernels that take no offsets, pk_jax/context/
     # cudnn_block.py): "all" every key, for every query, wherever the pair is active; "diagonal": q_offset ==
-    # kv_offset (row i sees keys 0..i); "shifted": any other cut of the mask. Without a causal mask: "all".
+    # kv_offset (row i sees keys 0..i); "bottom_right": q_offset + q_len == kv_offset + kv_len with kv_len > q_len
+    # (the keys before the last q_len all visible, the last q_len diagonal); "shifted": any other cut of the mask.
+    # Without a causal mask: "all".
     visible: str = "all"
 
 
@@ -90,7 +92,7 @@ def zigzag_whole_chunks(*, g: int, t_local: int, rank: jax.Array) -> tuple[tuple
     c = t_local // 2
     at = lambda member, piece: zigzag_offset(member, piece, g, c)
     own = (BlockPair(0, c, 0, 2 * c, at(rank, 0), at(rank, 0), visible="diagonal"),
-           BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c, visible="shifted"))
+           BlockPair(c, c, 0, 2 * c, at(rank, 1), at(rank, 1) - c, visible="bottom_right"))
     visiting = (BlockPair(0, 2 * c, 0, c, 2 * c, 0), BlockPair(c, c, 0, 2 * c, 2 * c, 0))
     return own, visiting
 
@@ -117,5 +119,5 @@ def own_pairs_split(*, layout: Layout, causal: bool, g: int, t_local: int, rank:
     p, half = pairs[0], t_local // 2
     top = dataclasses.replace(p, q_len=half)
     bottom = dataclasses.replace(p, q_start=p.q_start + half, q_len=half, q_offset=p.q_offset + half,
-                                 visible="all" if p.visible == "all" else "shifted")
+                                 visible={"all": "all", "diagonal": "bottom_right"}.get(p.visible, "shifted"))
     return [top], [bottom]

@@ -210,12 +210,14 @@ def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causa
             assert all(np.array_equal(a, b) for a, b in zip(got, again)), "deferred on our kernels: bits changed"
 
 
+@pytest.mark.parametrize("local", ["cudnn", "cudnn-split"])
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
-def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal):
+def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal, local):
     """PK_JAX_RING_LOCAL=cudnn (the default, pk_jax/context/cudnn_block.py): the pairs cuDNN can mask run on it,
     forward with its LSE and backward fed the whole row's output and LSE; on every GPU, bf16, GQA, head dim 128,
-    a length that is not a power of two; forward and gradients vs the float32 reference; the program calls cuDNN."""
-    monkeypatch.setenv("PK_JAX_RING_LOCAL", "cudnn")
+    a length that is not a power of two; forward and gradients vs the float32 reference; the program calls cuDNN.
+    cudnn-split (opt-in): the bottom-right pairs as two cuDNN calls each, and no pair on our kernel."""
+    monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
     g = group_sizes()[-1]
     q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 192, 8, 2, 128)
     attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
@@ -225,5 +227,7 @@ def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal):
         a, b, c).astype(jnp.float32).sum()
     hlo = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(spec, kv_spec, kv_spec).compile().as_text()
     assert "__cudnn" in hlo, "no cuDNN call in the ring's program"
+    if local == "cudnn-split":  # the bottom-right pairs split for cuDNN too: none is left on our kernel
+        assert 'custom_call_target="pk_attention' not in hlo, "a pair left on our kernel"
     got = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ring on cuDNN G={g} {layout} {causal}")
