@@ -12,6 +12,7 @@ import pytest
 
 import pk_jax
 from pk_jax.attention import BWD_VAR
+from tests.compile_ahead_probe import record_taken
 from tests.gpu.attention_reference import attention_f32
 
 # (B, Tq, N, Tk, K, D, causal, q_offset, kv_offset)
@@ -376,18 +377,10 @@ def test_bench_programs_compiled_ahead(monkeypatch):
     monkeypatch.setenv(compile_ahead.WORKERS_VAR, "1")
     serial = run()
     monkeypatch.setenv(compile_ahead.WORKERS_VAR, "2")
-    taken = []
-    real_get = compile_ahead.CompileAhead.get
-
-    def get(self, key):
-        future = real_get(self, key)
-        if future is not None:
-            taken.append(key[-1])
-        return future
-    monkeypatch.setattr(compile_ahead.CompileAhead, "get", get)
+    taken = record_taken(monkeypatch)
     ahead = run()
     assert serial and [r["case"] for r in ahead] == [r["case"] for r in serial]
     for a, b in zip(ahead, serial):
         assert a["extra"]["check"] == b["extra"]["check"] == "ok"
         assert a["extra"]["rel_err_vs_baseline"] == b["extra"]["rel_err_vs_baseline"]
-    assert sorted(set(taken)) == ["base", "default"]
+    assert sorted({key[-1] for key in taken}) == ["base", "default"]

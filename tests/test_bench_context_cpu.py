@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from pk_jax.bench import compile_ahead, context
+from tests.compile_ahead_probe import record_taken
 
 
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("contiguous", False)])
@@ -134,14 +135,7 @@ def test_programs_compiled_ahead_are_the_ones_timed(monkeypatch):
     assert compile_ahead.CompileAhead().pool is None
     serial = run()
     monkeypatch.setenv(compile_ahead.WORKERS_VAR, "2")
-    used = []
-    real_get = compile_ahead.CompileAhead.get
-    def get(self, key):
-        future = real_get(self, key)
-        if future is not None:
-            used.append(key)
-        return future
-    monkeypatch.setattr(compile_ahead.CompileAhead, "get", get)
+    used = record_taken(monkeypatch)
     ahead = run()
     assert [r["case"] for r in ahead] == [r["case"] for r in serial]
     for a, b in zip(ahead, serial):
