@@ -137,7 +137,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, out: jax.Array, do: jax.A
     if causal and visible == "bottom_right":
         parts = [backward(q, k[:, a:a + n], v[:, a:a + n], out, do, lse, scale=scale, causal=True, visible=vis)
                  for a, n, vis in split_bottom_right(k.shape[1], q.shape[1])]
-        return (parts[0][0] + parts[1][0], *(jnp.concatenate([a, b], axis=1) for a, b in zip(parts[0][1:], parts[1][1:])))
+        (dq_a, dk_a, dv_a), (dq_b, dk_b, dv_b) = parts
+        return dq_a + dq_b, jnp.concatenate([dk_a, dk_b], axis=1), jnp.concatenate([dv_a, dv_b], axis=1)
     dq, dk, dv = _cudnn_bwd(q, k, v, out.astype(q.dtype), jnp.swapaxes(lse, 1, 2), do.astype(q.dtype), scale,
                             _top_left(causal, visible))
     return dq.astype(jnp.float32), dk, dv

@@ -166,8 +166,8 @@ def _offsets(q_offset, kv_offset) -> jax.Array:
 
 def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, reserve: int, visible: str | None = None):
     """One block pair's attention and its LSE: (out (B, Tq, N, H) float32, lse (B, Tq, N) float32). cuDNN where
-    it takes the pair (the default; $PK_JAX_RING_LOCAL=pk: never) (cudnn_block.takes; `visible`: BlockPair.visible), else our
-    attention kernel where it takes the call (bf16/f16, head_dim 64/128; the offsets are traced, read by
+    it takes the pair (the default; $PK_JAX_RING_LOCAL=pk: never; cudnn_block.takes, `visible`: BlockPair.visible),
+    else our attention kernel where it takes the call (bf16/f16, head_dim 64/128; the offsets are traced, read by
     the kernel from device memory; where no kernel is built its primitive lowers to the XLA block path),
     else the XLA block path. The kernel's output stays in q's dtype (each block rounds once before the
     float32 merge, as in FlashAttention's ring implementations): a block written without a merge is not
@@ -187,11 +187,12 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
                     out=None, visible: str | None = None):
     """One block pair's (dq float32, dk, dv) from the final lse and delta (B, Tq, N): cuDNN's backward fed the
     final `out` and lse where it takes the pair (cudnn_block; the default), else our backward kernel where the
-    forward kernel takes the call and the backward kernel is on (pk_jax.attention.backward_kernel_enabled; its primitive lowers to the XLA block path off CUDA), else the XLA block path
-    (which holds a (Tq_chunk, Tk) float32 score block per head in memory). dk and dv stay in the dtype they
-    come in (the kernel's: k's; the XLA path's: float32): a pair's part is widened to float32 where it is
-    added to something, inside that add, instead of by a pass of its own (0.2 ms per array and step at
-    4 GPUs, S 12288), and a fresh part can leave for the next member as it is (exactly)."""
+    forward kernel takes the call and the backward kernel is on (pk_jax.attention.backward_kernel_enabled; its
+    primitive lowers to the XLA block path off CUDA), else the XLA block path (which holds a (Tq_chunk, Tk)
+    float32 score block per head in memory). dk and dv stay in the dtype they come in (the kernel's: k's; the XLA
+    path's: float32): a pair's part is widened to float32 where it is added to something, inside that add, instead
+    of by a pass of its own (0.2 ms per array and step at 4 GPUs, S 12288), and a fresh part can leave for the next
+    member as it is (exactly)."""
     from pk_jax.attention import _kernel_refusal, backward_kernel_enabled, pk_attention_bwd_p
 
     if out is not None and cudnn_block.takes(q, k, causal, visible):
