@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax._env import choice_setting
+from pk_jax.context.online_softmax import merge
 
 LOCAL_VAR = "PK_JAX_RING_LOCAL"
 LOCALS = ("pk", "cudnn", "cudnn-split")
@@ -119,8 +120,6 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, causal: b
             visible: str | None) -> tuple[jax.Array, jax.Array]:
     """One pair: (out (B, Tq, N, H) in q's dtype, lse (B, Tq, N) float32), as ring._block_forward returns. A
     "bottom_right" pair: two calls (split_bottom_right) merged by their LSE."""
-    from pk_jax.context.online_softmax import merge
-
     if causal and visible == "bottom_right":
         (o_a, l_a), (o_b, l_b) = (forward(q, k[:, a:a + n], v[:, a:a + n], scale=scale, causal=True, visible=vis)
                                   for a, n, vis in split_bottom_right(k.shape[1], q.shape[1]))

@@ -21,27 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax.context._varying import full_varying
+from pk_jax.context.online_softmax import merge_many
 from pk_jax.context.row_sum import MAX_PARTS, row_segments, static_start
-
-
-def merge_many(outs: list[jax.Array], lses: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Attention over the union of disjoint key sets from each set's (out (B, T, N, H), lse (B, T, N)): float32
-    out = sum_i exp(lse_i - L) out_i, lse L = logsumexp_i lse_i; rows where every lse is -inf: out 0, lse -inf."""
-    lses = [x.astype(jnp.float32) for x in lses]
-    m = lses[0]
-    for x in lses[1:]:
-        m = jnp.maximum(m, x)
-    safe = jnp.where(jnp.isfinite(m), m, 0.0)
-    ws = [jnp.exp(x - safe) for x in lses]
-    total = ws[0]
-    for w in ws[1:]:
-        total = total + w
-    seen = total > 0
-    inv = jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)
-    out = outs[0].astype(jnp.float32) * (ws[0] * inv)[..., None]
-    for o, w in zip(outs[1:], ws[1:]):
-        out = out + o.astype(jnp.float32) * (w * inv)[..., None]
-    return out, jnp.where(seen, safe + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
 
 
 @jax.tree_util.register_dataclass

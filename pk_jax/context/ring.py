@@ -285,12 +285,10 @@ def _forward(q, k, v, axes, causal, layout, scale):
                     parts = parts.add(*block(p, True), p.q_start)
                 return parts
             def whole_rows(p):
-                def run(_):
+                def run(_):  # the block over every local row: out 0, lse -inf on the rows it does not cover
                     o, l = block(p, False)
-                    dtype = o.dtype  # as the block wrote it (low and high take the same path: the same dtype)
-                    if p.q_len != q.shape[1]:
-                        o, l = LseParts.empty(q.shape).add(o, l, p.q_start).result()
-                    return o.astype(dtype), l
+                    rows = ((0, 0), (p.q_start, q.shape[1] - p.q_start - p.q_len))
+                    return jnp.pad(o, rows + ((0, 0),) * 2), jnp.pad(l, rows + ((0, 0),), constant_values=-jnp.inf)
                 return run
             return parts.add(*zigzag_visiting_cond(g=g, rank=rank, step=step, low=whole_rows(low),
                                                    high=whole_rows(high), operand=()), 0)
