@@ -30,10 +30,10 @@ class Knobs:
     """PK_JAX_AR_PIPELINED_ROUNDS / _MIN_CHUNK (bytes) / _MAX_CTAS / _LAG / _SHOTS (1 one-shot, 2 two-shot,
     0 by group size); clamped by geometry() as by the kernel."""
 
-    rounds: int = 4
+    rounds: int = 1  # kernels/pk/pipelined_schedule.h: one fence per stage and round, so one round
     min_chunk: int = 4096
     max_ctas: int = 1024
-    lag: int = 2
+    lag: int = 0
     shots: int = 0
 
 

@@ -9,8 +9,9 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   bytes dominate, the LL lines where the trip does.
 - pipelined chunk flags (all_reduce "small_pipelined", kernels/small_pipelined.cu): the same areas and
   flags, each CTA's share cut into rounds: the data warps push round i while a signal warp fences and
-  flags round i - 1 and the sums of round i - lag run (pk_jax/_pipelined_schedule.py). Opt-in for auto /
-  "small" (PK_JAX_AR_PIPELINED=1) until measured.
+  flags round i - 1 and the sums of round i - lag run (pk_jax/_pipelined_schedule.py). At its default
+  of one round it is the chunk flags' two-shot (reduce-scatter + all-gather) from G = 3: auto / "small"
+  take it there from PIPELINED_MIN_BYTES (PK_JAX_AR_PIPELINED: "auto" default, "1" any G, "0" never).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import math
 import os
 from collections.abc import Sequence
 from typing import Literal
+
+from pk_jax._env import choice_setting
 
 # Payload bytes a sender may put in one receiver's LL area per op: kLLLines * 4 in
 # kernels/pk/control_block.h (tests/test_small_path_cpu.py checks that they agree).
@@ -36,8 +39,10 @@ AUTO_SEND_BYTES = 1 << 20
 # more than the LL trip, which the halved bytes repay only from ~0.5-1 MiB. 8 MiB by chunk flags: 37 us (bulk 49).
 LL_AUTO_SEND_BYTES = 512 << 10
 CHUNKED_AUTO_SEND_BYTES = 8 << 20
-# With PK_JAX_AR_PIPELINED=1, auto / "small" take the pipelined chunk flags from this size (bytes of x) up
-# to CHUNKED_MAX_BYTES, at any G (two-shot from G = 3: no more bytes than the bulk two-shot sends).
+# auto / "small" take the pipelined chunk flags from this size (bytes of x) up to CHUNKED_MAX_BYTES at G >= 3,
+# where they are two-shot (no more bytes than the bulk two-shot sends); with PK_JAX_AR_PIPELINED=1 at any G.
+# Measured on 4x H100 (2026-11-27, slopes at chains of 256, 1 MiB): pipelined (1 round) 20.6 us, chunk
+# flags 24.6, psum 33.6. At G = 2 it is the chunk flags' one-shot again: no gain, so not taken there.
 PIPELINED_MIN_BYTES = 512 << 10
 
 
@@ -60,9 +65,11 @@ ALL_REDUCE_VARIANTS = {"small_one_shot": VARIANT_SMALL, "small_two_shot": VARIAN
                        "small_chunked": VARIANT_SMALL_CHUNKED, "small_pipelined": VARIANT_SMALL_PIPELINED}
 
 
-def pipelined_enabled() -> bool:
-    """Whether auto / "small" may pick "small_pipelined" (PK_JAX_AR_PIPELINED=1; off until measured)."""
-    return os.environ.get("PK_JAX_AR_PIPELINED", "0") == "1"
+def pipelined_enabled(group: int) -> bool:
+    """Whether auto / "small" may pick "small_pipelined" over `group` members: $PK_JAX_AR_PIPELINED "auto"
+    (default: from G = 3, where it is two-shot), "1" (any G) or "0" (never)."""
+    mode = choice_setting("PK_JAX_AR_PIPELINED", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
+    return mode == "1" or (mode == "auto" and group >= 3)
 
 
 def words(nbytes: int) -> int:
@@ -83,12 +90,12 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
     within AUTO_SEND_BYTES; then the chunk-flag one-shot (plain stores, (G-1) n bytes, one fence + flag per
     chunk) while (G-1) n <= CHUNKED_AUTO_SEND_BYTES and n <= CHUNKED_MAX_BYTES; else None (the bulk path).
-    auto=False (algorithm "small"): the same without the chunk-flag path's send limit. With
-    PK_JAX_AR_PIPELINED=1, PIPELINED_MIN_BYTES <= n <= CHUNKED_MAX_BYTES takes the pipelined chunk flags
-    first (any G)."""
+    auto=False (algorithm "small"): the same without the chunk-flag path's send limit. Before all of
+    these, PIPELINED_MIN_BYTES <= n <= CHUNKED_MAX_BYTES takes the pipelined chunk flags where
+    pipelined_enabled(group)."""
     if nbytes <= 0:
         return None
-    if pipelined_enabled() and PIPELINED_MIN_BYTES <= nbytes <= CHUNKED_MAX_BYTES:
+    if pipelined_enabled(group) and PIPELINED_MIN_BYTES <= nbytes <= CHUNKED_MAX_BYTES:
         return "small_pipelined"
     send = (group - 1) * nbytes
     if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:

@@ -175,7 +175,7 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
         one-shot at G = 2, reduce-scatter + all-gather from G = 3; x at most CHUNKED_MAX_BYTES; knobs
         PK_JAX_AR_PIPELINED_*, pk_jax/_pipelined_schedule.py) or "small" (picks one of those by size and
         G: _small_path.all_reduce_choice, which takes "small_pipelined" from
-        _small_path.PIPELINED_MIN_BYTES only under PK_JAX_AR_PIPELINED=1); or "auto": the small path where
+        _small_path.PIPELINED_MIN_BYTES from G = 3, per PK_JAX_AR_PIPELINED); or "auto": the small path where
         _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from
         TWO_SHOT_MIN_BYTES up when the array splits into G whole 16-byte chunks, else one-shot.
 

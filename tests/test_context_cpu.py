@@ -133,7 +133,7 @@ def test_ring_accumulators_in_the_input_dtype(monkeypatch, layout, causal):
     (8, "zigzag", True, 4, 2, 16, jnp.bfloat16),  # bf16 on the XLA block path (float32 blocks)
 ])
 def test_ring_deferred_sums_match_reference_and_eager(monkeypatch, g, layout, causal, n, kv_heads, head_dim, dtype):
-    """PK_JAX_RING_SUMS=deferred: blocks merged and the backward's dQ / the owner's dK/dV parts summed in one pass
+    """PK_JAX_RING_SUMS=deferred (the default): blocks merged and the backward's dQ / the owner's dK/dV parts summed in one pass
     (lse_parts.LseParts, row_sum.RowSum); result and gradients equal the whole-sequence reference, and the eager
     path's up to float32 rounding order: in 16-bit, under 2 % of the elements differ (a block rounded once more
     would change about a quarter). Head dim 64 in bf16 takes our kernels, with the in-kernel dQ add
@@ -142,6 +142,7 @@ def test_ring_deferred_sums_match_reference_and_eager(monkeypatch, g, layout, ca
 
     q, k, v, d_out = random_qkv(60 + g + causal, 1, g * T_LOCAL, n, kv_heads, head_dim, dtype)
     attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    monkeypatch.setenv(row_sum.SUMS_VAR, "eager")
     eager = sharded(attn, g, layout, q, k, v, d_out)
     monkeypatch.setenv(row_sum.SUMS_VAR, "deferred")
     got = sharded(lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout),

@@ -120,7 +120,8 @@ def test_small_ops_fail_a_refusal_the_limits_do_not_predict():
     assert [o.refused.startswith("MISMATCH") for o in loud] == [True, False] + [True] * 7
     assert all(o.algorithm == "auto" for o in loud)
     big = small_cases.small_ops(4, 8 << 20, np.float16, lambda fn, shape: "too big")
-    assert all(o.want == small_cases.BULK for o in big)  # auto at G = 4: 24 MiB to send is bulk
+    # auto at G = 4, 8 MiB: the all_reduces take the pipelined chunk flags (two-shot), the rest bulk (24 MiB to send)
+    assert [o.want for o in big] == [5] * 5 + [small_cases.BULK] * 4
     # The chunk flags serve 8 MiB ("small" picks them), so refusing those three is a mismatch.
     assert [o.refused.startswith("MISMATCH") for o in big] == [False, False, True, True, True] + [False] * 4
     assert small_cases.small_ops(2, 6, np.float32, lambda fn, shape: "") == []  # 1.5 elements

@@ -109,7 +109,9 @@ def test_small_max_bytes_matches_control_block():
     (2 << 20, 8, None),                    # 14 MiB to send: bulk
     (6, 4, "small_one_shot"),              # 2 words (3 bf16): one-shot only
 ])
-def test_auto_all_reduce_choice(nbytes, g, want):
+def test_auto_all_reduce_choice(monkeypatch, nbytes, g, want):
+    """The ladder below the pipelined chunk flags (off here; by group in tests/test_small_pipelined_cpu.py)."""
+    monkeypatch.setenv("PK_JAX_AR_PIPELINED", "0")
     assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
 
 
@@ -148,8 +150,10 @@ def test_api_picks_small_path_by_size(monkeypatch):
     small, two, bulk = _small_path.VARIANT_SMALL, _small_path.VARIANT_SMALL_TWO_SHOT, 0
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == small            # 8 KiB
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 128, 1024)) == two            # 256 KiB
-    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 1024, 1024)) == 1             # 2 MiB: bulk two-shot
-    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 512, 1024)) == _small_path.VARIANT_SMALL_CHUNKED  # 1 MiB
+    pipe = _small_path.VARIANT_SMALL_PIPELINED  # from 512 KiB at G >= 3 (the chunk flags' two-shot)
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 1024, 1024)) == pipe          # 2 MiB
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 512, 1024)) == pipe           # 1 MiB
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 8192, 1024)) == 1             # 16 MiB: bulk two-shot
     assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_chunked"), (8 * 4, 1024)) == \
         _small_path.VARIANT_SMALL_CHUNKED
     assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="one_shot"), (8 * 4, 1024)) == bulk

@@ -23,7 +23,7 @@ from pk_jax import _pipelined_schedule as sched
 import small_kernel_emulator as emu
 
 NP_DTYPES = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)]
-KNOBS = [sched.Knobs(), sched.Knobs(rounds=1, lag=0), sched.Knobs(rounds=3, lag=1, min_chunk=16),
+KNOBS = [sched.Knobs(), sched.Knobs(rounds=4, lag=2), sched.Knobs(rounds=3, lag=1, min_chunk=16),
          sched.Knobs(rounds=16, lag=15, min_chunk=32, max_ctas=3), sched.Knobs(rounds=4, lag=0, shots=2, min_chunk=16),
          sched.Knobs(rounds=2, lag=5, shots=1, min_chunk=48), sched.Knobs(rounds=99, lag=-3, max_ctas=0, min_chunk=1)]
 SIZES = [1, 2, 4, 6, 16, 18, 100, 4096, 4098, 65534, (1 << 20) + 6, 8 << 20]
@@ -54,10 +54,14 @@ def test_chunks_tile_every_slice_once():
 def test_geometry_limits():
     """CTAs: at most one per SM, at most max_ctas, flags within the area; rounds and lag within their
     caps; chunks of at least min_chunk bytes unless one CTA and one round hold all of a slice."""
-    assert sched.geometry(1 << 20, 2, 132) == sched.Geometry(65536, 65536, 256, 64, 4, 2, False)
-    assert sched.geometry(8 << 20, 2, 132) == sched.Geometry(524288, 524288, 993, 132, 4, 2, False)
-    assert sched.geometry(8 << 20, 8, 132).ctas == 64  # two-shot: 1 MiB slices
-    assert sched.geometry(8 << 20, 2, 132, sched.Knobs(shots=2)).ctas == 128  # 2 x 128 x 4 flags fill the area
+    four = sched.Knobs(rounds=4, lag=2)  # the defaults before 2026-11-27
+    assert sched.geometry(1 << 20, 2, 132, four) == sched.Geometry(65536, 65536, 256, 64, 4, 2, False)
+    assert sched.geometry(8 << 20, 2, 132, four) == sched.Geometry(524288, 524288, 993, 132, 4, 2, False)
+    assert sched.geometry(8 << 20, 8, 132, four).ctas == 64  # two-shot: 1 MiB slices
+    assert sched.geometry(8 << 20, 2, 132, sched.Knobs(rounds=4, lag=2, shots=2)).ctas == 128  # 2 x 128 x 4 flags
+    # the defaults: one round, two-shot from G = 3, 4 KiB chunks at least
+    assert sched.geometry(1 << 20, 4, 132) == sched.Geometry(65536, 16384, 256, 64, 1, 0, True)
+    assert sched.geometry(8 << 20, 4, 132) == sched.Geometry(524288, 131072, 993, 132, 1, 0, True)
     for n, g, k, sms, geo in _geometries():
         assert 1 <= geo.ctas <= min(sms, max(k.max_ctas, 1)), (n, g, k, sms, geo)
         assert geo.stages * geo.chunks <= sched.FLAG_AREA
@@ -194,21 +198,25 @@ def test_forced_small_pipelined_lowers_to_its_variant():
         assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_pipelined"), shape) == pipe
 
 
-@pytest.mark.parametrize("nbytes,g,on,want", [
-    (512 << 10, 2, True, "small_pipelined"),
-    ((512 << 10) - 2, 2, True, "small_one_shot"),
-    (1 << 20, 2, True, "small_pipelined"),
-    (8 << 20, 2, True, "small_pipelined"),
-    ((8 << 20) + 16, 2, True, None),
-    (8 << 20, 8, True, "small_pipelined"),  # two-shot: 14 MiB sent, as the bulk two-shot
-    (1 << 20, 2, False, "small_chunked"),
-    (512 << 10, 2, False, "small_one_shot"),
+@pytest.mark.parametrize("nbytes,g,mode,want", [
+    (512 << 10, 2, "1", "small_pipelined"),
+    ((512 << 10) - 2, 2, "1", "small_one_shot"),
+    (1 << 20, 2, "1", "small_pipelined"),
+    (8 << 20, 2, "1", "small_pipelined"),
+    ((8 << 20) + 16, 2, "1", None),
+    (8 << 20, 8, "1", "small_pipelined"),  # two-shot: 14 MiB sent, as the bulk two-shot
+    (1 << 20, 2, None, "small_chunked"),  # default "auto": not at G = 2 (one-shot, the chunk flags again)
+    (512 << 10, 2, None, "small_one_shot"),
+    (1 << 20, 4, None, "small_pipelined"),  # ... but from G = 3 (two-shot)
+    (512 << 10, 3, "auto", "small_pipelined"),
+    ((512 << 10) - 8, 4, None, "small_chunked"),
+    (1 << 20, 4, "0", "small_chunked"),
 ])
-def test_pipelined_choice_is_opt_in(monkeypatch, nbytes, g, on, want):
-    if on:
-        monkeypatch.setenv("PK_JAX_AR_PIPELINED", "1")
-    else:
+def test_pipelined_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
+    if mode is None:
         monkeypatch.delenv("PK_JAX_AR_PIPELINED", raising=False)
+    else:
+        monkeypatch.setenv("PK_JAX_AR_PIPELINED", mode)
     assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
     if want is not None:
         assert _small_path.all_reduce_choice(nbytes, g, auto=False) == want
@@ -223,6 +231,12 @@ def test_auto_and_small_take_pipelined_under_the_env(monkeypatch):
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (2 * 4, 1024), g=2) == _small_path.VARIANT_SMALL  # 8 KiB
     monkeypatch.setenv("PK_JAX_AR_PIPELINED", "0")
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (2 * 1024, 512), g=2) == _small_path.VARIANT_SMALL_CHUNKED
+    monkeypatch.delenv("PK_JAX_AR_PIPELINED")  # the default takes it from G = 3
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (4 * 1024, 512), g=4) == pipe
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (2 * 1024, 512), g=2) == _small_path.VARIANT_SMALL_CHUNKED
+    monkeypatch.setenv("PK_JAX_AR_PIPELINED", "yes")
+    with pytest.raises(ValueError, match="PK_JAX_AR_PIPELINED"):
+        _small_path.all_reduce_choice(1 << 20, 4, auto=True)
 
 
 def test_small_pipelined_errors_name_the_argument_and_the_fix():

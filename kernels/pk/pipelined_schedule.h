@@ -33,10 +33,12 @@ constexpr int32_t kPipelinedMaxReleasePoints = 2 * (kPipelinedMaxRounds + kPipel
 // Tuning knobs (env, read once per process: PK_JAX_AR_PIPELINED_ROUNDS / _MIN_CHUNK / _MAX_CTAS / _LAG /
 // _SHOTS). Out-of-range values are clamped by pipelined_geometry.
 struct PipelinedKnobs {
-  int32_t rounds = 4;        // chunks per CTA, pushed one after another
+  // rounds 1 / lag 0: every round costs a system fence per stage (4x H100, 1 MiB: 36.6 us at 4 / 2,
+  // 20.6 at 1 / 0; docs/NOTES.md session 20), so more rounds never paid for their overlap.
+  int32_t rounds = 1;        // chunks per CTA, pushed one after another
   int64_t min_chunk = 4096;  // bytes: fewer CTAs / rounds rather than smaller chunks
   int32_t max_ctas = 1024;   // besides the SM count and the flag area
-  int32_t lag = 2;           // a CTA sums chunk i - lag after pushing chunk i
+  int32_t lag = 0;           // a CTA sums chunk i - lag after pushing chunk i
   int32_t shots = 0;         // 1: one-shot, 2: two-shot, 0: by group size (one-shot at G = 2)
 };
 

@@ -114,11 +114,13 @@ def main(argv: list[str] | None = None) -> int:
                         "moe: only these (uniform_fwd, skewed_fwd_bwd, ...)")
     p.add_argument("--ring-transports", nargs="+", default=None,
                    choices=["pk", "pk-copy", "pk-acc", "pk-copy-acc", "pk-dq", "pk-copy-dq", "pk-copy-dq-cudnn",
-                            "pk-copy-dq-cudnn-bf16hops", "pk-copy-dq-cudnn-deferred", "pk-copy-dq-cudnn-split", "xla"],
+                            "pk-copy-dq-cudnn-bf16hops", "pk-copy-dq-cudnn-deferred", "pk-copy-dq-cudnn-split",
+                            "pk-copy-dq-cudnn-deferred-split", "xla"],
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: the environment's settings; -copy: $PK_JAX_RING_SHIFT_ENGINE=copy, -acc: "
                         "$PK_JAX_RING_MERGE=kernel, -dq: =dq, -cudnn: $PK_JAX_RING_LOCAL=cudnn, without: =pk; "
-                        "-bf16hops: $PK_JAX_RING_ACC_DTYPE=input, -deferred: $PK_JAX_RING_SUMS=deferred, -split: "
+                        "-bf16hops: $PK_JAX_RING_ACC_DTYPE=input, -deferred: $PK_JAX_RING_SUMS=deferred (the default; "
+                        "without it the pk-* transports are eager), -split: "
                         "$PK_JAX_RING_LOCAL=cudnn-split), "
                         "e.g. --ring-transports pk pk-copy-dq xla")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")

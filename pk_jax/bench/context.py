@@ -153,10 +153,12 @@ TRANSPORTS = {f"pk{'-copy' if engine == 'copy' else ''}{suffix}": {
 TRANSPORTS["pk-copy-dq-cudnn"] = {**TRANSPORTS["pk-copy-dq"], "PK_JAX_RING_LOCAL": "cudnn"}
 # "-bf16hops": every dK/dV hop of the backward in the input dtype ($PK_JAX_RING_ACC_DTYPE=input).
 TRANSPORTS["pk-copy-dq-cudnn-bf16hops"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_ACC_DTYPE": "input"}
-# "-deferred": blocks merged and gradient parts summed once at the end ($PK_JAX_RING_SUMS=deferred, row_sum.py).
+# "-deferred": blocks merged and gradient parts summed once at the end ($PK_JAX_RING_SUMS=deferred, row_sum.py;
+# the default since 2026-11-27: "pk-copy-dq-cudnn" is the eager sums, as measured before).
 TRANSPORTS["pk-copy-dq-cudnn-deferred"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_SUMS": "deferred"}
 # "-split": cuDNN also takes the bottom-right pairs, as two calls each ($PK_JAX_RING_LOCAL=cudnn-split).
 TRANSPORTS["pk-copy-dq-cudnn-split"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_LOCAL": "cudnn-split"}
+TRANSPORTS["pk-copy-dq-cudnn-deferred-split"] = {**TRANSPORTS["pk-copy-dq-cudnn-deferred"], "PK_JAX_RING_LOCAL": "cudnn-split"}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 

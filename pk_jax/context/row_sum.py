@@ -33,10 +33,12 @@ SUMS_VAR = "PK_JAX_RING_SUMS"
 
 
 def deferred_sums() -> bool:
-    """$PK_JAX_RING_SUMS, read when the ring's backward is traced: "eager" (default: each pair's dQ and the owner's
-    dK/dV parts added into float32 as they come) or "deferred" (kept as RowSum parts, added in one pass; the "pk"
-    transport only). Not yet timed on a GPU."""
-    return choice_setting(SUMS_VAR, "eager", ("eager", "deferred"), owner="pk_jax.ring_attention") == "deferred"
+    """$PK_JAX_RING_SUMS, read when the ring is traced: "deferred" (default: each block's (out, lse), the
+    backward's dQ and the owner's dK/dV parts kept as LseParts / RowSum parts and merged or added in one pass
+    at the end) or "eager" (each merged or added into float32 as it comes). Deferred measured on 4x H100
+    (2026-11-27, G 4, S 12288, ms eager / deferred): fwd 10.11 / 9.31, causal zigzag fwd 7.36 / 5.96, causal
+    zigzag fwd+bwd 28.91 / 26.98, fwd+bwd 40.16 / 40.67 (within the run's noise)."""
+    return choice_setting(SUMS_VAR, "deferred", ("eager", "deferred"), owner="pk_jax.ring_attention") == "deferred"
 
 
 def static_start(start, length: int, rows: int, owner: str) -> int | None:
