@@ -11,7 +11,8 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   flags, each CTA's share cut into rounds: the data warps push round i while a signal warp fences and
   flags round i - 1 and the sums of round i - lag run (pk_jax/_pipelined_schedule.py). At its default
   of one round it is the chunk flags' two-shot (reduce-scatter + all-gather) from G = 3: auto / "small"
-  take it there from PIPELINED_MIN_BYTES (PK_JAX_AR_PIPELINED: "auto" default, "1" any G, "0" never).
+  take it there in the one-shot chunk flags' place (PK_JAX_AR_PIPELINED: "auto" default, "1" first at any
+  G, "0" never).
 """
 
 from __future__ import annotations
@@ -39,10 +40,13 @@ AUTO_SEND_BYTES = 1 << 20
 # more than the LL trip, which the halved bytes repay only from ~0.5-1 MiB. 8 MiB by chunk flags: 37 us (bulk 49).
 LL_AUTO_SEND_BYTES = 512 << 10
 CHUNKED_AUTO_SEND_BYTES = 8 << 20
-# auto / "small" take the pipelined chunk flags from this size (bytes of x) up to CHUNKED_MAX_BYTES at G >= 3,
-# where they are two-shot (no more bytes than the bulk two-shot sends); with PK_JAX_AR_PIPELINED=1 at any G.
-# Measured on 4x H100 (2026-11-27, slopes at chains of 256, 1 MiB): pipelined (1 round) 20.6 us, chunk
-# flags 24.6, psum 33.6. At G = 2 it is the chunk flags' one-shot again: no gain, so not taken there.
+# From G = 3 (where it is two-shot: no more bytes than the bulk two-shot sends), auto / "small" take the
+# pipelined chunk flags in place of the one-shot chunk flags, from this size (bytes of x) up to
+# CHUNKED_MAX_BYTES; PK_JAX_AR_PIPELINED=1 puts them first at any G from this size. Measured on 4x H100
+# (2026-11-27, us per op in chains of 256, chunk flags / pipelined (1 round) / psum): 512 KiB 18.3 / 19.4 / 25.7
+# (the LL two-shot, which auto keeps there, 15.6), 1 MiB 23.8 / 21.1 / 31.9, 2 MiB 35.2 / 31.8 / 39.0, 4 MiB
+# 56.4 / 42.0 / 56.4, 8 MiB 108.5 / 67.0 / 66.1. At G = 2 (one-shot): 1 MiB 15.6 / 13.7, 8 MiB 41.9 / 47.1:
+# mixed, so not taken there.
 PIPELINED_MIN_BYTES = 512 << 10
 
 
@@ -65,11 +69,10 @@ ALL_REDUCE_VARIANTS = {"small_one_shot": VARIANT_SMALL, "small_two_shot": VARIAN
                        "small_chunked": VARIANT_SMALL_CHUNKED, "small_pipelined": VARIANT_SMALL_PIPELINED}
 
 
-def pipelined_enabled(group: int) -> bool:
-    """Whether auto / "small" may pick "small_pipelined" over `group` members: $PK_JAX_AR_PIPELINED "auto"
-    (default: from G = 3, where it is two-shot), "1" (any G) or "0" (never)."""
-    mode = choice_setting("PK_JAX_AR_PIPELINED", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
-    return mode == "1" or (mode == "auto" and group >= 3)
+def pipelined_mode() -> str:
+    """$PK_JAX_AR_PIPELINED: "auto" (default: auto / "small" take "small_pipelined" in place of "small_chunked"
+    from G = 3), "1" (first, at any G) or "0" (never)."""
+    return choice_setting("PK_JAX_AR_PIPELINED", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
 
 
 def words(nbytes: int) -> int:
@@ -90,12 +93,14 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
     within AUTO_SEND_BYTES; then the chunk-flag one-shot (plain stores, (G-1) n bytes, one fence + flag per
     chunk) while (G-1) n <= CHUNKED_AUTO_SEND_BYTES and n <= CHUNKED_MAX_BYTES; else None (the bulk path).
-    auto=False (algorithm "small"): the same without the chunk-flag path's send limit. Before all of
-    these, PIPELINED_MIN_BYTES <= n <= CHUNKED_MAX_BYTES takes the pipelined chunk flags where
-    pipelined_enabled(group)."""
+    auto=False (algorithm "small"): the same without the chunk-flag path's send limit. The pipelined chunk
+    flags take PIPELINED_MIN_BYTES <= n <= CHUNKED_MAX_BYTES: in the chunk-flag one-shot's place from G = 3,
+    or before everything under PK_JAX_AR_PIPELINED=1 (pipelined_mode)."""
     if nbytes <= 0:
         return None
-    if pipelined_enabled(group) and PIPELINED_MIN_BYTES <= nbytes <= CHUNKED_MAX_BYTES:
+    mode = pipelined_mode()
+    pipelined = PIPELINED_MIN_BYTES <= nbytes <= CHUNKED_MAX_BYTES
+    if mode == "1" and pipelined:
         return "small_pipelined"
     send = (group - 1) * nbytes
     if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:
@@ -104,6 +109,8 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     if (group > 2 and nbytes <= SMALL_MAX_BYTES and words(nbytes) % group == 0
             and two_shot_send <= AUTO_SEND_BYTES):
         return "small_two_shot"
+    if mode == "auto" and group >= 3 and pipelined:
+        return "small_pipelined"
     if nbytes <= CHUNKED_MAX_BYTES and (send <= CHUNKED_AUTO_SEND_BYTES or not auto):
         return "small_chunked"
     return None

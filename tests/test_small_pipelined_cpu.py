@@ -208,7 +208,9 @@ def test_forced_small_pipelined_lowers_to_its_variant():
     (1 << 20, 2, None, "small_chunked"),  # default "auto": not at G = 2 (one-shot, the chunk flags again)
     (512 << 10, 2, None, "small_one_shot"),
     (1 << 20, 4, None, "small_pipelined"),  # ... but from G = 3 (two-shot)
-    (512 << 10, 3, "auto", "small_pipelined"),
+    (512 << 10, 3, "auto", "small_pipelined"),  # words not divisible by 3: no LL two-shot
+    (512 << 10, 4, None, "small_two_shot"),  # the LL two-shot stays first where it serves
+    ((512 << 10) + 8, 4, None, "small_pipelined"),  # in the chunk flags' place
     ((512 << 10) - 8, 4, None, "small_chunked"),
     (1 << 20, 4, "0", "small_chunked"),
 ])
