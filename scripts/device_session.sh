@@ -99,7 +99,8 @@
 #   ringcudnn   the ring's pairs on cuDNN (PK_JAX_RING_LOCAL=cudnn): the one-GPU probe (compiles? right? per-block
 #               timing), then (2 GPUs+) its GPU tests and ring rows against the default                      ~1-8 min
 #   subaxis     (4 GPUs) ring attention on the size-2 axis of a (2, 2) mesh (two copy-engine rings at once)  ~1 min
-#   ring2       (4 GPUs) the ring's 2-GPU rows (S 12288, 24576) on GPUs PAIR (default 0,1) at defaults        ~4 min
+#   ring2       (4 GPUs) the ring's 2-GPU rows (S 12288, 24576) on GPUs PAIR (default 0,1) at defaults, or per
+#               RING2_TRANSPORTS (bench context --ring-transports names, same turns)                       ~4 min
 #   ringnext    (2 GPUs+) deferred merges/sums (PK_JAX_RING_SUMS=deferred), bf16 hops and bottom-right pairs split for
 #               cuDNN (PK_JAX_RING_LOCAL=cudnn-split) vs the default: GPU tests,
 #               ring rows at S 12288 with the compute floor, 2-GPU causal zigzag fwd+bwd S 24576, a timeline     ~9 min
@@ -197,7 +198,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                --out "$OUT/$day-collectives-latency.json" ;;
     latdefault) stage latency-default 120 python3 -m pk_jax.bench collectives --latency --out "$OUT/$day-collectives-latency.json"
                 stage floor-default 120 python3 scripts/latency_floor.py --tag default --ops pk_auto psum \
-                  --bytes 4096 16384 65536 262144 524288 1048576 2097152 8388608 --out "$OUT/$day-floor-default.json" ;;
+                  --bytes 4096 16384 65536 131072 262144 524288 1048576 2097152 4194304 8388608 \
+                  --out "$OUT/$day-floor-default.json" ;;
     collectives) stage collectives 150 python3 -m pk_jax.bench collectives --out "$OUT/$day-collectives.json" ;;
     smallfused) stage smallfused 200 python3 -m pk_jax.bench multirank --ranks ${RANKS:-2} --steps check_ops check_small \
                   --out "$OUT/$day-multirank-small-fused.json" ;;
@@ -476,7 +478,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ring2) # (4 GPUs) the ring's 2-GPU rows on GPUs PAIR (default 0,1) at defaults: S 12288 and 24576
            stage ring2 ${RING2_LIMIT:-240} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
              --op ring_attention --seqs 12288 24576 --cases fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous \
-             fwd_bwd_causal_zigzag --reps 10 --out "$OUT/$day-context-ring-2gpu.json" ;;
+             fwd_bwd_causal_zigzag --reps 10 ${RING2_TRANSPORTS:+--ring-transports $RING2_TRANSPORTS} \
+             --out "$OUT/$day-context-ring-2gpu.json" ;;
     ringnext) # (2 GPUs+; 4 for the 4-GPU rows) deferred merges/sums and bf16 hops against the default, same turns: the
               # deferred GPU tests, ring rows at S 12288 with the compute floor, the 2-GPU causal zigzag fwd+bwd at S 24576
               # (GPUs PAIR), then the S 49152 fwd+bwd rows
