@@ -212,12 +212,12 @@ def _attention_alone(c: Case, g: int, dtype, ahead: concurrent.futures.Future | 
     """One device's share without communication: B/G whole sequences (None if G does not divide B), on random
     inputs drawn as ours are. Not zeros: tensor cores fed zeros draw less power and hold higher clocks, so zeros
     made this floor optimistic (bench runs before session 19; their `bound` columns are too high)."""
-    if c.b % g:
+    made = _alone_program(c, g, dtype)
+    if made is None:
         return None
-    shape = (c.b // g, c.s, c.n, c.d)
-    make = jax.jit(lambda key: jax.random.normal(key, shape, jnp.float32).astype(dtype))
+    program, specs = made
+    make = jax.jit(lambda key: jax.random.normal(key, specs[0].shape, jnp.float32).astype(dtype))
     args = [make(key) for key in jax.random.split(jax.random.key(1000 + c.s), 3)]
-    program, _ = _alone_program(c, g, dtype)
     fn, _, err = _compile(program, args, ahead)
     return None if fn is None else (fn, args)
 

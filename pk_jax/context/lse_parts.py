@@ -10,7 +10,7 @@ into one loop over row segments (row_sum.row_segments):
     out, lse = s.result()                                     # float32 out (B, T, N, H), lse (B, T, N)
 
 At most `max_parts` parts wait (more are merged into a float32 base first). A row no part covers comes out as
-out 0, lse -inf, as the ring's initial state. Used by the ring's forward with $PK_JAX_RING_SUMS=deferred.
+out 0, lse -inf, as the ring's initial state. Used by the ring's forward with $PK_JAX_RING_SUMS=deferred (the default).
 """
 
 from __future__ import annotations

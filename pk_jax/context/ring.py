@@ -216,15 +216,19 @@ def _forward(q, k, v, axes, causal, layout, scale):
 
     f32 = lambda state: tuple(x.astype(jnp.float32) for x in state)
 
+    def block(p: BlockPair, q, kv, masked: bool, reserve: int):
+        """Pair p's (out, lse) from the member's q and the block kv (_block_forward on their slices)."""
+        return _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
+                              _slice(kv[1], p.kv_start, p.kv_len), scale, masked, p.q_offset, p.kv_offset, reserve,
+                              p.visible)
+
     def pair_fwd(p: BlockPair, kv, state, q, fresh: bool, reserve: int):
         """fresh: no earlier pair wrote these query rows (known at trace time), so the block's result is
         written as is instead of merged with the initial (0, -inf): one float32 pass saved per pair; a fresh
         block covering every query row stays in the kernel's dtype until a merge reads it."""
         def run(state):
             out, lse = state
-            o_b, l_b = _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
-                                      _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset, p.kv_offset,
-                                      reserve, p.visible)
+            o_b, l_b = block(p, q, kv, causal, reserve)
             if fresh and p.q_len == q.shape[1]:
                 return o_b, l_b
             if not fresh:
@@ -236,17 +240,15 @@ def _forward(q, k, v, axes, causal, layout, scale):
         """Zigzag, causal, on whole chunks (ring_schedule.zigzag_whole_chunks): step 0 two calls, each query row
         written once (no merge); later steps one unmasked T x C block, picked by lax.cond."""
         own, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
-        block = lambda p, causal: _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
-                                                 _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset,
-                                                 p.kv_offset, reserve, p.visible)
         if isinstance(step, int) and step == 0:
-            (o0, l0), (o1, l1) = (block(p, True) for p in own)
+            (o0, l0), (o1, l1) = (block(p, q, kv, True, reserve) for p in own)
             return jnp.concatenate([o0, o1], axis=1), jnp.concatenate([l0, l1], axis=1)
 
         def merged(p):
             def run(state):
                 out, lse = f32(state)
-                o_b, l_b = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len), *block(p, False))
+                o_b, l_b = merge(_slice(out, p.q_start, p.q_len), _slice(lse, p.q_start, p.q_len),
+                                 *block(p, q, kv, False, reserve))
                 return _update(out, o_b, p.q_start), _update(lse, l_b, p.q_start)
             return run
         return zigzag_visiting_cond(g=g, rank=rank, step=step, low=merged(low), high=merged(high), operand=state)
@@ -275,18 +277,15 @@ def _forward(q, k, v, axes, causal, layout, scale):
         the state as it comes; zigzag causal's visiting pair (low or high) leaves its cond over every local row
         (out 0, lse -inf where it has none) in the dtype the block was written in."""
         reserve = _reserve(not (isinstance(step, int) and step == g - 1))  # the last step sends nothing
-        block = lambda p, causal: _block_forward(_slice(q, p.q_start, p.q_len), _slice(kv[0], p.kv_start, p.kv_len),
-                                                 _slice(kv[1], p.kv_start, p.kv_len), scale, causal, p.q_offset,
-                                                 p.kv_offset, reserve, p.visible)
         if causal and layout == "zigzag":
             own, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
             if isinstance(step, int) and step == 0:
                 for p in own:
-                    parts = parts.add(*block(p, True), p.q_start)
+                    parts = parts.add(*block(p, q, kv, True, reserve), p.q_start)
                 return parts
             def whole_rows(p):
                 def run(_):  # the block over every local row: out 0, lse -inf on the rows it does not cover
-                    o, l = block(p, False)
+                    o, l = block(p, q, kv, False, reserve)
                     rows = ((0, 0), (p.q_start, q.shape[1] - p.q_start - p.q_len))
                     return jnp.pad(o, rows + ((0, 0),) * 2), jnp.pad(l, rows + ((0, 0),), constant_values=-jnp.inf)
                 return run
@@ -294,7 +293,7 @@ def _forward(q, k, v, axes, causal, layout, scale):
                                                    high=whole_rows(high), operand=()), 0)
         for p in step_pairs(layout=layout, causal=causal, g=g, t_local=q.shape[1], rank=rank, step=step):
             if p.active is True and isinstance(p.q_start, int):
-                parts = parts.add(*block(p, causal), p.q_start)
+                parts = parts.add(*block(p, q, kv, causal, reserve), p.q_start)
             else:  # merged now, under its lax.cond
                 state = parts.result() if parts.parts or parts.base is not None else (out, lse)
                 parts = LseParts(pair_fwd(p, kv, state, q, False, reserve), (), (), q.shape)

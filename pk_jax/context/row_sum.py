@@ -5,7 +5,7 @@ reads and writes the whole float32 slice (10 bytes per element with a 16-bit par
 Kept as parts (in the dtype the kernel wrote them) with static row starts, the same sum costs one read of each
 part and one write of the result, fused by XLA into one loop over concatenated row segments:
 
-    s = RowSum.empty(rows=T)
+    s = RowSum.empty(shape=(B, T, N, H))
     s = s.add(part, start=0).add(other, start=T // 2)     # nothing computed yet
     y = s.total(jnp.bfloat16)                              # one pass: segment sums, concatenated
 
