@@ -185,14 +185,14 @@ def _block_forward(q, k, v, scale: float, causal: bool, q_offset, kv_offset, res
 
 def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offset, kv_offset, reserve: int,
                     out=None, visible: str | None = None):
-    """One block pair's (dq float32, dk, dv) from the final lse and delta (B, Tq, N): cuDNN's backward fed the
+    """One block pair's (dq, dk, dv) from the final lse and delta (B, Tq, N): cuDNN's backward fed the
     final `out` and lse where it takes the pair (cudnn_block; the default), else our backward kernel where the
     forward kernel takes the call and the backward kernel is on (pk_jax.attention.backward_kernel_enabled; its
     primitive lowers to the XLA block path off CUDA), else the XLA block path (which holds a (Tq_chunk, Tk)
-    float32 score block per head in memory). dk and dv stay in the dtype they come in (the kernel's: k's; the XLA
-    path's: float32): a pair's part is widened to float32 where it is added to something, inside that add, instead
-    of by a pass of its own (0.2 ms per array and step at 4 GPUs, S 12288), and a fresh part can leave for the next
-    member as it is (exactly)."""
+    float32 score block per head in memory). The parts stay in the dtype they come in (dq: q's from cuDNN, float32
+    from our kernel and the XLA path; dk, dv: k's from the kernels, float32 from the XLA path): a pair's part is
+    widened to float32 where it is added to something, inside that add, instead of by a pass of its own (0.2 ms per
+    array and step at 4 GPUs, S 12288), and a fresh part can leave for the next member as it is (exactly)."""
     from pk_jax.attention import _kernel_refusal, backward_kernel_enabled, pk_attention_bwd_p
 
     if out is not None and cudnn_block.takes(q, k, causal, visible):
