@@ -382,7 +382,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
     out_for_pairs = out if cudnn_block.takes(q, k, False, "all") else None
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
-        q, do, lse, delta, out, cut = local
+        q, do, lse, delta, out = local
 
         def add_kv(acc, part):
             """acc + part at the pair's key rows, in float32; acc None: a fresh (zero) accumulator, so the part
@@ -399,24 +399,23 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
 
         def run(state):
             dq, (dk, dv) = state
-            rows = cut.get((p.q_start, p.q_len)) if isinstance(p.q_start, int) else None
-            q_p, do_p, lse_p, delta_p, out_p = rows or tuple(
-                None if x is None else _slice(x, p.q_start, p.q_len) for x in (q, do, lse, delta, out))
+            sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
             on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible)
             if dq_in_kernel and isinstance(p.q_start, int) and not on_cudnn:  # the dQ conversion adds in place
                 offsets = _offsets(p.q_offset, p.kv_offset)
                 base = (dq.base if dq.base is not None else zero_q()) if isinstance(dq, RowSum) else dq
-                base, dk_b, dv_b = accumulate_bwd(q_p, sl_kv(kv[0]), sl_kv(kv[1]), do_p, lse_p,
-                                                  delta_p, offsets, base, row_start=p.q_start, scale=scale,
+                base, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
+                                                  sl_q(delta), offsets, base, row_start=p.q_start, scale=scale,
                                                   causal=causal, reserve_sms=reserve)
                 dq = dataclasses.replace(dq, base=base) if isinstance(dq, RowSum) else base  # parts stay pending
                 return dq, (add_kv(dk, dk_b), add_kv(dv, dv_b))
-            dq_b, dk_b, dv_b = _block_backward(q_p, sl_kv(kv[0]), sl_kv(kv[1]), do_p, lse_p, delta_p, scale, causal,
-                                               p.q_offset, p.kv_offset, reserve, out_p, p.visible)
+            dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
+                                               sl_q(delta), scale, causal, p.q_offset, p.kv_offset, reserve,
+                                               None if out is None else sl_q(out), p.visible)
             if isinstance(dq, RowSum):
                 return dq.add(dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
-            return _update(dq, _slice(dq, p.q_start, p.q_len) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
+            return _update(dq, sl_q(dq) + dq_b, p.q_start), (add_kv(dk, dk_b), add_kv(dv, dv_b))
         if p.active is not True:  # lax.cond needs arrays on both sides, of run's (float32) dtype
             dq, (dk, dv) = state
             state = (as_array(dq), tuple(zero_kv() if a is None else as_array(a).astype(jnp.float32) for a in (dk, dv)))
@@ -424,16 +423,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             return (RowSum.of(dq) if deferred else dq), dkv_
         return _when(p.active, run, state)
 
-    # Zigzag causal: the q1 rows of q, dO, lse, delta (and the output) sliced once, for the own q1 pair and every
-    # visiting "high" pair (ring_schedule.zigzag_whole_chunks), instead of once per pair inside each step's lax.cond.
-    # A member whose visitors all come after it (rank 0) takes the high pair at every step, so its three slice copies
-    # per step (~0.24 ms at 4 GPUs, S 12288) made it the ring's slowest member.
-    half = q.shape[1] // 2
-    cut = {(half, half): tuple(None if x is None else _slice(x, half, half) for x in (q, do, lse, delta, out_for_pairs))
-           } if causal and layout == "zigzag" and transport() == "pk" else {}
-    local_all = (q, do, lse, delta, out_for_pairs, cut)
-
-    def run(pairs, kv, state, local=local_all, in_flight: bool | None = None):
+    def run(pairs, kv, state, local=(q, do, lse, delta, out_for_pairs), in_flight: bool | None = None):
         """The pairs' gradients added into state; in_flight: a ring shift may run beside them (SMs left free);
         None: whenever there is a ring (G > 1)."""
         reserve = _reserve(g > 1 if in_flight is None else in_flight)
@@ -492,7 +482,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             return dq.add(dq_part, 0), c
 
         dq, (dk, dv) = ring_overlap.backward_steps(
-            axes, g, dq, (k, v), local_all,
+            axes, g, dq, (k, v), (q, do, lse, delta, out_for_pairs),
             own_first=lambda kv, dq, local: run(first, kv, (dq, (None, None)), local),
             own_last=lambda kv, dq, own, local: run(last, kv, (dq, own), local),
             visiting=visiting_pairs,
