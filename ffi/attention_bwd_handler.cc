@@ -45,16 +45,31 @@ struct DqTarget {
   bool convert;
 };
 
+// Ring attention's pair read and written in place (pk_attention_bwd_accumulate): its queries are rows
+// [q_row0, q_row0 + tq) of q and dout (tq 0: all of them), and with dq_state set the kernel adds dQ straight
+// into rows [dq_row0, dq_row0 + tq) of that float32 (B, state_rows, N, D) array (no dq_acc, no conversion).
+struct InPlace {
+  int64_t q_row0 = 0, tq = 0;
+  float* dq_state = nullptr;
+  int64_t state_rows = 0, dq_row0 = 0;
+};
+
 // Checks every operand but dq (checked by the entry points) and runs the kernel, then the dQ conversion into
-// `dq_target` (dq_target.seq 0: the query length).
+// `dq_target` (dq_target.seq 0: the query length; none with in_place.dq_state).
 ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                     ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
                     ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv, ffi::Result<ffi::AnyBuffer>& dq_acc,
-                    float scale, int32_t causal, int32_t reserve_sms, int32_t variant, DqTarget dq_target) {
+                    float scale, int32_t causal, int32_t reserve_sms, int32_t variant, DqTarget dq_target,
+                    InPlace in_place = {}) {
   const auto dq = q.dimensions(), dkk = k.dimensions();
   if (dq.size() != 4 || dkk.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
-  const int64_t b = dq[0], tq = dq[1], n = dq[2], d = dq[3], tk = dkk[1], nkv = dkk[2];
+  const int64_t b = dq[0], n = dq[2], d = dq[3], tk = dkk[1], nkv = dkk[2];
+  const int64_t tq = in_place.tq > 0 ? in_place.tq : dq[1];
+  if (in_place.q_row0 < 0 || in_place.q_row0 + tq > dq[1])
+    return ffi::Error::InvalidArgument("pk_jax attention backward: query rows [" + std::to_string(in_place.q_row0) +
+                                       ", " + std::to_string(in_place.q_row0 + tq) + ") are not within q " +
+                                       dims_str(dq));
   const int64_t tq_pad = (tq + 63) / 64 * 64;
   if (dkk[0] != b || dkk[3] != d)
     return ffi::Error::InvalidArgument("pk_jax attention backward: k " + dims_str(dkk) +
@@ -62,14 +77,14 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
   if (!same_dims(v.dimensions(), {b, tk, nkv, d}) || !same_dims(dk->dimensions(), {b, tk, nkv, d}) ||
       !same_dims(dv->dimensions(), {b, tk, nkv, d}))
     return ffi::Error::InvalidArgument("pk_jax attention backward: v, dk and dv must match k " + dims_str(dkk));
-  if (!same_dims(dout.dimensions(), {b, tq, n, d}))
+  if (!same_dims(dout.dimensions(), {b, dq[1], n, d}))
     return ffi::Error::InvalidArgument("pk_jax attention backward: dout " + dims_str(dout.dimensions()) +
                                        " must match q " + dims_str(dq));
   if (!same_dims(lse2.dimensions(), {b, n, tq_pad}) || !same_dims(delta.dimensions(), {b, n, tq_pad}))
     return ffi::Error::InvalidArgument("pk_jax attention backward: lse2 " + dims_str(lse2.dimensions()) +
                                        " and delta " + dims_str(delta.dimensions()) + " must be (batch, heads, " +
                                        std::to_string(tq_pad) + ") (tq rounded up to 64)");
-  if (!same_dims(dq_acc->dimensions(), {b, n, tq_pad, d}))
+  if (in_place.dq_state == nullptr && !same_dims(dq_acc->dimensions(), {b, n, tq_pad, d}))
     return ffi::Error::InvalidArgument("pk_jax attention backward: dq_acc " + dims_str(dq_acc->dimensions()) +
                                        " must be (batch, heads, tq rounded up to 64, head_dim)");
   if (lse2.element_type() != ffi::DataType::F32 || delta.element_type() != ffi::DataType::F32 ||
@@ -95,6 +110,8 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
   p.offsets = static_cast<const int*>(offsets.untyped_data());
   p.batch = int(b), p.tq = int(tq), p.heads = int(n), p.head_dim = int(d), p.tk = int(tk), p.kv_heads = int(nkv);
   p.tq_pad = int(tq_pad);
+  p.q_rows = int(dq[1]), p.q_row0 = int(in_place.q_row0);
+  p.dq_state = in_place.dq_state, p.dq_state_rows = int(in_place.state_rows), p.dq_row0 = int(in_place.dq_row0);
   p.scale = scale;
   p.causal = causal == 1;
   p.variant = variant;
@@ -104,7 +121,7 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
   const int sms = pk::sms_after_reserve(pk::attention_bwd::num_sms(ordinal), reserve_sms);
   if (ffi::Error err = pk::launch_as_ffi_error([&] { pk::attention_bwd::launch(p, sms, stream); }); err.failure())
     return err;
-  if (!dq_target.convert) return ffi::Error::Success();
+  if (!dq_target.convert || in_place.dq_state != nullptr) return ffi::Error::Success();
   pk::attention_bwd::DqConvert c{};
   c.acc = p.dq_acc, c.dq = dq_target.ptr;
   c.batch = p.batch, c.heads = p.heads, c.tq = p.tq, c.tq_pad = p.tq_pad, c.head_dim = p.head_dim;
@@ -137,28 +154,37 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
 }
 
 // pk_attention_bwd_accumulate: the same kernels, with dQ added into ring attention's float32 dQ state in place:
-// operands as pk_attention_bwd's plus dq_state (B, S, N, D) float32 (q's rows are its rows [row_start,
-// row_start + Tq)); results dq_state (aliased to that operand), dk, dv, dq_acc.
+// operands as pk_attention_bwd's plus dq_state (B, S, N, D) float32 (the pair's queries are its rows [row_start,
+// row_start + tq)); results dq_state (aliased to that operand), dk, dv, dq_acc. Attributes: tq, the pair's query
+// count (0: all of q's rows); q_row0, the row of q and dout holding its first query (q and dout may be the
+// member's whole arrays, read in place); direct 1: the kernel adds dQ into the state itself (dq_acc, any shape,
+// is not used), 0: into dq_acc, then the conversion kernel adds it.
 ffi::Error attention_bwd_accumulate(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k,
                                     ffi::AnyBuffer v, ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta,
                                     ffi::AnyBuffer offsets, ffi::AnyBuffer dq_state_in,
                                     ffi::Result<ffi::AnyBuffer> dq_state, ffi::Result<ffi::AnyBuffer> dk,
                                     ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc, float scale,
-                                    int32_t causal, int32_t reserve_sms, int32_t variant, int64_t row_start) {
+                                    int32_t causal, int32_t reserve_sms, int32_t variant, int64_t row_start,
+                                    int64_t tq, int64_t q_row0, int32_t direct) {
   const auto dq = q.dimensions(), ds = dq_state->dimensions();
   if (dq.size() != 4 || ds.size() != 4 || ds[0] != dq[0] || ds[2] != dq[2] || ds[3] != dq[3] ||
       dq_state->element_type() != ffi::DataType::F32)
     return ffi::Error::InvalidArgument("pk_jax attention backward accumulate: dq_state " + dims_str(ds) +
                                        " must be float32 (B, S, N, D) for q " + dims_str(dq));
-  if (row_start < 0 || row_start + dq[1] > ds[1])
+  if (tq < 0 || tq > dq[1] || (direct != 0 && direct != 1))
+    return ffi::Error::InvalidArgument("pk_jax attention backward accumulate: tq must be 0..q's rows, direct 0 or 1");
+  const int64_t rows = tq > 0 ? tq : dq[1];
+  if (row_start < 0 || row_start + rows > ds[1])
     return ffi::Error::InvalidArgument("pk_jax attention backward accumulate: rows [" + std::to_string(row_start) +
-                                       ", " + std::to_string(row_start + dq[1]) + ") outside the state's " +
+                                       ", " + std::to_string(row_start + rows) + ") outside the state's " +
                                        std::to_string(ds[1]));
   if (dq_state->untyped_data() != dq_state_in.untyped_data())
     return ffi::Error::Internal("pk_jax attention backward accumulate: dq_state must alias its operand");
-  float* at = static_cast<float*>(dq_state->untyped_data()) + size_t(row_start) * size_t(dq[2]) * size_t(dq[3]);
+  float* state = static_cast<float*>(dq_state->untyped_data());
+  float* at = state + size_t(row_start) * size_t(dq[2]) * size_t(dq[3]);
+  InPlace in_place{q_row0, rows, direct ? state : nullptr, ds[1], row_start};
   return backward(stream, ordinal, q, k, v, dout, lse2, delta, offsets, dk, dv, dq_acc, scale, causal, reserve_sms,
-                  variant, DqTarget{at, pk::ElemType::kF32, ds[1], true, true});
+                  variant, DqTarget{at, pk::ElemType::kF32, ds[1], true, true}, in_place);
 }
 
 // The operands both entry points start with: stream, device, q, k, v, dout, lse2, delta, offsets.
@@ -201,5 +227,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwdAccumulate, attention_bwd_accumulate
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("reserve_sms")
                                   .Attr<int32_t>("variant")
-                                  .Attr<int64_t>("row_start"),
+                                  .Attr<int64_t>("row_start")
+                                  .Attr<int64_t>("tq")
+                                  .Attr<int64_t>("q_row0")
+                                  .Attr<int32_t>("direct"),
                               {ffi::Traits::kCmdBufferCompatible});

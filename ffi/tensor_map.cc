@@ -59,9 +59,9 @@ CUtensorMap make_tensor_map_3d(const void* base, ElemType type, uint64_t count, 
 
 CUtensorMap make_tensor_map_bthd(const void* base, ElemType type, uint64_t batch, uint64_t seq, uint64_t heads,
                                  uint64_t head_dim, uint32_t box_rows) {
-  if (type == ElemType::kF32) throw std::runtime_error("pk_jax: attention maps are 16-bit");
   const uint64_t esize = uint64_t(elem_bytes(type));
-  if ((head_dim * esize) % 128) throw std::runtime_error("pk_jax: 4-D attention maps need head_dim * 2 bytes % 128 == 0");
+  if ((head_dim * esize) % 128)
+    throw std::runtime_error("pk_jax: 4-D attention maps need head_dim * element bytes % 128 == 0");
   const cuuint64_t dims[4] = {head_dim, heads, seq, batch};
   const cuuint64_t strides[3] = {head_dim * esize, heads * head_dim * esize, seq * heads * head_dim * esize};
   const cuuint32_t box[4] = {uint32_t(128 / esize), 1, box_rows, 1};

@@ -24,9 +24,9 @@ CUtensorMap make_tensor_map_3d(const void* base, ElemType type, uint64_t count, 
                                uint32_t box_rows, uint32_t box_cols);
 
 // A (batch, seq, heads, head_dim) array (jax.nn.dot_product_attention's layout) as a 4-D map with
-// dims (head_dim, heads, seq, batch), moved in boxes of `box_rows` sequence positions x 64 elements
-// (128 bytes, swizzled) of one head: a kernel's tile of one (batch, head) is box_rows x 64 per box,
-// and rows past the sequence's end read as zeros / are not written.
+// dims (head_dim, heads, seq, batch), moved in boxes of `box_rows` sequence positions x 128 bytes (64
+// 16-bit or 32 float32 elements, swizzled) of one head: a kernel's tile of one (batch, head) is box_rows x 64
+// per box (float32: x 32), and rows past the sequence's end read as zeros / are not written.
 CUtensorMap make_tensor_map_bthd(const void* base, ElemType type, uint64_t batch, uint64_t seq, uint64_t heads,
                                  uint64_t head_dim, uint32_t box_rows);
 

@@ -49,8 +49,15 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two Q/dO stages");
   Globals g{};
-  g.q = make_tensor_map_bthd(p.q, p.type, p.batch, p.tq, p.heads, D, K::BM);
-  g.dout = make_tensor_map_bthd(p.dout, p.type, p.batch, p.tq, p.heads, D, K::BM);
+  const int q_rows = p.q_rows > 0 ? p.q_rows : p.tq;
+  g.q = make_tensor_map_bthd(p.q, p.type, p.batch, q_rows, p.heads, D, K::BM);
+  g.dout = make_tensor_map_bthd(p.dout, p.type, p.batch, q_rows, p.heads, D, K::BM);
+  g.q_row0 = p.q_row0;
+  g.dq_direct = p.dq_state != nullptr ? 1 : 0;
+  if (g.dq_direct) {
+    g.dq_state = make_tensor_map_bthd(p.dq_state, ElemType::kF32, p.batch, p.dq_state_rows, p.heads, D, 64);
+    g.dq_row0 = p.dq_row0;
+  }
   g.k = make_tensor_map_bthd(p.k, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
   g.v = make_tensor_map_bthd(p.v, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
   g.lse2 = p.lse2, g.delta = p.delta, g.dq_acc = p.dq_acc, g.dk = p.dk, g.dv = p.dv;
@@ -61,9 +68,12 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   g.causal = p.causal ? 1 : 0;
   g.num_comm_sms = 0;
   g.debug_timeout_ns = timeout_ns;
-  const size_t acc_bytes = size_t(p.batch) * p.heads * p.tq_pad * D * sizeof(float);
-  cudaError_t e = cudaMemsetAsync(p.dq_acc, 0, acc_bytes, stream);
-  if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: zeroing dQ: ") + cudaGetErrorString(e));
+  cudaError_t e = cudaSuccess;
+  if (!g.dq_direct) {
+    const size_t acc_bytes = size_t(p.batch) * p.heads * p.tq_pad * D * sizeof(float);
+    e = cudaMemsetAsync(p.dq_acc, 0, acc_bytes, stream);
+    if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: zeroing dQ: ") + cudaGetErrorString(e));
+  }
   e = lcsc::launch<K>(g, compute_sms, stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward launch: ") + cudaGetErrorString(e));
 }
@@ -119,9 +129,16 @@ void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (p.tq_pad % 64 || p.tq_pad < p.tq || p.tq_pad - p.tq >= 64)
     throw std::invalid_argument("pk_jax attention backward: tq_pad (" + std::to_string(p.tq_pad) +
                                 ") must be tq (" + std::to_string(p.tq) + ") rounded up to a multiple of 64");
-  if (p.offsets == nullptr || p.lse2 == nullptr || p.delta == nullptr || p.dq_acc == nullptr || p.dk == nullptr ||
-      p.dv == nullptr)
+  if (p.offsets == nullptr || p.lse2 == nullptr || p.delta == nullptr || (p.dq_acc == nullptr && p.dq_state == nullptr) ||
+      p.dk == nullptr || p.dv == nullptr)
     throw std::invalid_argument("pk_jax attention backward: a buffer is missing");
+  if (p.q_rows < 0 || p.q_row0 < 0 || (p.q_rows > 0 ? p.q_rows : p.tq) < p.q_row0 + p.tq)
+    throw std::invalid_argument("pk_jax attention backward: query rows [" + std::to_string(p.q_row0) + ", " +
+                                std::to_string(p.q_row0 + p.tq) + ") are not within q's " + std::to_string(p.q_rows));
+  if (p.dq_state != nullptr && (p.dq_row0 < 0 || p.dq_state_rows < p.dq_row0 + p.tq))
+    throw std::invalid_argument("pk_jax attention backward: dQ rows [" + std::to_string(p.dq_row0) + ", " +
+                                std::to_string(p.dq_row0 + p.tq) + ") are not within the state's " +
+                                std::to_string(p.dq_state_rows));
   attention_shape::dispatch(p.type, p.head_dim, [&](auto t, auto d) {
     run<decltype(t), decltype(d)::value>(p, compute_sms, stream);
   });

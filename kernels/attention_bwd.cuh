@@ -19,6 +19,12 @@ struct Problem {
   void* dv;
   const int* offsets;  // device int32[2]: q_offset, kv_offset
   int batch, tq, tk, heads, kv_heads, head_dim, tq_pad;  // tq_pad: tq rounded up to a multiple of 64
+  // In place (ring attention; defaults: off): q and dout are (batch, q_rows, heads, head_dim) and the call's
+  // queries their rows [q_row0, q_row0 + tq); with dq_state set, dQ (scaled) is added by the kernel straight into
+  // rows [dq_row0, dq_row0 + tq) of that float32 (batch, dq_state_rows, heads, head_dim) array (dq_acc unused).
+  int q_rows = 0, q_row0 = 0;  // q_rows 0: tq
+  float* dq_state = nullptr;
+  int dq_state_rows = 0, dq_row0 = 0;
   ElemType type;  // bf16 or f16
   float scale;    // > 0
   bool causal;
@@ -31,7 +37,7 @@ cudaError_t configure();
 cudaError_t configure_once(int ordinal);
 // Multiprocessor count of GPU `ordinal` (cached), 0 if it could not be configured.
 int num_sms(int ordinal);
-// Zeroes dq_acc and launches the kernel on `stream`. Throws std::invalid_argument naming the argument
+// Zeroes dq_acc (unless dq_state is set) and launches the kernel on `stream`. Throws std::invalid_argument naming the argument
 // for shapes/types it does not take, std::runtime_error for CUDA failures.
 void launch(const Problem& p, int compute_sms, cudaStream_t stream);
 

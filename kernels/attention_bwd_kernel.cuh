@@ -50,9 +50,17 @@ namespace pk::attention_bwd {
 
 struct Globals {
   CUtensorMap q, k, v, dout;  // 4-D maps (d, head, t, batch); boxes of 64 d x rows (q, dout: BM; k, v: BN)
+  // Ring attention's float32 dQ state (B, S, N, D) as a 4-D map, boxes of 32 d x 64 rows (dq_direct only).
+  CUtensorMap dq_state;
   const float* lse2;          // (B, N, tq_pad) float32: LSE * log2(e), +inf for padding and rows that see nothing
   const float* delta;         // (B, N, tq_pad) float32: rowsum(dO * O) - dLSE, 0 for padding
   float* dq_acc;              // (B, N, tq_pad, D) float32, zeroed; 64 x 64 chunks in accumulator order
+  // In place (ring attention): the call's query i is row q_row0 + i of the q / dout maps (the member's whole
+  // arrays; 0 for arrays of the call's own rows), and with dq_direct the storer adds dQ (scaled) straight into
+  // rows dq_row0 + i of dq_state by TMA tensor reduce instead of into dq_acc (no zeroing, no conversion pass).
+  // Rows past tq in the last query block hold other rows' data there: their P is 0 (lse2 = +inf), so they add
+  // exact zeros to dK, dV and to the state.
+  int q_row0, dq_row0, dq_direct;
   void* dk;                   // (B, Tk, Nkv, D), the input dtype
   void* dv;
   const int* offsets;  // device int32[2]: q_offset, kv_offset
@@ -231,6 +239,7 @@ struct Kernel {
     tma::prefetch_tensor_map(&g.k);
     tma::prefetch_tensor_map(&g.v);
     tma::prefetch_tensor_map(&g.dout);
+    if (g.dq_direct) tma::prefetch_tensor_map(&g.dq_state);
   }
 
   // DEBUG variant: a volatile store into the progress record (nothing otherwise).
@@ -301,8 +310,8 @@ struct Kernel {
         Stage& dst = s.stage[st.pos.stage];
         uint64_t* bar = &s.ring.full[st.pos.stage];
         tma::mbar_expect_tx(bar, kStageBytes);
-        load_boxes(dst.q, &g.q, BM, head, m * BM, w.batch, bar);
-        load_boxes(dst.dout, &g.dout, BM, head, m * BM, w.batch, bar);
+        load_boxes(dst.q, &g.q, BM, head, g.q_row0 + m * BM, w.batch, bar);
+        load_boxes(dst.dout, &g.dout, BM, head, g.q_row0 + m * BM, w.batch, bar);
         tma::load_async(dst.lse2, g.lse2 + row, BM * sizeof(float), bar);
         tma::load_async(dst.delta, g.delta + row, BM * sizeof(float), bar);
         st.pos.advance();
@@ -501,13 +510,32 @@ struct Kernel {
     Handoff& slot = s.dq_slot[wg];
     note(s.progress.consumer_step[wg], kStepDqSlot);
     wait(g, s, &slot.empty, st.dq_phase ^ 1, "dq_slot.empty", wg);
-    float4* out = reinterpret_cast<float4*>(s.dq[wg]);
     const int t = threadIdx.x % 128;
+    if (g.dq_direct) {
+      store_dq_boxes(s.dq[wg], t, g.scale, dq);
+    } else {
+      float4* out = reinterpret_cast<float4*>(s.dq[wg]);
 #pragma unroll
-    for (int c = 0; c < 8; ++c) out[c * 128 + t] = make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+      for (int c = 0; c < 8; ++c) out[c * 128 + t] = make_float4(dq[4 * c], dq[4 * c + 1], dq[4 * c + 2], dq[4 * c + 3]);
+    }
     tma::fence_proxy_async_shared();  // the storer's bulk reduce (async proxy) reads it
     tma::mbar_arrive(&slot.full);
     st.dq_phase ^= 1;
+  }
+
+  // dq_direct: the warpgroup's 64 x 64 dQ chunk, times scale, as two TMA boxes of 64 rows x 32 floats (128-byte
+  // rows, 128-byte swizzle: 16-byte unit u of row r at unit u ^ (r % 8)), the layout the storer's tensor reduce
+  // reads. Register i of thread t holds row 16 (t / 32) + 8 ((i / 2) % 2) + (t % 32) / 4, column col_of(i):
+  // one float2 per register pair; the swizzle spreads a warp's 8 rows over the banks (two wavefronts per store).
+  __device__ __forceinline__ static void store_dq_boxes(float* chunk, int t, float scale, const float (&dq)[32]) {
+    const int lane = t % 32, row0 = 16 * (t / 32) + lane / 4;
+#pragma unroll
+    for (int i = 0; i < 32; i += 2) {
+      const int row = row0 + 8 * row_half(i), col = col_of(i, lane);
+      const int box = col / 32, c = col % 32;
+      const int at = box * 64 * 32 + row * 32 + (((c / 4) ^ (row % 8)) * 4) + c % 4;
+      *reinterpret_cast<float2*>(chunk + at) = make_float2(dq[i] * scale, dq[i + 1] * scale);
+    }
   }
 
   // dK (scaled) and dV rows straight from the accumulators to global memory (keys past Tk skipped).
@@ -540,7 +568,13 @@ struct Kernel {
       for (int m = 0; m < w.m_count; ++m, block += BM * D) {
         for (int wg = 0; wg < WGS; ++wg) {
           wait(g, s, &s.dq_slot[wg].full, st.dq_phase, "dq_slot.full", wg);
-          tma::store_add_async(block + (kDqShared ? wg * kChunk : 0), s.dq[wg], kChunk * sizeof(float));
+          if (g.dq_direct) {  // two 32-column boxes into the state's rows (clipped at its end)
+            const int row = g.dq_row0 + (w.m_begin + m) * BM, col = kDqShared ? wg * 64 : 0;
+            for (int j = 0; j < 2; ++j)
+              tma::store_add_tile_4d(&g.dq_state, col + 32 * j, head, row, w.batch, s.dq[wg] + j * 64 * 32);
+          } else {
+            tma::store_add_async(block + (kDqShared ? wg * kChunk : 0), s.dq[wg], kChunk * sizeof(float));
+          }
           tma::commit_group();
         }
         tma::wait_group_read<0>();  // the slots may be rewritten once the reduce has read them

@@ -228,22 +228,28 @@ def dq_convert() -> str:
 
 
 def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reserve_sms=0, dq_f32=False, dq_into=None,
-                     row_start=0):
+                     row_start=0, in_place=False):
     """The backward kernel's custom call -> (dq, dk, dv). dq_into: ring attention's float32 dQ state (B, S, N, D); the
     pair's dQ is added into its rows [row_start, row_start + Tq) and the state returned as dq (in place by the dQ
-    conversion kernel, pk_attention_bwd_accumulate, unless $PK_JAX_ATTENTION_DQ_CONVERT=xla)."""
+    conversion kernel, pk_attention_bwd_accumulate, unless $PK_JAX_ATTENTION_DQ_CONVERT=xla). in_place (with
+    dq_into): q and dout are the state's whole rows (the pair's queries are rows [row_start, row_start + Tq) of
+    them, Tq = lse's length), read in place, and the kernel adds dQ into the state itself: no slices of q and dout,
+    no zeroed scratch, no conversion pass."""
     b, tq, n, d = q.shape
     lse2, delta = kernel_bwd_inputs(lse, delta)
     in_kernel = dq_convert() == "kernel"
     dq_dtype = jnp.float32 if dq_f32 or dq_into is not None else q.dtype
+    scratch = (1,) if in_place else (b, n, lse2.shape[-1], d)  # the kernel's dq_acc (unused in place)
     grads = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
-             jax.ShapeDtypeStruct((b, n, lse2.shape[-1], d), jnp.float32))  # dk, dv, the kernel's dq_acc scratch
+             jax.ShapeDtypeStruct(scratch, jnp.float32))
     attrs = dict(scale=np.float32(scale), causal=np.int32(causal), reserve_sms=np.int32(reserve_sms),
                  variant=np.int32(BWD_VARIANTS.index(bwd_variant())))
-    if dq_into is not None and in_kernel:
+    if dq_into is not None and (in_kernel or in_place):
         dq, dk, dv, _ = jax.ffi.ffi_call("pk_attention_bwd_accumulate", (jax.ShapeDtypeStruct(dq_into.shape, jnp.float32),
                                                                          *grads), input_output_aliases={7: 0})(
-            q, k, v, dout, lse2, delta, offsets, dq_into, row_start=np.int64(row_start), **attrs)
+            q, k, v, dout, lse2, delta, offsets, dq_into, row_start=np.int64(row_start),
+            tq=np.int64(lse.shape[-1] if in_place else 0), q_row0=np.int64(row_start if in_place else 0),
+            direct=np.int32(in_place), **attrs)
         return dq, dk, dv
     dq, dk, dv, dq_acc = jax.ffi.ffi_call("pk_attention_bwd", (jax.ShapeDtypeStruct(q.shape, dq_dtype), *grads))(
         q, k, v, dout, lse2, delta, offsets, convert_dq=np.int32(in_kernel), **attrs)

@@ -105,6 +105,10 @@
 #               cuDNN (PK_JAX_RING_LOCAL=cudnn-split) vs the default: GPU tests,
 #               ring rows at S 12288 with the compute floor, 2-GPU causal zigzag fwd+bwd S 24576, a timeline     ~9 min
 #   ringnextlong (4 GPUs) the S 49152 fwd+bwd rows, deferred sums vs the default                          ~5 min
+#   ringdirect  (2 GPUs+; 4 for the 4-GPU rows) PK_JAX_RING_MERGE=dq-direct (q / dO rows read in place, dQ added into
+#               the ring's state by the backward kernel): its first test alone (bounded waits), the in-place tests, the
+#               ring tests, then rows against the defaults in the same turns (G 4 S 12288 fwd+bwd both masks; GPUs
+#               PAIR S 24576 causal zigzag fwd+bwd)                                                        ~7 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -498,6 +502,20 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
               stage ring-next-long 300 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 --cases \
                 fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn pk-copy-dq-cudnn-deferred \
                 --reps 5 --out "$OUT/$day-context-ring-next-long.json" ;;
+    ringdirect) # see the list above; the transports "default" and "direct" differ only in PK_JAX_RING_MERGE
+              t=tests/gpu/test_attention_accumulate_gpu.py
+              stage direct-first 120 env PK_JAX_ATTENTION_BWD_DEBUG=1 timeout 110 python3 -m pytest "$t" -m gpu -q -x -rs \
+                -k "backward_adds_dq_into_rows and in_place and B1-Tq128"
+              if grep -q " passed" "$OUT/direct-first.log" && ! grep -qE "failed|rror" "$OUT/direct-first.log"; then
+                stage direct-tests 200 python3 -m pytest "$t" tests/gpu/test_context_gpu.py -m gpu -q -rs \
+                  -k "backward_adds_dq_into_rows or dq_direct"
+                stage direct-bench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                  fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports default direct --reps 10 \
+                  --out "$OUT/$day-context-ring-direct.json"
+                stage direct-bench-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+                  --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports default direct \
+                  --reps 10 --out "$OUT/$day-context-ring-direct-2gpu.json"
+              fi ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -141,3 +141,13 @@ def test_programs_compiled_ahead_are_the_ones_timed(monkeypatch):
     for a, b in zip(ahead, serial):
         assert a["extra"]["check"] == b["extra"]["check"] and a["extra"]["peak_bytes"] == b["extra"]["peak_bytes"]
     assert {kind for _, kind in used} == {"ours", "alone"}  # no cuDNN baseline on CPU
+
+
+def test_ring_transport_names_match_the_cli():
+    """Every transport the bench knows is a --ring-transports choice, and no choice is unknown to it."""
+    from pk_jax.bench.__main__ import build_parser
+    from pk_jax.bench.context import TRANSPORTS
+
+    action = next(a for a in build_parser()._actions if a.dest == "ring_transports")
+    assert set(action.choices) == set(TRANSPORTS)
+    assert TRANSPORTS["default"] == {} and TRANSPORTS["direct"] == {"PK_JAX_RING_MERGE": "dq-direct"}

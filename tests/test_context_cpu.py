@@ -206,6 +206,14 @@ def test_ring_merged_in_place(monkeypatch, g, layout, causal, kv_heads):
     got = sharded(attn, g, layout, q, k, v, d_out)
     assert_all_close(got, reference(q, k, v, d_out, causal), 3e-2)
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(default[0]))
+    monkeypatch.setenv(block_accumulate.ACC_VAR, "dq-direct")  # as dq, with q / dO rows read in place
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert "in_place=True" in bwd and "in_place=False" not in bwd and "pk_attention_bwd[" not in bwd
+    direct = sharded(attn, g, layout, q, k, v, d_out)
+    for name, a, b in zip(("out", "dq", "dk", "dv"), direct, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=f"dq-direct vs dq: {name}")
     monkeypatch.setenv(block_accumulate.ACC_VAR, "cuda")
     with pytest.raises(ValueError, match=block_accumulate.ACC_VAR):
         sharded(attn, g, layout, q, k, v, d_out)
@@ -233,6 +241,25 @@ def test_accumulate_reference_writes_and_merges_rows():
         accumulate(q, k, v, off, acc, lse, row_start=20, merge=True, **kw)
     with pytest.raises(ValueError, match="lse"):
         accumulate(q, k, v, off, acc, lse[:, :, :40], row_start=0, merge=True, **kw)
+
+
+def test_accumulate_bwd_in_place_reads_the_pair_rows():
+    """accumulate_bwd(in_place=True): q and dO are the state's whole rows and the pair's are [row_start, row_start +
+    Tq) (Tq from lse): the same results as the call on the sliced rows; q of the pair's shape is refused by name."""
+    from pk_jax.context.block_accumulate import accumulate_bwd
+
+    q, k, v, _ = random_qkv(11, 2, 40, 4, 2, 64, jnp.bfloat16)
+    do = q[:, ::-1]
+    stats = jax.random.normal(jax.random.key(3), (2, 16, 4), jnp.float32)
+    dq = jax.random.normal(jax.random.key(4), (2, 40, 4, 64), jnp.float32)
+    off = jnp.asarray([24, 0], jnp.int32)
+    kw = dict(row_start=24, scale=0.125, causal=True)
+    want = accumulate_bwd(q[:, 24:], k, v, do[:, 24:], stats, stats * 0.5, off, dq, **kw)
+    got = accumulate_bwd(q, k, v, do, stats, stats * 0.5, off, dq, in_place=True, **kw)
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    with pytest.raises(ValueError, match="state's rows"):
+        accumulate_bwd(q[:, 24:], k, v, do[:, 24:], stats, stats * 0.5, off, dq, in_place=True, **kw)
 
 
 def test_accumulate_under_vmap_equals_a_loop():

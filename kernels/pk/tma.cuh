@@ -140,6 +140,13 @@ __device__ __forceinline__ void store_add_tile_2d(const void* tmap, int col, int
                : "memory");
 }
 
+// The same for a 4-D box (float32 add: ring attention's dQ state, (d, head, t, batch) coordinates).
+__device__ __forceinline__ void store_add_tile_4d(const void* tmap, int c0, int c1, int c2, int c3, const void* smem_src) {
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2, %3, %4}], [%5];"
+               ::"l"(tmap), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_addr(smem_src))
+               : "memory");
+}
+
 __device__ __forceinline__ void prefetch_tensor_map(const void* tmap) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tmap) : "memory");
 }

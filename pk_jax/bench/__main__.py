@@ -94,6 +94,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"pk_jax.bench plot: {path}: {type(e).__name__}: {e}", file=sys.stderr)
                 ok.append(False)
         return 0 if all(ok) else 1
+    args = build_parser().parse_args(argv)
+    return run_suite(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The bench's command line (every suite's flags)."""
     p = argparse.ArgumentParser(prog="python -m pk_jax.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("suite", choices=["demo", "collectives", "gemm", "tp_gemm", "transfer", "sync", "model", "context",
@@ -115,14 +121,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-transports", nargs="+", default=None,
                    choices=["pk", "pk-copy", "pk-acc", "pk-copy-acc", "pk-dq", "pk-copy-dq", "pk-copy-dq-cudnn",
                             "pk-copy-dq-cudnn-bf16hops", "pk-copy-dq-cudnn-deferred", "pk-copy-dq-cudnn-split",
-                            "pk-copy-dq-cudnn-deferred-split", "xla"],
+                            "pk-copy-dq-cudnn-deferred-split", "default", "direct", "xla"],
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: the environment's settings; -copy: $PK_JAX_RING_SHIFT_ENGINE=copy, -acc: "
                         "$PK_JAX_RING_MERGE=kernel, -dq: =dq, -cudnn: $PK_JAX_RING_LOCAL=cudnn, without: =pk; "
                         "-bf16hops: $PK_JAX_RING_ACC_DTYPE=input, -deferred: $PK_JAX_RING_SUMS=deferred (the default; "
                         "without it the pk-* transports are eager), -split: "
-                        "$PK_JAX_RING_LOCAL=cudnn-split), "
-                        "e.g. --ring-transports pk pk-copy-dq xla")
+                        "$PK_JAX_RING_LOCAL=cudnn-split; default: the settings as they are; direct: the defaults "
+                        "with $PK_JAX_RING_MERGE=dq-direct), e.g. --ring-transports default direct")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--compute-floor", action="store_true",
                    help="context: ring rows also time the ring with communication off and our attention kernel on "
@@ -164,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", nargs="+", default=None,
                    help="multirank: only these steps (check_ops check_training check_jit check_small "
                         "check_small_replay check_moe soak faults_kill faults_skip; default all)")
-    args = p.parse_args(argv)
+    return p
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    """Runs the suite `args` names (build_parser's flags)."""
     if args.suite == "multirank":  # before any jax backend starts here: the ranks need the GPUs
         from pk_jax.bench import multirank
 

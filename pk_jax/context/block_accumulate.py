@@ -38,7 +38,7 @@ from pk_jax.context.block_attention import block_attention
 from pk_jax.context.online_softmax import merge as merge_blocks
 
 ACC_VAR = "PK_JAX_RING_MERGE"
-ACC_MODES = ("xla", "dq", "kernel")
+ACC_MODES = ("xla", "dq", "kernel", "dq-direct")
 
 pk_attention_accumulate_p = core.Primitive("pk_attention_accumulate")
 pk_attention_accumulate_p.multiple_results = True
@@ -53,7 +53,10 @@ def merge_in_kernel() -> str:
     forward and backward; "kernel": the attention kernels merge into the float32 states in place, the forward too
     (accumulate / accumulate_bwd). On 2x H100 (2026-11-26, S 12288) the forward's in-kernel merge was 0.3-2.9 ms
     slower than XLA's while the backward's saved 0.5-1.6 ms; on 4x H200 (2026-11-26, copy engines) "dq" was faster
-    than "xla" in every ring row at S 12288 (fwd+bwd 37.87 vs 39.39 ms, causal zigzag 25.83 vs 26.45)."""
+    than "xla" in every ring row at S 12288 (fwd+bwd 37.87 vs 39.39 ms, causal zigzag 25.83 vs 26.45).
+    "dq-direct" (opt-in, built in session 21, not yet run on a GPU): as "dq", but the backward kernel reads the
+    pair's q and dO rows in place and adds its dQ into the state itself (accumulate_bwd's in_place): on 2x H100 at
+    S 24576 the slices, the scratch's zeroing and the conversion took ~1.6 ms per causal zigzag fwd+bwd."""
     return choice_setting(ACC_VAR, "dq", ACC_MODES, owner="pk_jax.ring_attention")
 
 
@@ -138,18 +141,27 @@ if _ext.available():
 
 
 def accumulate_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool,
-                   reserve_sms: int = 0) -> tuple[jax.Array, jax.Array, jax.Array]:
+                   reserve_sms: int = 0, in_place: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(dq, dk, dv) of one block pair: dk, dv (B, Tk, Nkv, D) in k's dtype, and dq, the float32 state (B, S, N, D)
     with the pair's dQ added into rows [row_start, row_start + Tq). lse, delta: (B, Tq, N) float32 (the final LSE
-    and rowsum(dO * O)), as ring attention keeps them."""
-    b, tq, n, d = q.shape
+    and rowsum(dO * O)), as ring attention keeps them. q, do: (B, Tq, N, D), the pair's queries; in_place: the
+    state's whole rows (B, S, N, D) instead, the pair's being [row_start, row_start + Tq), read where they are, and
+    dQ added into the state by the backward kernel itself ($PK_JAX_RING_MERGE=dq-direct: no slices of q and dO, no
+    zeroed dQ scratch, no conversion pass)."""
+    b, tq, n = lse.shape
+    d = q.shape[3]
     if dq.shape[0] != b or dq.shape[2:] != (n, d) or dq.dtype != jnp.float32:
         raise ValueError(f"pk_jax ring accumulate_bwd: dq {dq.shape} {dq.dtype} must be float32 (B, S, N, D) for q {q.shape}")
+    rows = dq.shape[1] if in_place else tq
+    if q.shape != (b, rows, n, d) or do.shape != q.shape:
+        raise ValueError(f"pk_jax ring accumulate_bwd: q {q.shape} and do {do.shape} must be {(b, rows, n, d)} (the "
+                         f"{'state' if in_place else 'pair'}'s rows)")
     if not 0 <= row_start <= dq.shape[1] - tq:
         raise ValueError(f"pk_jax ring accumulate_bwd: rows [{row_start}, {row_start + tq}) outside the state's {dq.shape[1]}")
     return tuple(pk_attention_bwd_accumulate_p.bind(q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2),
                                                     offsets, dq, row_start=int(row_start), scale=float(scale),
-                                                    causal=bool(causal), reserve_sms=int(reserve_sms)))
+                                                    causal=bool(causal), reserve_sms=int(reserve_sms),
+                                                    in_place=bool(in_place)))
 
 
 def _abstract_bwd(q, k, v, do, lse, delta, offsets, dq, **_):
@@ -172,19 +184,23 @@ def add_rows(dq, part, row_start: int):
                                            axis=1)
 
 
-def reference_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0):
+def reference_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0,
+                  in_place=False):
     """The XLA composition (lse, delta in the kernel's (B, N, Tq) layout): the pair's gradients, dQ added in."""
     from pk_jax.attention import reference_bwd as pair_reference
 
+    if in_place:  # q, do hold the state's rows: the pair's are [row_start, row_start + Tq)
+        q, do = (lax.slice_in_dim(x, row_start, row_start + lse.shape[-1], axis=1) for x in (q, do))
     dq_b, dk, dv = pair_reference(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal, dq_f32=True)
     return add_rows(dq, dq_b, row_start), dk, dv
 
 
-def _kernel_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0):
+def _kernel_bwd(q, k, v, do, lse, delta, offsets, dq, *, row_start: int, scale: float, causal: bool, reserve_sms=0,
+                in_place=False):
     from pk_jax.attention import _kernel_bwd_call
 
     return _kernel_bwd_call(q, k, v, do, lse, delta, offsets, scale=scale, causal=causal, reserve_sms=reserve_sms,
-                            dq_into=dq, row_start=row_start)
+                            dq_into=dq, row_start=row_start, in_place=in_place)
 
 
 mlir.register_lowering(pk_attention_bwd_accumulate_p, mlir.lower_fun(reference_bwd, multiple_results=True))

@@ -375,9 +375,11 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
         dq = RowSum.of(dq)
     as_array = lambda x: x.array() if isinstance(x, RowSum) else x  # float32 where it is a RowSum
     # PK_JAX_RING_MERGE=kernel or dq: each pair's dQ added into the float32 state by the backward's dQ conversion
-    # kernel (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only).
-    dq_in_kernel = (merge_in_kernel() in ("kernel", "dq") and transport() == "pk" and _kernel_refusal(q, k, scale) is None
-                    and backward_kernel_enabled())
+    # kernel (block_accumulate.accumulate_bwd) where our backward kernel takes the pair ("pk" transport only);
+    # dq-direct: by the backward kernel itself, which also reads the pair's q and dO rows in place.
+    dq_in_kernel = (merge_in_kernel() in ("kernel", "dq", "dq-direct") and transport() == "pk"
+                    and _kernel_refusal(q, k, scale) is None and backward_kernel_enabled())
+    in_place = dq_in_kernel and merge_in_kernel() == "dq-direct"
     # The pairs on cuDNN (cudnn_block) read the final output; without them it stays out of the steps' inputs.
     out_for_pairs = out if cudnn_block.takes(q, k, False, "all") else None
 
@@ -405,9 +407,10 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             if dq_in_kernel and isinstance(p.q_start, int) and not on_cudnn:  # the dQ conversion adds in place
                 offsets = _offsets(p.q_offset, p.kv_offset)
                 base = (dq.base if dq.base is not None else zero_q()) if isinstance(dq, RowSum) else dq
-                base, dk_b, dv_b = accumulate_bwd(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),
-                                                  sl_q(delta), offsets, base, row_start=p.q_start, scale=scale,
-                                                  causal=causal, reserve_sms=reserve)
+                q_p, do_p = (q, do) if in_place else (sl_q(q), sl_q(do))
+                base, dk_b, dv_b = accumulate_bwd(q_p, sl_kv(kv[0]), sl_kv(kv[1]), do_p, sl_q(lse), sl_q(delta),
+                                                  offsets, base, row_start=p.q_start, scale=scale, causal=causal,
+                                                  reserve_sms=reserve, in_place=in_place)
                 dq = dataclasses.replace(dq, base=base) if isinstance(dq, RowSum) else base  # parts stay pending
                 return dq, (add_kv(dk, dk_b), add_kv(dv, dv_b))
             dq_b, dk_b, dv_b = _block_backward(sl_q(q), sl_kv(kv[0]), sl_kv(kv[1]), sl_q(do), sl_q(lse),

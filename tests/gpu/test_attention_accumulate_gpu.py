@@ -98,16 +98,20 @@ def check(case, dtype):
     np.testing.assert_array_equal(np.asarray(again[0]), np.asarray(m_acc), err_msg="same bits on a second run")
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["convert", "in_place"])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", CASES, ids=[_ids(c) for c in CASES])
-def test_backward_adds_dq_into_rows(case, dtype):
+def test_backward_adds_dq_into_rows(case, dtype, in_place):
     """accumulate_bwd (pk_attention_bwd_accumulate): dK, dV of the pair and its dQ added into rows of a float32
     state holding random values, against the XLA composition (block_accumulate.reference_bwd) on the same
-    inputs; rows outside the window keep their bits."""
+    inputs; rows outside the window keep their bits. in_place ($PK_JAX_RING_MERGE=dq-direct): q and dO are arrays
+    of the state's rows, read in place (the rows past the window that the last query block reads are other rows'
+    data: they must add exact zeros), and the kernel adds dQ into the state by TMA tensor reduce."""
     from pk_jax.context.block_accumulate import accumulate_bwd, reference_bwd
 
     b, tq, n, tk, kh, d, causal, qo, ko, start, rows = case
-    q, do = rand((b, tq, n, d), dtype), rand((b, tq, n, d), dtype)
+    q_rows, do_rows = rand((b, rows, n, d), dtype), rand((b, rows, n, d), dtype)
+    q, do = q_rows[:, start:start + tq], do_rows[:, start:start + tq]
     k, v = rand((b, tk, kh, d), dtype), rand((b, tk, kh, d), dtype)
     scale = d ** -0.5
     off = jnp.asarray([qo, ko], jnp.int32)
@@ -116,9 +120,10 @@ def test_backward_adds_dq_into_rows(case, dtype):
     delta = jnp.sum(jnp.asarray(out) * do.astype(jnp.float32), -1)   # (B, Tq, N)
     state = rand((b, rows, n, d), jnp.float32)
     kw = dict(row_start=start, scale=scale, causal=causal)
-    ours = jax.jit(lambda *a: accumulate_bwd(*a, **kw))
-    assert "pk_attention_bwd_accumulate" in ours.lower(q, k, v, do, lse, delta, off, state).compile().as_text()
-    got = [np.asarray(x, np.float32) for x in ours(q, k, v, do, lse, delta, off, state)]
+    ours = jax.jit(lambda *a: accumulate_bwd(*a, **kw, in_place=in_place))
+    q_in, do_in = (q_rows, do_rows) if in_place else (q, do)
+    assert "pk_attention_bwd_accumulate" in ours.lower(q_in, k, v, do_in, lse, delta, off, state).compile().as_text()
+    got = [np.asarray(x, np.float32) for x in ours(q_in, k, v, do_in, lse, delta, off, state)]
     ref = jax.jit(lambda q, k, v, do, lse, delta, off, st: reference_bwd(
         q, k, v, do, jnp.swapaxes(lse, 1, 2), jnp.swapaxes(delta, 1, 2), off, st, **kw))
     want = [np.asarray(x, np.float32) for x in ref(q, k, v, do, lse, delta, off, state)]
