@@ -109,6 +109,9 @@
 #               the ring's state by the backward kernel): its first test alone (bounded waits), the in-place tests, the
 #               ring tests, then rows against the defaults in the same turns (G 4 S 12288 fwd+bwd both masks; GPUs
 #               PAIR S 24576 causal zigzag fwd+bwd)                                                        ~7 min
+#   abpy        a Python-level A/B on one machine: `python -m pk_jax.bench $AB_ARGS` from AB_DIR (the old pk_jax/, made
+#               by scripts/ab_prepare.sh <commit>; carry .ab) and from the tree, alternating AB_TURNS (default 2) times;
+#               AB_COMMIT names the old commit in its JSON                                              ~2 x 2 runs
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -516,6 +519,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports default direct \
                   --reps 10 --out "$OUT/$day-context-ring-direct-2gpu.json"
               fi ;;
+    abpy) : "${AB_DIR:?set AB_DIR and AB_COMMIT (scripts/ab_prepare.sh)}" "${AB_COMMIT:?}" "${AB_ARGS:?set AB_ARGS}"
+          cp pk_jax/_pk_jax_ext*.so "$AB_DIR/pk_jax/" || exit 1
+          for i in $(seq "${AB_TURNS:-2}"); do  # $AB_ARGS unquoted on purpose: the bench's own arguments
+            stage abpy-old-$i ${AB_LIMIT:-200} env -C "$AB_DIR" PK_JAX_COMMIT="$AB_COMMIT" PYTHONPATH="$PWD/$AB_DIR" \
+              python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-old-$i.json"
+            stage abpy-new-$i ${AB_LIMIT:-200} python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-new-$i.json"
+          done ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
