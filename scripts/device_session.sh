@@ -511,7 +511,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 -k "backward_adds_dq_into_rows and in_place and B1-Tq128"
               if grep -q " passed" "$OUT/direct-first.log" && ! grep -qE "failed|rror" "$OUT/direct-first.log"; then
                 stage direct-tests 200 python3 -m pytest "$t" tests/gpu/test_context_gpu.py -m gpu -q -rs \
-                  -k "backward_adds_dq_into_rows or dq_direct"
+                  -k "backward_adds_dq_into_rows or dq-direct"
                 stage direct-bench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
                   fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports default direct --reps 10 \
                   --out "$OUT/$day-context-ring-direct.json"

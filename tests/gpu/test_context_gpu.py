@@ -192,43 +192,33 @@ def test_ring_attention_on_a_sub_axis(sp_first):
     assert_close(got, reference(q, k, v, d_out, True), TOL[jnp.bfloat16], f"ring on sp of a {shape} mesh {names}")
 
 
+@pytest.mark.parametrize("merge", ["dq", "dq-direct"])
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
-def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causal):
+def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causal, merge):
     """PK_JAX_RING_SUMS=deferred (pk_jax/context/row_sum.py, lse_parts.py): blocks merged and gradient parts summed
     once at the end, with the pairs on cuDNN (the default) and on our kernels (PK_JAX_RING_LOCAL=pk); bf16, GQA,
     a length that is not a power of two, on every GPU; forward and gradients vs the float32 reference; on our
-    kernels the same bits on a second call (cuDNN's backward adds dQ with atomics)."""
+    kernels the same bits on a second call (cuDNN's backward adds dQ with atomics). merge "dq-direct"
+    (PK_JAX_RING_MERGE): the pairs on our backward kernel read their q / dO rows in place (zigzag chunks of 96
+    rows: the last 64-row block reads the next chunk's rows) and add dQ into the ring's float32 state by TMA tensor
+    reduce; the program binds the in-place call."""
     monkeypatch.setenv("PK_JAX_RING_SUMS", "deferred")
+    monkeypatch.setenv("PK_JAX_RING_MERGE", merge)
     g = group_sizes()[-1]
     q, k, v, d_out = random_qkv(g * 7 + causal, 2, g * 192, 8, 2, 128)
     for local in ("cudnn", "pk"):
         monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
         attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+        if merge == "dq-direct" and (local == "pk" or (causal and layout == "zigzag")):  # a pair on our kernel
+            f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+            bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+            assert "in_place=True" in str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(*bf16))
         got = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
-        assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"deferred {local} G={g} {layout}")
-        if local == "pk":
+        assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16],
+                     f"deferred {merge} {local} G={g} {layout}")
+        if local == "pk" and merge == "dq":
             again = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
             assert all(np.array_equal(a, b) for a, b in zip(got, again)), "deferred on our kernels: bits changed"
-
-
-@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
-def test_ring_attention_dq_direct_matches_reference(monkeypatch, layout, causal):
-    """PK_JAX_RING_MERGE=dq-direct: the pairs on our backward kernel read their q / dO rows in place and add dQ into
-    the ring's float32 state by TMA tensor reduce (no slices, no scratch, no conversion); with the pairs on cuDNN
-    (the default) and all on our kernels; bf16, GQA, a length that is not a multiple of the 64-row block; forward and
-    gradients vs the float32 reference; the program binds the in-place call."""
-    monkeypatch.setenv("PK_JAX_RING_MERGE", "dq-direct")
-    g = group_sizes()[-1]
-    q, k, v, d_out = random_qkv(g * 11 + causal, 2, g * 200, 8, 2, 128)
-    for local in ("cudnn", "pk"):
-        monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
-        attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
-        f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
-        bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(*(x.astype(jnp.bfloat16) for x in (q, k, v))))
-        if local == "pk" or (causal and layout == "zigzag"):  # a pair left on our kernel
-            assert "in_place=True" in bwd, "no in-place backward call"
-        got = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
-        assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"dq-direct {local} G={g} {layout}")
 
 
 @pytest.mark.parametrize("local", ["cudnn", "cudnn-split"])
