@@ -107,8 +107,8 @@
 #   ringnextlong (4 GPUs) the S 49152 fwd+bwd rows, deferred sums vs the default                          ~5 min
 #   ringdirect  (2 GPUs+; 4 for the 4-GPU rows) PK_JAX_RING_MERGE=dq-direct (q / dO rows read in place, dQ added into
 #               the ring's state by the backward kernel): its first test alone (bounded waits), the in-place tests, the
-#               ring tests, then rows against the defaults in the same turns (G 4 S 12288 fwd+bwd both masks; GPUs
-#               PAIR S 24576 causal zigzag fwd+bwd)                                                        ~7 min
+#               ring tests, then rows against the defaults and cudnn-split (deferred sums: never timed together) in
+#               the same turns (G 4 S 12288 fwd+bwd both masks; GPUs PAIR S 24576 causal zigzag fwd+bwd)       ~9 min
 #   abpy        a Python-level A/B on one machine: `python -m pk_jax.bench $AB_ARGS` from AB_DIR (the old pk_jax/, made
 #               by scripts/ab_prepare.sh <commit>; carry .ab) and from the tree, alternating AB_TURNS (default 2) times;
 #               AB_COMMIT names the old commit in its JSON                                              ~2 x 2 runs
@@ -505,27 +505,23 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
               stage ring-next-long 300 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 --cases \
                 fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk-copy-dq-cudnn pk-copy-dq-cudnn-deferred \
                 --reps 5 --out "$OUT/$day-context-ring-next-long.json" ;;
-    ringdirect) # see the list above; the transports "default" and "direct" differ only in PK_JAX_RING_MERGE
-              t=tests/gpu/test_attention_accumulate_gpu.py
+    ringdirect) # see the list above; the transports differ from "default" only in the setting each names
+              t=tests/gpu/test_attention_accumulate_gpu.py tr="default split"
               stage direct-first 120 env PK_JAX_ATTENTION_BWD_DEBUG=1 timeout 110 python3 -m pytest "$t" -m gpu -q -x -rs \
                 -k "backward_adds_dq_into_rows and in_place and B1-Tq128"
               if grep -q " passed" "$OUT/direct-first.log" && ! grep -qE "failed|rror" "$OUT/direct-first.log"; then
                 stage direct-tests 200 python3 -m pytest "$t" tests/gpu/test_context_gpu.py -m gpu -q -rs \
                   -k "backward_adds_dq_into_rows or dq-direct"
-                stage direct-bench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
-                  fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports default direct --reps 10 \
-                  --out "$OUT/$day-context-ring-direct.json"
-                stage direct-bench-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
-                  --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports default direct \
-                  --reps 10 --out "$OUT/$day-context-ring-direct-2gpu.json"
-              fi ;;
-    abpy) : "${AB_DIR:?set AB_DIR and AB_COMMIT (scripts/ab_prepare.sh)}" "${AB_COMMIT:?}" "${AB_ARGS:?set AB_ARGS}"
-          cp pk_jax/_pk_jax_ext*.so "$AB_DIR/pk_jax/" || exit 1
-          for i in $(seq "${AB_TURNS:-2}"); do  # $AB_ARGS unquoted on purpose: the bench's own arguments
-            stage abpy-old-$i ${AB_LIMIT:-200} env -C "$AB_DIR" PK_JAX_COMMIT="$AB_COMMIT" PYTHONPATH="$PWD/$AB_DIR" \
-              python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-old-$i.json"
-            stage abpy-new-$i ${AB_LIMIT:-200} python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-new-$i.json"
-          done ;;
+                if grep -q " passed" "$OUT/direct-tests.log" && ! grep -qE "failed|rror" "$OUT/direct-tests.log"; then
+                  tr="default direct split"  # dq-direct is timed only once its tests passed
+                fi
+              fi
+              stage direct-bench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+                fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports $tr --reps 10 \
+                --out "$OUT/$day-context-ring-direct.json"
+              stage direct-bench-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+                --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports $tr \
+                --reps 10 --out "$OUT/$day-context-ring-direct-2gpu.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

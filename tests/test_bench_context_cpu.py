@@ -151,3 +151,4 @@ def test_ring_transport_names_match_the_cli():
     action = next(a for a in build_parser()._actions if a.dest == "ring_transports")
     assert set(action.choices) == set(TRANSPORTS)
     assert TRANSPORTS["default"] == {} and TRANSPORTS["direct"] == {"PK_JAX_RING_MERGE": "dq-direct"}
+    assert TRANSPORTS["split"] == {"PK_JAX_RING_LOCAL": "cudnn-split"}
