@@ -763,16 +763,19 @@ def test_ring_cudnn_route_matches_reference(monkeypatch, transport, g, layout, c
     assert any(masks) == any(bwd_masks) == causal, f"a top-left mask where the ring is causal only: {masks}"
 
 
+@pytest.mark.parametrize("local", ["cudnn-split", "cudnn"])
 @pytest.mark.parametrize("g,layout,sums", [(4, "zigzag", "eager"), (2, "zigzag", "deferred"), (4, "contiguous", "eager"),
                                           (2, "contiguous", "deferred")])
-def test_ring_cudnn_split_route(monkeypatch, g, layout, sums):
-    """PK_JAX_RING_LOCAL=cudnn-split (cuDNN's calls stood in for): the "bottom_right" pairs too (zigzag's own q1
-    pair; contiguous causal's bottom half of the split diagonal, backward) run as two cuDNN calls (their visible
-    keys, then their diagonal), so no pair is left on our kernel; result and gradients equal the reference."""
+def test_ring_cudnn_split_route(monkeypatch, g, layout, sums, local):
+    """PK_JAX_RING_LOCAL=cudnn-split, or the default "cudnn" with pairs of SPLIT_MIN_ROWS query rows (cuDNN's calls
+    stood in for): the "bottom_right" pairs too (zigzag's own q1 pair; contiguous causal's bottom half of the split
+    diagonal, backward) run as two cuDNN calls (their visible keys, then their diagonal), so no pair is left on our
+    kernel; result and gradients equal the reference."""
     from pk_jax.context import cudnn_block, row_sum
 
     masks, bwd_masks = _fake_cudnn(monkeypatch)
-    monkeypatch.setenv(cudnn_block.LOCAL_VAR, "cudnn-split")
+    monkeypatch.setenv(cudnn_block.LOCAL_VAR, local)
+    monkeypatch.setattr(cudnn_block, "SPLIT_MIN_ROWS", T_LOCAL // 4)  # every bottom-right pair here has as many
     monkeypatch.setenv(row_sum.SUMS_VAR, sums)
     q, k, v, d_out = random_qkv(g * 17, 1, g * T_LOCAL, 4, 2, 64, jnp.bfloat16)  # head dim 64: our kernel would take it
     attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True, layout=layout)
@@ -781,6 +784,24 @@ def test_ring_cudnn_split_route(monkeypatch, g, layout, sums):
     assert not re.findall(r"\bpk_attention(_bwd)?\w*\[", grads), "a pair left on our kernel"
     assert True in bwd_masks and False in bwd_masks
     assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, True), 3e-2)
+
+
+def test_ring_cudnn_splits_bottom_right_pairs_from_min_rows(monkeypatch):
+    """takes(): the default "cudnn" runs a bottom-right pair on cuDNN (split) from SPLIT_MIN_ROWS query rows, counted
+    by `rows` where q holds more than the pair; cudnn-split always, cudnn-whole and pk never; other masks unchanged."""
+    from pk_jax.context import cudnn_block
+
+    monkeypatch.setattr(cudnn_block, "_on_gpu", lambda d: True)
+    n = cudnn_block.SPLIT_MIN_ROWS
+    q = jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 2 * n, 2, 64), jnp.bfloat16)
+    cases = {"cudnn": (True, False), "cudnn-split": (True, True), "cudnn-whole": (False, False), "pk": (False, False)}
+    for local, (at_min, below) in cases.items():
+        monkeypatch.setenv(cudnn_block.LOCAL_VAR, local)
+        assert cudnn_block.takes(q, k, True, "bottom_right") is at_min, local
+        assert cudnn_block.takes(q, k, True, "bottom_right", rows=n - 1) is below, local
+        assert cudnn_block.takes(q, k, True, "diagonal", rows=1) is (local != "pk"), local
+        assert cudnn_block.takes(q, k, True, "shifted") is False, local
 
 
 @pytest.mark.parametrize("g,layout,causal", [(4, "zigzag", True), (4, "contiguous", False), (2, "contiguous", True)])

@@ -160,12 +160,14 @@ TRANSPORTS["pk-copy-dq-cudnn-deferred"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK
 TRANSPORTS["pk-copy-dq-cudnn-split"] = {**TRANSPORTS["pk-copy-dq-cudnn"], "PK_JAX_RING_LOCAL": "cudnn-split"}
 TRANSPORTS["pk-copy-dq-cudnn-deferred-split"] = {**TRANSPORTS["pk-copy-dq-cudnn-deferred"], "PK_JAX_RING_LOCAL": "cudnn-split"}
 # "default": the settings as they are (the defaults); "direct": the defaults but $PK_JAX_RING_MERGE=dq-direct (our
-# backward kernel reads q / dO rows in place and adds dQ into the ring's state itself); "split": the defaults but
-# $PK_JAX_RING_LOCAL=cudnn-split (no pair left on our kernels). A/B against the defaults with these: every name above
-# pins eager sums, which are no longer the default.
+# backward kernel reads q / dO rows in place and adds dQ into the ring's state itself); "split" / "whole": the
+# defaults but $PK_JAX_RING_LOCAL=cudnn-split / cudnn-whole (every bottom-right pair split for cuDNN / none: the
+# default splits from cudnn_block.SPLIT_MIN_ROWS rows). A/B against the defaults with these: every name above pins
+# eager sums, which are no longer the default.
 TRANSPORTS["default"] = {}
 TRANSPORTS["direct"] = {"PK_JAX_RING_MERGE": "dq-direct"}
 TRANSPORTS["split"] = {"PK_JAX_RING_LOCAL": "cudnn-split"}
+TRANSPORTS["whole"] = {"PK_JAX_RING_LOCAL": "cudnn-whole"}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 

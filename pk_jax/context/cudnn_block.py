@@ -17,9 +17,11 @@ The ring needs two things jax.nn.dot_product_attention does not give, so this ca
   ring-flash-attention does with flash-attn): cuDNN's backward primitive fed the merged `out` and `lse`. It
   recomputes P = exp(s - lse) and delta = rowsum(dO * out), so the pairs' gradients add up.
 Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair runs here only if it needs no
-mask or is a "diagonal" pair (ring_schedule.BlockPair.visible); other pairs stay on our kernel, except that
-$PK_JAX_RING_LOCAL=cudnn-split (opt-in) also runs the "bottom_right" ones (the zigzag own q1 pair, the bottom half
-of a split diagonal) as two cuDNN calls: their fully visible keys, then their diagonal. cuDNN cannot
+mask or is a "diagonal" pair (ring_schedule.BlockPair.visible). The "bottom_right" ones (the zigzag own q1 pair,
+the bottom half of a split diagonal) run as two cuDNN calls (their fully visible keys, then their diagonal) where
+they have at least SPLIT_MIN_ROWS query rows, and on our kernel below that: two calls' fixed work outweighs
+cuDNN's speed on small pairs (4x H200, session 22: whole/split at G 4 S 12288, 1536 rows, 24.45 / 24.97 ms; at
+G 2 S 24576, 6144 rows, 141.63 / 137.76 ms). cudnn-split / cudnn-whole force either way. cuDNN cannot
 leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts: single-process jobs;
 multi-process jobs keep the SM shift and so our kernels).
 Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
@@ -40,13 +42,15 @@ from pk_jax._env import choice_setting
 from pk_jax.context.online_softmax import merge
 
 LOCAL_VAR = "PK_JAX_RING_LOCAL"
-LOCALS = ("pk", "cudnn", "cudnn-split")
+LOCALS = ("pk", "cudnn", "cudnn-split", "cudnn-whole")
+SPLIT_MIN_ROWS = 4096  # "cudnn" splits a bottom-right pair for cuDNN from this many query rows (see above)
 
 
 def ring_local() -> str:
-    """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair), "pk"
-    (our attention kernels for every pair) or "cudnn-split" (opt-in: also the "bottom_right" pairs, as two cuDNN
-    calls each: split_bottom_right; on 4x H100, session 20, no faster at G 4 and tied with deferred sums at G 2)."""
+    """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair; the
+    "bottom_right" pairs as two cuDNN calls each from SPLIT_MIN_ROWS query rows), "pk" (our attention kernels for
+    every pair), "cudnn-split" (every bottom-right pair split for cuDNN) or "cudnn-whole" (none: they stay on our
+    kernel)."""
     return choice_setting(LOCAL_VAR, "cudnn", LOCALS, owner="pk_jax.ring_attention")
 
 
@@ -70,15 +74,18 @@ def _on_gpu(d: int) -> bool:
     return d <= _max_head_dim()
 
 
-def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None) -> bool:
-    """Whether cuDNN runs this pair: selected, a CUDA GPU with cuDNN, 16-bit inputs, a head dim cuDNN takes (a
-    multiple of 8, up to _max_head_dim()), no shift kernel needing SMs beside it, and a mask it can express (none,
-    or causal on a diagonal pair)."""
+def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None, rows: int | None = None) -> bool:
+    """Whether cuDNN runs this pair (q (B, Tq, N, H); rows: the pair's query rows where q holds more, else Tq):
+    selected, a CUDA GPU with cuDNN, 16-bit inputs, a head dim cuDNN takes (a multiple of 8, up to _max_head_dim()),
+    no shift kernel needing SMs beside it, and a mask it can express (none, or causal on a diagonal pair) or split
+    into two it can (a bottom-right pair, by ring_local() and its rows)."""
     from pk_jax.context.ring_shift import shift_sms
 
     d = q.shape[-1]
     local = ring_local()
-    masks = ("all", "diagonal", "bottom_right") if local == "cudnn-split" else ("all", "diagonal")
+    rows = q.shape[1] if rows is None else rows
+    split = local == "cudnn-split" or (local == "cudnn" and rows >= SPLIT_MIN_ROWS)
+    masks = ("all", "diagonal", "bottom_right") if split else ("all", "diagonal")
     return (local != "pk" and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
             and (not causal or visible in masks) and shift_sms() == 0 and _on_gpu(d))
 

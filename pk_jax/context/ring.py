@@ -403,7 +403,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             dq, (dk, dv) = state
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
-            on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible)
+            on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible, rows=p.q_len)
             if dq_in_kernel and isinstance(p.q_start, int) and not on_cudnn:  # the dQ conversion adds in place
                 offsets = _offsets(p.q_offset, p.kv_offset)
                 base = (dq.base if dq.base is not None else zero_q()) if isinstance(dq, RowSum) else dq
