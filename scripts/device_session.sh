@@ -112,6 +112,8 @@
 #   abpy        a Python-level A/B on one machine: `python -m pk_jax.bench $AB_ARGS` from AB_DIR (the old pk_jax/, made
 #               by scripts/ab_prepare.sh <commit>; carry .ab) and from the tree, alternating AB_TURNS (default 2) times;
 #               AB_COMMIT names the old commit in its JSON                                              ~2 x 2 runs
+#   splitrows   (2 GPUs+; 4 for S 49152) causal zigzag fwd+bwd with every bottom-right pair split for cuDNN or none:
+#               GPUs PAIR at S 12288 (3072-row pairs), all at S 49152 (6144 rows)                     ~4 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -522,6 +524,20 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
               stage direct-bench-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
                 --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports $tr \
                 --reps 10 --out "$OUT/$day-context-ring-direct-2gpu.json" ;;
+    abpy) : "${AB_DIR:?set AB_DIR and AB_COMMIT (scripts/ab_prepare.sh)}" "${AB_COMMIT:?}" "${AB_ARGS:?set AB_ARGS}"
+          cp pk_jax/_pk_jax_ext*.so "$AB_DIR/pk_jax/" || exit 1
+          for i in $(seq "${AB_TURNS:-2}"); do  # $AB_ARGS unquoted on purpose: the bench's own arguments
+            stage abpy-old-$i ${AB_LIMIT:-200} env -C "$AB_DIR" PK_JAX_COMMIT="$AB_COMMIT" PYTHONPATH="$PWD/$AB_DIR" \
+              python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-old-$i.json"
+            stage abpy-new-$i ${AB_LIMIT:-200} python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-new-$i.json"
+          done ;;
+    splitrows) # where splitting the bottom-right pairs for cuDNN starts to pay (cudnn_block.SPLIT_MIN_ROWS)
+               stage splitrows-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+                 --op ring_attention --seqs 12288 --cases fwd_bwd_causal_zigzag --ring-transports whole split \
+                 --reps 10 --out "$OUT/$day-context-ring-splitrows-2gpu.json"
+               stage splitrows 150 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 \
+                 --cases fwd_bwd_causal_zigzag --ring-transports whole split --reps 5 \
+                 --out "$OUT/$day-context-ring-splitrows.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
