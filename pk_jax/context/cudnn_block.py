@@ -20,8 +20,9 @@ Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair
 mask or is a "diagonal" pair (ring_schedule.BlockPair.visible). The "bottom_right" ones (the zigzag own q1 pair,
 the bottom half of a split diagonal) run as two cuDNN calls (their fully visible keys, then their diagonal) where
 they have at least SPLIT_MIN_ROWS query rows, and on our kernel below that: two calls' fixed work outweighs
-cuDNN's speed on small pairs (4x H200, session 22: whole/split at G 4 S 12288, 1536 rows, 24.45 / 24.97 ms; at
-G 2 S 24576, 6144 rows, 141.63 / 137.76 ms). cudnn-split / cudnn-whole force either way. cuDNN cannot
+cuDNN's speed on small pairs. Causal zigzag fwd+bwd, 4x H200, session 22, whole / split (ms): G 4 S 12288 (1536-row
+pairs) 24.45 / 24.97; G 2 S 12288 (3072) 39.31 / 38.33; G 2 S 24576 (6144) 141.63 / 137.76; G 4 S 49152 (6144)
+278.22 / 273.57. cudnn-split / cudnn-whole force either way. cuDNN cannot
 leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts: single-process jobs;
 multi-process jobs keep the SM shift and so our kernels).
 Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
@@ -43,7 +44,7 @@ from pk_jax.context.online_softmax import merge
 
 LOCAL_VAR = "PK_JAX_RING_LOCAL"
 LOCALS = ("pk", "cudnn", "cudnn-split", "cudnn-whole")
-SPLIT_MIN_ROWS = 4096  # "cudnn" splits a bottom-right pair for cuDNN from this many query rows (see above)
+SPLIT_MIN_ROWS = 2048  # "cudnn" splits a bottom-right pair for cuDNN from this many query rows (see above)
 
 
 def ring_local() -> str:
