@@ -18,14 +18,14 @@ The ring needs two things jax.nn.dot_product_attention does not give, so this ca
   recomputes P = exp(s - lse) and delta = rowsum(dO * out), so the pairs' gradients add up.
 Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair runs here only if it needs no
 mask or is a "diagonal" pair (ring_schedule.BlockPair.visible). The "bottom_right" ones (the zigzag own q1 pair,
-the bottom half of a split diagonal) run as two cuDNN calls (their fully visible keys, then their diagonal) in the
-backward where they have at least SPLIT_MIN_ROWS query rows, and on our kernel otherwise: two calls' fixed work
-outweighs cuDNN's speed on small pairs, and in the forward the split lost at every size measured. Causal zigzag, session 22, whole / split, ms (pair rows): 4x H200 fwd+bwd G 4 S 12288 (1536) 24.45 /
-24.97, G 2 S 12288 (3072) 39.31 / 38.33, G 2 S 24576 (6144) 141.63 / 137.76, G 4 S 49152 (6144) 278.22 / 273.57;
-2x H100 G 2 S 12288 (3072) fwd 10.41 / 11.16, fwd+bwd 40.54 / 41.97; S 24576 (6144) fwd 38.27 / 38.94, fwd+bwd
-145.92 / 142.53. cudnn-split / cudnn-whole force either way. cuDNN cannot
-leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts: single-process jobs;
-multi-process jobs keep the SM shift and so our kernels).
+the bottom half of a split diagonal) run as two cuDNN calls (their fully visible keys, then their diagonal) where
+they have at least SPLIT_MIN_ROWS query rows, and on our kernel below that: two calls' fixed work outweighs cuDNN's
+speed on small pairs. Causal zigzag fwd+bwd, session 22, whole / split (both passes), ms (pair rows): 4x H200: G 4
+S 12288 (1536) 24.45 / 24.97, G 2 S 12288 (3072) 39.31 / 38.33, G 2 S 24576 (6144) 141.63 / 137.76, G 4 S 49152
+(6144) 278.22 / 273.57; 2x H100: G 2 S 12288 (3072) 40.54 / 41.97 (fwd 10.41 / 11.16), S 24576 (6144) 145.92 /
+142.53 and 143.91 / 141.34 (the backward alone split: 143.06). cudnn-split / cudnn-whole force either way.
+cuDNN cannot leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts:
+single-process jobs; multi-process jobs keep the SM shift and so our kernels).
 Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
 sum (our kernel hands the ring float32 dQ).
 Checked on a GPU (4x H200, 2026-11-26): `scripts/probe_cudnn_ring_block.py` (XLA compiles a cuDNN backward fed
@@ -45,14 +45,14 @@ from pk_jax.context.online_softmax import merge
 
 LOCAL_VAR = "PK_JAX_RING_LOCAL"
 LOCALS = ("pk", "cudnn", "cudnn-split", "cudnn-whole")
-SPLIT_MIN_ROWS = 4096  # "cudnn" splits a bottom-right pair's backward for cuDNN from this many query rows (above)
+SPLIT_MIN_ROWS = 4096  # "cudnn" splits a bottom-right pair for cuDNN from this many query rows (see above)
 
 
 def ring_local() -> str:
     """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair; the
-    "bottom_right" pairs' backward as two cuDNN calls each from SPLIT_MIN_ROWS query rows), "pk" (our attention
-    kernels for every pair), "cudnn-split" (every bottom-right pair split for cuDNN, forward and backward) or
-    "cudnn-whole" (none: they stay on our kernel)."""
+    "bottom_right" pairs as two cuDNN calls each from SPLIT_MIN_ROWS query rows), "pk" (our attention kernels for
+    every pair), "cudnn-split" (every bottom-right pair split for cuDNN) or "cudnn-whole" (none: they stay on our
+    kernel)."""
     return choice_setting(LOCAL_VAR, "cudnn", LOCALS, owner="pk_jax.ring_attention")
 
 
@@ -76,18 +76,17 @@ def _on_gpu(d: int) -> bool:
     return d <= _max_head_dim()
 
 
-def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None, rows: int | None = None,
-          backward: bool = False) -> bool:
-    """Whether cuDNN runs this pair's forward (backward: its backward) (q (B, Tq, N, H); rows: the pair's query rows
-    where q holds more, else Tq): selected, a CUDA GPU with cuDNN, 16-bit inputs, a head dim cuDNN takes (a multiple of 8, up to _max_head_dim()),
+def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None, rows: int | None = None) -> bool:
+    """Whether cuDNN runs this pair (q (B, Tq, N, H); rows: the pair's query rows where q holds more, else Tq):
+    selected, a CUDA GPU with cuDNN, 16-bit inputs, a head dim cuDNN takes (a multiple of 8, up to _max_head_dim()),
     no shift kernel needing SMs beside it, and a mask it can express (none, or causal on a diagonal pair) or split
-    into two it can (a bottom-right pair, by ring_local(), the pass and its rows)."""
+    into two it can (a bottom-right pair, by ring_local() and its rows)."""
     from pk_jax.context.ring_shift import shift_sms
 
     d = q.shape[-1]
     local = ring_local()
     rows = q.shape[1] if rows is None else rows
-    split = local == "cudnn-split" or (local == "cudnn" and backward and rows >= SPLIT_MIN_ROWS)
+    split = local == "cudnn-split" or (local == "cudnn" and rows >= SPLIT_MIN_ROWS)
     masks = ("all", "diagonal", "bottom_right") if split else ("all", "diagonal")
     return (local != "pk" and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
             and (not causal or visible in masks) and shift_sms() == 0 and _on_gpu(d))
