@@ -111,7 +111,8 @@
 #               the same turns (G 4 S 12288 fwd+bwd both masks; GPUs PAIR S 24576 causal zigzag fwd+bwd)       ~9 min
 #   abpy        a Python-level A/B on one machine: `python -m pk_jax.bench $AB_ARGS` from AB_DIR (the old pk_jax/, made
 #               by scripts/ab_prepare.sh <commit>; carry .ab) and from the tree, alternating AB_TURNS (default 2) times;
-#               AB_COMMIT names the old commit in its JSON                                              ~2 x 2 runs
+#               AB_COMMIT names the old commit in its JSON, PK_JAX_COMMIT the tree's (pass it; the device's .git
+#               can be stale, so never `git rev-parse` there)                                           ~2 x 2 runs
 #   splitrows   (2 GPUs+; 4 for S 49152) causal zigzag fwd+bwd with every bottom-right pair split for cuDNN or none:
 #               GPUs PAIR at S 12288 (3072-row pairs), all at S 49152 (6144 rows)                     ~4 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s

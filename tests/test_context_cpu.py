@@ -770,7 +770,7 @@ def test_ring_cudnn_split_route(monkeypatch, g, layout, sums, local):
     """PK_JAX_RING_LOCAL=cudnn-split, or the default "cudnn" with pairs of SPLIT_MIN_ROWS query rows (cuDNN's calls
     stood in for): the "bottom_right" pairs too (zigzag's own q1 pair; contiguous causal's bottom half of the split
     diagonal, backward) run as two cuDNN calls (their visible keys, then their diagonal), so no pair is left on our
-    kernel (the default: no backward pair; its forward keeps them); result and gradients equal the reference."""
+    kernel; result and gradients equal the reference."""
     from pk_jax.context import cudnn_block, row_sum
 
     masks, bwd_masks = _fake_cudnn(monkeypatch)
@@ -781,31 +781,25 @@ def test_ring_cudnn_split_route(monkeypatch, g, layout, sums, local):
     attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=True, layout=layout)
     f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
     grads = str(jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), (0, 1, 2)))(q, k, v))
-    assert not re.findall(r"\bpk_attention_bwd\w*\[", grads), "a backward pair left on our kernel"
-    if local == "cudnn-split":
-        assert not re.findall(r"\bpk_attention\w*\[", grads), "a pair left on our kernel"
+    assert not re.findall(r"\bpk_attention(_bwd)?\w*\[", grads), "a pair left on our kernel"
     assert True in bwd_masks and False in bwd_masks
     assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, True), 3e-2)
 
 
 def test_ring_cudnn_splits_bottom_right_pairs_from_min_rows(monkeypatch):
-    """takes(): the default "cudnn" runs a bottom-right pair's backward on cuDNN (split) from SPLIT_MIN_ROWS query
-    rows, counted by `rows` where q holds more than the pair, and never its forward; cudnn-split always, cudnn-whole
-    and pk never; other masks unchanged."""
+    """takes(): the default "cudnn" runs a bottom-right pair on cuDNN (split) from SPLIT_MIN_ROWS query rows, counted
+    by `rows` where q holds more than the pair; cudnn-split always, cudnn-whole and pk never; other masks unchanged."""
     from pk_jax.context import cudnn_block
 
     monkeypatch.setattr(cudnn_block, "_on_gpu", lambda d: True)
     n = cudnn_block.SPLIT_MIN_ROWS
     q = jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2 * n, 2, 64), jnp.bfloat16)
-    # local: (backward at SPLIT_MIN_ROWS, backward below it, forward at SPLIT_MIN_ROWS)
-    cases = {"cudnn": (True, False, False), "cudnn-split": (True, True, True), "cudnn-whole": (False, False, False),
-             "pk": (False, False, False)}
-    for local, (at_min, below, forward) in cases.items():
+    cases = {"cudnn": (True, False), "cudnn-split": (True, True), "cudnn-whole": (False, False), "pk": (False, False)}
+    for local, (at_min, below) in cases.items():
         monkeypatch.setenv(cudnn_block.LOCAL_VAR, local)
-        assert cudnn_block.takes(q, k, True, "bottom_right", backward=True) is at_min, local
-        assert cudnn_block.takes(q, k, True, "bottom_right", rows=n - 1, backward=True) is below, local
-        assert cudnn_block.takes(q, k, True, "bottom_right") is forward, local
+        assert cudnn_block.takes(q, k, True, "bottom_right") is at_min, local
+        assert cudnn_block.takes(q, k, True, "bottom_right", rows=n - 1) is below, local
         assert cudnn_block.takes(q, k, True, "diagonal", rows=1) is (local != "pk"), local
         assert cudnn_block.takes(q, k, True, "shifted") is False, local
 
