@@ -115,6 +115,8 @@
 #               can be stale, so never `git rev-parse` there)                                           ~2 x 2 runs
 #   splitrows   (2 GPUs+; 4 for S 49152) causal zigzag fwd+bwd with every bottom-right pair split for cuDNN or none:
 #               GPUs PAIR at S 12288 (3072-row pairs), all at S 49152 (6144 rows)                     ~4 min
+#   ringpk      (2 GPUs+; 4 for the G 4 rows) transports default / pk-direct: G 4 S 12288 fwd+bwd both masks, GPUs PAIR
+#               S 24576 non-causal fwd+bwd                                                               ~5 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -539,6 +541,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage splitrows 150 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 \
                  --cases fwd_bwd_causal_zigzag --ring-transports whole split --reps 5 \
                  --out "$OUT/$day-context-ring-splitrows.json" ;;
+    ringpk) # every pair on our kernels with dq-direct against the defaults (cuDNN pairs), G 4 and GPUs PAIR
+            stage ringpk 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+              fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports default pk-direct --reps 10 \
+              --out "$OUT/$day-context-ring-pk-direct.json"
+            stage ringpk-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+              --op ring_attention --seqs 24576 --cases fwd_bwd_contiguous --ring-transports default pk-direct --reps 5 \
+              --out "$OUT/$day-context-ring-pk-direct-2gpu.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

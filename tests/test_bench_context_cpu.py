@@ -153,3 +153,4 @@ def test_ring_transport_names_match_the_cli():
     assert TRANSPORTS["default"] == {} and TRANSPORTS["direct"] == {"PK_JAX_RING_MERGE": "dq-direct"}
     assert TRANSPORTS["split"] == {"PK_JAX_RING_LOCAL": "cudnn-split"}
     assert TRANSPORTS["whole"] == {"PK_JAX_RING_LOCAL": "cudnn-whole"}
+    assert TRANSPORTS["pk-direct"] == {"PK_JAX_RING_LOCAL": "pk", "PK_JAX_RING_MERGE": "dq-direct"}

@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-transports", nargs="+", default=None,
                    choices=["pk", "pk-copy", "pk-acc", "pk-copy-acc", "pk-dq", "pk-copy-dq", "pk-copy-dq-cudnn",
                             "pk-copy-dq-cudnn-bf16hops", "pk-copy-dq-cudnn-deferred", "pk-copy-dq-cudnn-split",
-                            "pk-copy-dq-cudnn-deferred-split", "default", "direct", "split", "whole", "xla"],
+                            "pk-copy-dq-cudnn-deferred-split", "default", "direct", "split", "whole", "pk-direct", "xla"],
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: the environment's settings; -copy: $PK_JAX_RING_SHIFT_ENGINE=copy, -acc: "
                         "$PK_JAX_RING_MERGE=kernel, -dq: =dq, -cudnn: $PK_JAX_RING_LOCAL=cudnn, without: =pk; "
@@ -129,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it the pk-* transports are eager), -split: "
                         "$PK_JAX_RING_LOCAL=cudnn-split; default: the settings as they are; direct / split / whole: "
                         "the defaults with $PK_JAX_RING_MERGE=dq-direct / $PK_JAX_RING_LOCAL=cudnn-split / "
-                        "cudnn-whole), e.g. --ring-transports default whole split")
+                        "cudnn-whole; pk-direct: the defaults with $PK_JAX_RING_LOCAL=pk and dq-direct), e.g. "
+                        "--ring-transports default whole split")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--compute-floor", action="store_true",
                    help="context: ring rows also time the ring with communication off and our attention kernel on "

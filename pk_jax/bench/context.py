@@ -168,6 +168,9 @@ TRANSPORTS["default"] = {}
 TRANSPORTS["direct"] = {"PK_JAX_RING_MERGE": "dq-direct"}
 TRANSPORTS["split"] = {"PK_JAX_RING_LOCAL": "cudnn-split"}
 TRANSPORTS["whole"] = {"PK_JAX_RING_LOCAL": "cudnn-whole"}
+# "pk-direct": the defaults with every pair on our kernels and dq-direct: no cuDNN per-call work (its memsets, dO.O
+# pass and dQ conversion), which bounds the 4-GPU fwd+bwd rows (docs/benchmarks.md, session 22).
+TRANSPORTS["pk-direct"] = {"PK_JAX_RING_LOCAL": "pk", "PK_JAX_RING_MERGE": "dq-direct"}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 
