@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ring-transports", nargs="+", default=None,
                    choices=["pk", "pk-copy", "pk-acc", "pk-copy-acc", "pk-dq", "pk-copy-dq", "pk-copy-dq-cudnn",
                             "pk-copy-dq-cudnn-bf16hops", "pk-copy-dq-cudnn-deferred", "pk-copy-dq-cudnn-split",
-                            "pk-copy-dq-cudnn-deferred-split", "default", "direct", "split", "whole", "pk-direct", "xla"],
+                            "pk-copy-dq-cudnn-deferred-split", "default", "direct", "split", "whole", "pk-direct",
+                            "xla"],
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: the environment's settings; -copy: $PK_JAX_RING_SHIFT_ENGINE=copy, -acc: "
                         "$PK_JAX_RING_MERGE=kernel, -dq: =dq, -cudnn: $PK_JAX_RING_LOCAL=cudnn, without: =pk; "
