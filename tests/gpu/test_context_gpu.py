@@ -120,8 +120,10 @@ def _temp_bytes(fn, g, shape):
     return grad.lower(spec, spec, spec).compile().memory_analysis().temp_size_in_bytes
 
 
-def test_ring_temp_memory_flat_in_group_size():
-    """Same local shard (T=2048, 8 heads, D 128, bf16) at G = 2 and G = all: what a longer ring adds to the
+@pytest.mark.parametrize("local", ["cudnn", "cudnn-split"])
+def test_ring_temp_memory_flat_in_group_size(monkeypatch, local):
+    """Same local shard (T=2048, 8 heads, D 128, bf16) at G = 2 and G = all, with the bottom-right pairs whole (the
+    default at these 1024-row pairs) and split for cuDNN: what a longer ring adds to the
     forward+backward temp memory is what it keeps in transit, not the sequence. At G = 2 the backward's one
     visiting step sends nothing; from G = 3 a dK/dV accumulator leaves and one arrives during a step (4 float32
     local blocks) and the next K/V pair arrives (1 float32-block's bytes of bf16 K and V): 5 blocks in all
@@ -131,6 +133,7 @@ def test_ring_temp_memory_flat_in_group_size():
     g_max = len(gpus())
     if g_max < 4:
         pytest.skip("needs >= 4 GPUs to compare group sizes")
+    monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
     t, heads, d = 2048, 8, 128
     block = t * heads * d * 4  # one float32 local block
     ring = lambda q, k, v: pk_jax.ring_attention(q, k, v, "sp", causal=True)
