@@ -22,6 +22,8 @@
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
 #   latency     (2 GPUs+) all_reduce latency sweep, small path on (PK_JAX_SMALL_PATH=1), forced variants   ~2 min
 #   latdefault  (2 GPUs+) the latency sweep and the floor slopes at defaults                    ~1.5 min
+#   latfloor2   (4 GPUs) the floor slopes at defaults on GPUs PAIR (default 0,1)              ~1 min
+#   timeline49k (4 GPUs) a timeline of the non-causal ring forward at S 49152 at defaults    ~1.5 min
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
 #   floor       scripts/latency_floor.py under three XLA_FLAGS (command buffers default / off / custom calls)  ~3 min
@@ -548,6 +550,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             stage ringpk-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
               --op ring_attention --seqs 24576 --cases fwd_bwd_contiguous --ring-transports default pk-direct --reps 5 \
               --out "$OUT/$day-context-ring-pk-direct-2gpu.json" ;;
+    latfloor2) # (4 GPUs) the floor slopes at defaults on GPUs PAIR only: issue 25's 2-GPU rows on a 4-GPU machine
+               stage floor-default-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py \
+                 --tag default --ops pk_auto psum --bytes 4096 16384 65536 131072 262144 524288 1048576 2097152 \
+                 4194304 8388608 --out "$OUT/$day-floor-default-2gpu.json" ;;
+    timeline49k) # (4 GPUs) where the non-causal ring forward's time goes at S 49152 (issue 26's 1.07x row), at defaults
+                 stage timeline49k 150 python3 scripts/ring_timeline.py --seq 49152 --cases fwd_contiguous ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
