@@ -93,9 +93,9 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention backward: offsets must be int32[2] (q_offset, kv_offset)");
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention backward: causal must be 0 or 1");
-  if (variant < 0 || variant > 3)
+  if (variant < 0 || variant > 2)
     return ffi::Error::InvalidArgument(
-        "pk_jax attention backward: variant must be 0..3 (base, dqfirst, l2order_dqfirst, dvearly)");
+        "pk_jax attention backward: variant must be 0..2 (base, dqfirst, l2order_dqfirst)");
   pk::attention_bwd::Problem p{};
   const auto t = q.element_type();
   if (!pk::to_elem_type(t, p.type) || p.type == pk::ElemType::kF32 || k.element_type() != t ||

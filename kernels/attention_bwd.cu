@@ -1,5 +1,5 @@
 // Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128 x variant (base, dqfirst,
-// l2order_dqfirst, dvearly: attention_bwd_kernel.cuh), each with its DEBUG build.
+// l2order_dqfirst: attention_bwd_kernel.cuh), each with its DEBUG build.
 #include "attention_bwd.cuh"
 
 #include <cstdlib>
@@ -91,9 +91,8 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
     case 0: run_variant<T, D, 0>(p, compute_sms, stream); return;
     case 1: run_variant<T, D, 1>(p, compute_sms, stream); return;
     case 2: run_variant<T, D, 2>(p, compute_sms, stream); return;
-    case 3: run_variant<T, D, 3>(p, compute_sms, stream); return;
     default:
-      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..3");
+      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..2");
   }
 }
 
@@ -109,8 +108,7 @@ template <typename T>
 cudaError_t configure_type() {
   cudaError_t e = configure_variant<T, 0>();
   if (e == cudaSuccess) e = configure_variant<T, 1>();
-  if (e == cudaSuccess) e = configure_variant<T, 2>();
-  return e == cudaSuccess ? configure_variant<T, 3>() : e;
+  return e == cudaSuccess ? configure_variant<T, 2>() : e;
 }
 
 }  // namespace

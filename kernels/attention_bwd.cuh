@@ -28,7 +28,7 @@ struct Problem {
   ElemType type;  // bf16 or f16
   float scale;    // > 0
   bool causal;
-  int variant;    // 0 base, 1 dqfirst, 2 l2order_dqfirst, 3 dvearly (attention_bwd_kernel.cuh)
+  int variant;    // 0 base, 1 dqfirst, 2 l2order_dqfirst (attention_bwd_kernel.cuh)
 };
 
 // Loads and configures every backward kernel on the current device (see lcsc::configure).

@@ -85,13 +85,6 @@ struct Globals {
 //               at B4 S16k N16). Per block pair and CTA that is 32 KiB of Q / dO loads and a 32 KiB reduce:
 //               ~2.5 TB/s of HBM traffic at our ~350 TFLOP/s, which this order keeps in L2. (The order
 //               without dqfirst made ptxas spill 20 bytes in the D = 128 consumer; with it, none.)
-//   3 dvearly:  l2order_dqfirst + dV += Pᵀ dO issued as soon as P is known, before the wait for dPᵀ, so its
-//               MMAs run under dS = P ∘ (dPᵀ − delta), dSᵀ's store to shared memory and the named barrier that
-//               publishes it. At D = 128 that barrier (both warpgroups' dSᵀ feed every dQ column) keeps the
-//               two warpgroups in step, so in the other variants the tensor cores idle through both
-//               warpgroups' dS work at once (~25 % of a block pair's MMA time goes to exp2 / FMA work).
-//               Pᵀ goes through shared memory (SS wgmma, as dSᵀ does for dQ): with P held in registers for an RS
-//               wgmma beside dK, dV, P and dPᵀ, ptxas ran out of registers at D = 128 and serialized the wgmmas.
 // Every variant computes each dK / dV element with the same operations in the same order (bit-identical
 // dK and dV; dQ's reduce order varies between runs in all of them).
 struct Work {
@@ -124,10 +117,9 @@ struct Kernel {
   static constexpr int D = D_, STAGES = STAGES_;
   static constexpr bool DEBUG = DEBUG_;
   static constexpr int VARIANT = VARIANT_;
-  static_assert(VARIANT >= 0 && VARIANT <= 3, "backward variant 0..3");
+  static_assert(VARIANT >= 0 && VARIANT <= 2, "backward variant 0..2");
   static constexpr bool kDqFirst = VARIANT >= 1;           // dQ before dK, its chunk stored under dK
   static constexpr bool kKeyBlocksFastest = VARIANT >= 2;  // l2order: FA3's task order
-  static constexpr bool kDvEarly = VARIANT >= 3;           // dV issued before the wait for dPᵀ
   static constexpr int WGS = 2, BN = 64 * WGS, BM = 64;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr bool kDqShared = D == 128;            // dQ column halves over all keys (else own keys)
@@ -175,7 +167,6 @@ struct Kernel {
     alignas(1024) T v[BN * D];
     Stage stage[STAGES];
     alignas(1024) T ds[kDsBufs][BN * BM];  // dSᵀ: BN key rows x BM query columns, one swizzled box
-    alignas(1024) T pt[kDvEarly ? BN * BM : 8];  // dvearly: Pᵀ as dSᵀ (a warpgroup rewrites its rows after its dV)
     alignas(1024) float dq[WGS][kChunk];   // each warpgroup's dQ chunk, accumulator order
     Ring<STAGES> ring;  // full: Q, dO, lse2, delta landed; empty: every consumer warp is done with them
     Handoff kv_slot;    // full: K and V landed; empty: both consumers' last block pair is done
@@ -365,18 +356,6 @@ struct Kernel {
     wgmma::commit();
   }
 
-  // acc (D columns) += A B, A = a 64 x BM K-major tile in shared memory (one swizzled box, as store_acc writes
-  // it), B = a BM x D tile read MN-major (transpose-B bit) as issue_rs reads it.
-  __device__ static void issue_ss_mn(const T* a, const T* b, float (&acc)[D / 2]) {
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-      const uint64_t da = wgmma::desc_sw128(a + kk * 16, 16, 1024);
-      const uint64_t db = wgmma::desc_sw128(b + kk * 16 * kBoxCols, BM * kBoxCols * sizeof(T), 1024);
-      wgmma::mma<T, D, 0, 1>(acc, da, db, 1);
-    }
-    wgmma::commit();
-  }
-
   // dQ chunk (64 queries x 64 columns) = dS K over `KEYS` keys starting at key row `key0`: A = dSᵀ
   // read M-major (transpose-A bit; M = the 64 queries of one box row), B = K's column box `box`
   // read MN-major.
@@ -467,20 +446,7 @@ struct Kernel {
     wgmma::fence_operands(sc);
     if (needs_mask(g, w, m)) probabilities<true>(g, w, m, key_row, lane, in, sc);
     else probabilities<false>(g, w, m, key_row, lane, in, sc);
-    uint32_t pa[BM / 16][4];
-    if constexpr (kDvEarly) {
-      // Pᵀ to this warpgroup's rows of pt, then dV += Pᵀ dO, which runs under the dS work below. The
-      // previous block pair's dV, the last reader of these rows, was waited for before its dQ chunk went out.
-      T* pt = s.pt + wg * 64 * kBoxCols;
-      store_acc<T, BM>(pt, sc);
-      tma::fence_proxy_async_shared();
-      named_sync(3 + wg, 128);  // the warpgroup's four warps' Pᵀ rows are in
-      wgmma::fence();
-      issue_ss_mn(pt, in.dout, dv);
-      wgmma::wait<1>();  // dPᵀ is done; dV may still run
-    } else {
-      wgmma::wait<0>();  // dPᵀ is done
-    }
+    wgmma::wait<0>();  // dPᵀ is done
     wgmma::fence_operands(dp);
 #pragma unroll
     for (int i = 0; i < BM / 2; i += 2) {
@@ -488,7 +454,8 @@ struct Kernel {
       dp[i] = sc[i] * (dp[i] - delta.x);
       dp[i + 1] = sc[i + 1] * (dp[i + 1] - delta.y);
     }
-    if constexpr (!kDvEarly) to_a_fragments(sc, pa);
+    uint32_t pa[BM / 16][4];
+    to_a_fragments(sc, pa);
     // dSᵀ to shared memory (this warpgroup's 64 key rows of the buffer), then to the async proxy.
     T* ds = s.ds[st.ds_buf];
     store_acc<T, BM>(ds + wg * 64 * kBoxCols, dp);
@@ -496,8 +463,8 @@ struct Kernel {
     uint32_t dsa[BM / 16][4];
     to_a_fragments(dp, dsa);
     wgmma::fence();
-    if constexpr (!kDvEarly) issue_rs(pa, in.dout, dv);  // dV += Pᵀ dO
-    if constexpr (!kDqFirst) issue_rs(dsa, in.q, dk);    // dK += dSᵀ Q
+    issue_rs(pa, in.dout, dv);                     // dV += Pᵀ dO
+    if constexpr (!kDqFirst) issue_rs(dsa, in.q, dk);  // dK += dSᵀ Q
     float dq[32];
     note(s.progress.consumer_step[wg], kStepDsBarrier);
     if constexpr (kDqShared) {
