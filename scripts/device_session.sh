@@ -22,6 +22,7 @@
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
 #   latency     (2 GPUs+) all_reduce latency sweep, small path on (PK_JAX_SMALL_PATH=1), forced variants   ~2 min
 #   latdefault  (2 GPUs+) the latency sweep and the floor slopes at defaults                    ~1.5 min
+#   split3072   (2 GPUs+) G 2 S 12288 causal zigzag fwd, fwd+bwd: 3072-row pairs whole vs split   ~2 min
 #   latfloor2   (4 GPUs) the floor slopes at defaults on GPUs PAIR (default 0,1)              ~1 min
 #   timeline49k (4 GPUs) a timeline of the non-causal ring forward at S 49152 at defaults    ~1.5 min
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
@@ -550,6 +551,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             stage ringpk-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
               --op ring_attention --seqs 24576 --cases fwd_bwd_contiguous --ring-transports default pk-direct --reps 5 \
               --out "$OUT/$day-context-ring-pk-direct-2gpu.json" ;;
+    split3072) # (2 GPUs+) 3072-row bottom-right pairs (G 2, S 12288) whole vs split on GPUs PAIR, fwd and fwd+bwd, 20 reps
+               stage split3072 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+                 --op ring_attention --seqs 12288 --cases fwd_causal_zigzag fwd_bwd_causal_zigzag \
+                 --ring-transports whole split --reps 20 --out "$OUT/$day-context-ring-split3072-2gpu.json" ;;
     latfloor2) # (4 GPUs) the floor slopes at defaults on GPUs PAIR only: issue 25's 2-GPU rows on a 4-GPU machine
                stage floor-default-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py \
                  --tag default --ops pk_auto psum --bytes 4096 16384 65536 131072 262144 524288 1048576 2097152 \
