@@ -297,11 +297,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
              # Our kernels' base names are lcsc's `kernel`: match the demangled names (template arguments name the role).
+             # Session 23 caught no cuDNN kernel with 'flash_bprop' and -c 2 (both launches were ours): match more names,
+             # take more launches, and keep XLA's command buffers off so cuDNN's kernels launch on their own.
              stage attnncu 300 "$NCU" --clock-control none -f -o "$OUT/attn" --kernel-name-base demangled \
-               -k 'regex:attention(_bwd)?::Kernel|flash_fprop|flash_bprop' -c 4 --section SpeedOfLight \
+               -k 'regex:attention(_bwd)?::Kernel|sdpa|fmha|flash' -c ${NCU_COUNT:-12} --section SpeedOfLight \
                --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats \
                --section InstructionStats --section Occupancy --section MemoryWorkloadAnalysis \
-               python3 scripts/attention_ncu.py --only ours_bwd cudnn_bwd ${NCU_ARGS:-}
+               env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ours_bwd cudnn_bwd \
+               ${NCU_ARGS:-}
              stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
