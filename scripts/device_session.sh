@@ -24,6 +24,7 @@
 #   latdefault  (2 GPUs+) the latency sweep and the floor slopes at defaults                    ~1.5 min
 #   split3072   (2 GPUs+) G 2 S 12288 causal zigzag fwd, fwd+bwd: 3072-row pairs whole vs split   ~2 min
 #   latfloor2   (4 GPUs) the floor slopes at defaults on GPUs PAIR (default 0,1)              ~1 min
+#   ulysses8k   (4 GPUs) Ulysses forward timelines at S 8192 / 2048 on GPUs PAIR, then its 2-GPU forward rows  ~3 min
 #   timeline49k (4 GPUs) a timeline of the non-causal ring forward at S 49152 at defaults    ~1.5 min
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
@@ -564,6 +565,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  4194304 8388608 --out "$OUT/$day-floor-default-2gpu.json" ;;
     timeline49k) # (4 GPUs) where the non-causal ring forward's time goes at S 49152 (issue 26's 1.07x row), at defaults
                  stage timeline49k 150 python3 scripts/ring_timeline.py --seq 49152 --cases fwd_contiguous ;;
+    ulysses8k) # (4 GPUs) issue 26's 2-GPU Ulysses rows on GPUs PAIR: timelines at defaults (S 8192 and 2048, fwd), then
+               # the forward rows again; session 23 measured S 8192 at 1.14-1.17x where session 19 had 1.28x
+               for seq in 8192 2048; do
+                 stage ulysses-timeline-$seq 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/ring_timeline.py \
+                   --op ulysses --seq $seq --heads 128 --cases fwd
+               done
+               stage ulysses-fwd-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+                 --op ulysses_attention --cases fwd --reps 10 --out "$OUT/$day-context-ulysses-fwd-2gpu.json" ;;
     gputests) stage gputests 540 bash tests/gpu/run.sh -x -q ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
