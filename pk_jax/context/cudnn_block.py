@@ -20,10 +20,9 @@ Masks: cuDNN's causal mask is top-left aligned (row i sees keys 0..i), so a pair
 mask or is a "diagonal" pair (ring_schedule.BlockPair.visible). The "bottom_right" ones (the zigzag own q1 pair,
 the bottom half of a split diagonal) run as two cuDNN calls (their fully visible keys, then their diagonal) where
 they have at least SPLIT_MIN_ROWS query rows, and on our kernel below that: two calls' fixed work outweighs cuDNN's
-speed on small pairs. Causal zigzag fwd+bwd, session 22, whole / split (both passes), ms (pair rows): 4x H200: G 4
-S 12288 (1536) 24.45 / 24.97, G 2 S 12288 (3072) 39.31 / 38.33, G 2 S 24576 (6144) 141.63 / 137.76, G 4 S 49152
-(6144) 278.22 / 273.57; 2x H100: G 2 S 12288 (3072) 40.54 / 41.97 (fwd 10.41 / 11.16), S 24576 (6144) 145.92 /
-142.53 and 143.91 / 141.34 (the backward alone split: 143.06). cudnn-split / cudnn-whole force either way.
+speed on small pairs. Measured causal zigzag fwd+bwd (docs/benchmarks.md, sessions 22-23): split wins 1.7-2.7 % at
+6144-row pairs, ties at 3072 on H200 (loses 3.5 % on H100), loses 2 % at 1536. cudnn-split / cudnn-whole force either
+way.
 cuDNN cannot leave SMs free, so it serves only where no shift kernel needs them (the copy-engine shifts:
 single-process jobs; multi-process jobs keep the SM shift and so our kernels).
 Precision: cuDNN returns each pair's dQ in the inputs' dtype, so it is rounded once per pair before the float32
