@@ -22,7 +22,6 @@
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
 #   latency     (2 GPUs+) all_reduce latency sweep, small path on (PK_JAX_SMALL_PATH=1), forced variants   ~2 min
 #   latdefault  (2 GPUs+) the latency sweep and the floor slopes at defaults                    ~1.5 min
-#   split3072   (2 GPUs+) G 2 S 12288 causal zigzag fwd, fwd+bwd: 3072-row pairs whole vs split   ~2 min
 #   latfloor2   (4 GPUs) the floor slopes at defaults on GPUs PAIR (default 0,1)              ~1 min
 #   ulysses8k   (4 GPUs) Ulysses forward timelines at S 8192 / 2048 on GPUs PAIR, then its 2-GPU forward rows  ~3 min
 #   timeline49k (4 GPUs) a timeline of the non-causal ring forward at S 49152 at defaults    ~1.5 min
@@ -118,7 +117,7 @@
 #               AB_COMMIT names the old commit in its JSON, PK_JAX_COMMIT the tree's (pass it; the device's .git
 #               can be stale, so never `git rev-parse` there)                                           ~2 x 2 runs
 #   splitrows   (2 GPUs+; 4 for S 49152) causal zigzag fwd+bwd with every bottom-right pair split for cuDNN or none:
-#               GPUs PAIR at S 12288 (3072-row pairs), all at S 49152 (6144 rows)                     ~4 min
+#               GPUs PAIR at S 12288 (3072-row pairs; fwd too, 20 reps), all at S 49152 (6144 rows)   ~5 min
 #   ringpk      (2 GPUs+; 4 for the G 4 rows) transports default / pk-direct: G 4 S 12288 fwd+bwd both masks, GPUs PAIR
 #               S 24576 non-causal fwd+bwd                                                               ~5 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
@@ -145,6 +144,7 @@ day=$(date +%F)
 
 source scripts/stage_step.sh
 stage() { step "$@" || true; }  # a stage that fails or times out does not stop the call
+FLOOR_BYTES="4096 16384 65536 131072 262144 524288 1048576 2097152 4194304 8388608"  # issue 25's sizes (latdefault, latfloor2)
 
 # The kernels merging into ring attention's states (1 GPU): first look at every forward variant, then the tests.
 accumulate_tests() {
@@ -214,8 +214,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                --out "$OUT/$day-collectives-latency.json" ;;
     latdefault) stage latency-default 120 python3 -m pk_jax.bench collectives --latency --out "$OUT/$day-collectives-latency.json"
                 stage floor-default 120 python3 scripts/latency_floor.py --tag default --ops pk_auto psum \
-                  --bytes 4096 16384 65536 131072 262144 524288 1048576 2097152 4194304 8388608 \
-                  --out "$OUT/$day-floor-default.json" ;;
+                  --bytes $FLOOR_BYTES --out "$OUT/$day-floor-default.json" ;;
     collectives) stage collectives 150 python3 -m pk_jax.bench collectives --out "$OUT/$day-collectives.json" ;;
     smallfused) stage smallfused 200 python3 -m pk_jax.bench multirank --ranks ${RANKS:-2} --steps check_ops check_small \
                   --out "$OUT/$day-multirank-small-fused.json" ;;
@@ -542,9 +541,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             stage abpy-new-$i ${AB_LIMIT:-200} python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-new-$i.json"
           done ;;
     splitrows) # where splitting the bottom-right pairs for cuDNN starts to pay (cudnn_block.SPLIT_MIN_ROWS)
-               stage splitrows-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
-                 --op ring_attention --seqs 12288 --cases fwd_bwd_causal_zigzag --ring-transports whole split \
-                 --reps 10 --out "$OUT/$day-context-ring-splitrows-2gpu.json"
+               stage splitrows-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+                 --op ring_attention --seqs 12288 --cases fwd_causal_zigzag fwd_bwd_causal_zigzag \
+                 --ring-transports whole split --reps 20 --out "$OUT/$day-context-ring-splitrows-2gpu.json"
                stage splitrows 150 python3 -m pk_jax.bench context --op ring_attention --seqs 49152 \
                  --cases fwd_bwd_causal_zigzag --ring-transports whole split --reps 5 \
                  --out "$OUT/$day-context-ring-splitrows.json" ;;
@@ -555,14 +554,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             stage ringpk-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
               --op ring_attention --seqs 24576 --cases fwd_bwd_contiguous --ring-transports default pk-direct --reps 5 \
               --out "$OUT/$day-context-ring-pk-direct-2gpu.json" ;;
-    split3072) # (2 GPUs+) 3072-row bottom-right pairs (G 2, S 12288) whole vs split on GPUs PAIR, fwd and fwd+bwd, 20 reps
-               stage split3072 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
-                 --op ring_attention --seqs 12288 --cases fwd_causal_zigzag fwd_bwd_causal_zigzag \
-                 --ring-transports whole split --reps 20 --out "$OUT/$day-context-ring-split3072-2gpu.json" ;;
     latfloor2) # (4 GPUs) the floor slopes at defaults on GPUs PAIR only: issue 25's 2-GPU rows on a 4-GPU machine
                stage floor-default-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py \
-                 --tag default --ops pk_auto psum --bytes 4096 16384 65536 131072 262144 524288 1048576 2097152 \
-                 4194304 8388608 --out "$OUT/$day-floor-default-2gpu.json" ;;
+                 --tag default --ops pk_auto psum --bytes $FLOOR_BYTES --out "$OUT/$day-floor-default-2gpu.json" ;;
     timeline49k) # (4 GPUs) where the non-causal ring forward's time goes at S 49152 (issue 26's 1.07x row), at defaults
                  stage timeline49k 150 python3 scripts/ring_timeline.py --seq 49152 --cases fwd_contiguous ;;
     ulysses8k) # (4 GPUs) issue 26's 2-GPU Ulysses rows on GPUs PAIR: timelines at defaults (S 8192 and 2048, fwd), then
