@@ -24,6 +24,7 @@
 #   latdefault  (2 GPUs+) the latency sweep and the floor slopes at defaults                    ~1.5 min
 #   latfloor2   (4 GPUs) the floor slopes at defaults on GPUs PAIR (default 0,1)              ~1 min
 #   ulysses8k   (4 GPUs) Ulysses forward timelines at S 8192 / 2048 on GPUs PAIR, then its 2-GPU forward rows  ~3 min
+#   ringfloor   (2 GPUs+) issue 26's compute floor at defaults (S 12288, every ring case)          ~4 min
 #   timeline49k (4 GPUs) a timeline of the non-causal ring forward at S 49152 at defaults    ~1.5 min
 #   collectives (2 GPUs+) the collectives suite at defaults (issue 25: <= 90 s)              ~1.5 min
 #   smallfused  multirank check_ops + check_small at RANKS (default 2): fused ops incl. schedule "small" ~2 min
@@ -557,6 +558,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     latfloor2) # (4 GPUs) the floor slopes at defaults on GPUs PAIR only: issue 25's 2-GPU rows on a 4-GPU machine
                stage floor-default-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py \
                  --tag default --ops pk_auto psum --bytes $FLOOR_BYTES --out "$OUT/$day-floor-default-2gpu.json" ;;
+    ringfloor) # (2 GPUs+) issue 26's compute floor at defaults: the ring with communication off vs our kernel on the
+               # member's blocks, S 12288, every ring case (extra.compute_over_floor, target <= 1.05)
+               stage ring-floor ${FLOOR_LIMIT:-240} python3 -m pk_jax.bench context --op ring_attention --compute-floor \
+                 --seqs 12288 --reps 10 --out "$OUT/$day-context-ring-compute-floor.json" ;;
     timeline49k) # (4 GPUs) where the non-causal ring forward's time goes at S 49152 (issue 26's 1.07x row), at defaults
                  stage timeline49k 150 python3 scripts/ring_timeline.py --seq 49152 --cases fwd_contiguous ;;
     ulysses8k) # (4 GPUs) issue 26's 2-GPU Ulysses rows on GPUs PAIR: timelines at defaults (S 8192 and 2048, fwd), then
