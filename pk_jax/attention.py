@@ -13,8 +13,8 @@ Implementations:
               H200 (GPU tests) at 0.73-0.95x cuDNN's forward (2026-11-23), so it is used only when
               asked for: implementation="pk" or the environment variable PK_JAX_ATTENTION=pk. Calls it
               cannot take run the fallback and say why once.
-  "fallback": the default while the kernel trails cuDNN: jax.nn.dot_product_attention (cuDNN where it
-              can, else XLA) when neither the LSE nor a causal offset is asked for, else an XLA einsum
+  "fallback": the default while the kernel trails cuDNN: pk_jax.sdpa.dot_product_attention (cuDNN where
+              it takes the call, else XLA) when neither the LSE nor a causal offset is asked for, else an XLA einsum
               path with float32 accumulation (pk_jax/context/block_attention.py).
 Backward (`jax.grad`): a custom VJP from the saved LSE; a cotangent of the LSE output is honoured
 (delta = rowsum(dO * O) - dLSE, computed by XLA). Where the forward ran our kernel and
@@ -37,7 +37,7 @@ import numpy as np
 from jax._src import config, core, dispatch
 from jax.interpreters import batching, mlir
 
-from pk_jax import _ext
+from pk_jax import _ext, sdpa
 from pk_jax._env import choice_setting
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 
@@ -431,7 +431,7 @@ def _fallback(q, k, v, offsets, scale, causal, return_lse, q_offset, kv_offset):
         return (out, lse) if return_lse else out
     aligned = not causal or (isinstance(q_offset, int) and isinstance(kv_offset, int) and q_offset == kv_offset)
     if not return_lse and aligned:
-        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
+        return sdpa.dot_product_attention(q, k, v, scale=scale, is_causal=causal)
     out, lse = _reference_attention(q, k, v, offsets, scale, causal)
     return (out, lse) if return_lse else out
 

@@ -46,6 +46,7 @@ from jax import lax
 from pk_jax._env import choice_setting, int_setting
 from pk_jax.collectives import all_to_all
 from pk_jax.context.async_all_to_all import all_to_all_done, all_to_all_start
+from pk_jax import sdpa
 from pk_jax.context import window_exchange
 from pk_jax.context.ring import check_attention_args
 from pk_jax.context.ring_schedule import Layout
@@ -181,7 +182,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
       scale: score scale, default 1/sqrt(H).
       layout: "contiguous" (member r holds positions [r T, (r+1) T)) or "zigzag" (the order of
         pk_jax.sharding.to_zigzag, as ring_attention's default); the result keeps the input's layout.
-      implementation: passed to jax.nn.dot_product_attention for the local attention.
+      implementation: the local attention's, as jax.nn.dot_product_attention takes it ("cudnn", "xla");
+        None: cuDNN where it takes the call, else XLA (pk_jax.sdpa; jax's own None is always XLA).
 
     Returns:
       (B, T, N, H) in q's dtype: this member's rows of the attention output.
@@ -250,8 +252,8 @@ class _Local:
         if self.pk_reserve is not None and _kernel_refusal(q, k, scale) is None:
             out = _kernel_attention(q, k, v, _offset_array(0, 0), scale, self.causal, self.pk_reserve)[0]
         else:
-            out = jax.nn.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal,
-                                               implementation=self.implementation)
+            out = sdpa.dot_product_attention(q, k, v, scale=self.scale, is_causal=self.causal,
+                                             implementation=self.implementation)
         return to_zigzag(out, self.g, axis=1) if self.layout == "zigzag" else out
 
 
