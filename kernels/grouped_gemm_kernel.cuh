@@ -8,8 +8,10 @@
 // Forward / input grad: a task is (row tile of a group, n tile); a group's tiles start at its first row
 // (unaligned TMA boxes), so its last tile reads the next group's rows: those output rows are never stored
 // (a consumer copies a partial 64-row slice itself, row by row; whole slices go out by TMA). The tail
-// (rows past sum(group_sizes)) is one more group whose tiles store zeros. Tasks past the real count
-// (the host launches a static bound) are skipped by every role alike.
+// (rows past sum(group_sizes)) is one more group whose tiles are zeros: the storer alone stores them from one
+// zeroed box in shared memory, and they are spread evenly through the compute tiles (SpreadOrder) so those
+// stores run under other tiles' MMAs (an MoE layer's worst-case row bound leaves ~3/4 of the rows in the tail
+// at G 4). Tasks past the real count (the host launches a static bound) are skipped by every role alike.
 // Weight grad: a task is (group, m tile, n tile), groups largest first (balance under skew); the last
 // k-block of a group holds rows of the next one: the consumers zero those k-rows of A and B in shared
 // memory before their MMAs.
@@ -56,11 +58,15 @@ enum Variant : int { kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, k
 constexpr int kCounterSlots = 16;
 __device__ uint32_t g_task_counters[kCounterSlots][2];
 
+// One 64-row x 128-byte output box of zeros: the tail's tiles are TMA stores of it.
+constexpr int kZeroBoxBytes = 64 * 128;
+
 template <int SLOT>  // SLOT >= 0: tasks claimed at run time from g_task_counters[SLOT]
 struct Ext : gemm::NoComm {
   using Globals = grouped::Globals;
   struct SharedExt {
     GroupTable table;
+    alignas(1024) unsigned char zero_box[kZeroBoxBytes];  // 1024: the output map's 128-byte swizzle period
   };
   static constexpr bool kTaskCounter = SLOT >= 0;
   __device__ static uint32_t* task_counter(const Globals&) { return g_task_counters[SLOT < 0 ? 0 : SLOT]; }
@@ -132,9 +138,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       r.k_blocks = (rows + BK - 1) / BK;
       r.k_last = rows - (r.k_blocks - 1) * BK;  // 1..64 when k_blocks > 0
     } else {
-      const int tiles = tb.tile_start[groups + 1];
+      const int tiles = tb.tile_start[groups + 1], compute = tb.tile_start[groups];
       if (t >= tiles * g.tiles_n) return r;  // valid = false
-      const int2 tile = TileGrid{tiles, g.tiles_n, g.group_m}.tile(t);
+      const int2 at = SpreadOrder{tiles * g.tiles_n, (tiles - compute) * g.tiles_n}.at(t);
+      const int2 tile = at.x ? make_int2(compute + at.y / g.tiles_n, at.y % g.tiles_n)  // a tail tile
+                             : TileGrid{compute, g.tiles_n, g.group_m}.tile(at.y);
       const int e = tb.group_of_tile(tile.x, groups);
       r.valid = true;
       r.group = e;
@@ -160,7 +168,27 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     return rows > 0 && (rows == 64 || task.row_end >= (kWeightGradMode ? g.m : g.tokens));
   }
 
+  // A tail tile (forward / input grad): zeros, stored by the storer alone.
+  __device__ static bool zero_task(const Globals& g, const Task& task) {
+    return !kWeightGradMode && task.group == g.num_groups;
+  }
+
+  // The tail tile's zeros: one TMA store of the zero box per 64-row x 128-byte box inside the output.
+  __device__ static void store_zero_task(const Globals& g, const Shared& s, const Task& task) {
+    for (int w = 0; w < WGS; ++w) {
+      const int row = task.row0 + w * 64;
+      if (row >= g.tokens) break;
+#pragma unroll
+      for (int j = 0; j < BN / kOutBoxCols; ++j)
+        if (task.col0 + j * kOutBoxCols < g.n) tma::store_tile_2d(&g.c, task.col0 + j * kOutBoxCols, row, s.ext.zero_box);
+    }
+    tma::commit_group();
+  }
+
   __device__ static void begin(const Globals& g, Shared& s) {
+    for (int i = threadIdx.x; i < kZeroBoxBytes / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(s.ext.zero_box)[i] = make_uint4(0, 0, 0, 0);
+    tma::fence_proxy_async_shared();  // before the storer's TMA reads it (build() ends with a CTA barrier)
     s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode);
   }
 
@@ -326,7 +354,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
     const Task task = task_of(g, s.ext.table, t);
-    if (!task.valid) return;
+    if (!task.valid || zero_task(g, task)) return;
     float acc[BN / 2];
     if constexpr (PIPE) {  // weight grad: the previous task's output goes out under this task's first MMAs
       auto flush = [&] {
@@ -365,6 +393,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int t) {
     const Task task = task_of(g, s.ext.table, t);
     if (!task.valid) return;
+    if (zero_task(g, task)) return store_zero_task(g, s, task);  // no slot: the consumers skip it
     for (int w = 0; w < WGS; ++w) {
       tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
       if (!tma_stored(g, task, w)) continue;

@@ -17,6 +17,8 @@
 #               (set-up + build + demo, as a new user runs it; issue 28: <= 2 min after the build)  ~2 min
 #   attention   our attention kernel's GPU tests (both schedules), then its bench         ~6 min
 #   grouped     grouped_matmul GPU tests, then its bench rows (vs ragged_dot_mgpu, jnp.dot)  ~2 min
+#   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
+#   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
 #   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
@@ -199,6 +201,20 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage democlone 300 bash -c "cd /tmp/pk_jax_fresh && time bash scripts/demo.sh --out $OUT/$day-demo-clone.json" ;;
     grouped) stage grouped-tests 150 python3 -m pytest tests/gpu/test_grouped_matmul_gpu.py -m gpu -q -x -rs
              stage grouped 240 python3 -m pk_jax.bench moe --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped.json" ;;
+    sdpa) # the library attention defaults to cuDNN (pk_jax.sdpa): its tests on one GPU, then Ulysses vs the float32
+          # reference (2 GPUs+), then a Ulysses forward timeline at S 8192 on GPUs PAIR with the default implementation
+          stage sdpa-tests 120 python3 -m pytest tests/gpu/test_sdpa_gpu.py -m gpu -q -rs
+          stage ulysses-tests 150 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu -q -rs \
+            -k "ulysses_attention_matches_reference"
+          stage ulysses-default-timeline 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/ring_timeline.py \
+            --op ulysses --seq 8192 --heads 128 --cases fwd ;;
+    groupedab) # the grouped_matmul rows once per extension in AB_PREBUILT (default ".prebuilt/h .prebuilt/b"), each
+               # with its own jnp.dot / ragged_dot baselines in the same run; the first extension is restored after
+               for pre in ${AB_PREBUILT:-.prebuilt/h .prebuilt/b}; do
+                 cp "$pre"/_pk_jax_ext*.so pk_jax/ && stage grouped-${pre##*/} ${GROUPED_LIMIT:-200} python3 -m pk_jax.bench moe \
+                   --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped-${pre##*/}.json"
+               done
+               set -- ${AB_PREBUILT:-.prebuilt/h}; cp "$1"/_pk_jax_ext*.so pk_jax/ ;;
     attnbwd) export PK_JAX_ATTENTION_BWD=kernel
              stage attnbwd-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 stdbuf -oL -eL python3 -m pytest -s -x -v -m gpu \
                tests/gpu/test_attention_bwd_gpu.py -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"  # debug: waits time out and name the barrier

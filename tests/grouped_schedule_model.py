@@ -45,6 +45,13 @@ def tile_of(t: int, tiles_m: int, tiles_n: int, group_m: int) -> tuple[int, int]
     return first + r % rows, r // rows
 
 
+def spread_order(t: int, total: int, count: int) -> tuple[bool, int]:
+    """SpreadOrder::at: (is_b, index within its kind) of position t, `count` B tasks spread through `total`."""
+    b_before = t * count // total
+    is_b = (t + 1) * count // total > b_before
+    return is_b, b_before if is_b else t - b_before
+
+
 @dataclasses.dataclass
 class Table:
     """GroupTable::build."""
@@ -124,10 +131,12 @@ class Launch:
             rows = tb.start[e + 1] - tb.start[e]
             kb = (rows + BK - 1) // BK
             return Task(True, e, x * BM, self.m, y * self.bn, tb.start[e], kb, rows - (kb - 1) * BK)
-        tiles = tb.tile_start[groups + 1]
+        tiles, compute = tb.tile_start[groups + 1], tb.tile_start[groups]
         if t >= tiles * self.tiles_n:
             return Task(False)
-        x, y = tile_of(t, tiles, self.tiles_n, self.group_m)
+        zero, i = spread_order(t, tiles * self.tiles_n, (tiles - compute) * self.tiles_n)
+        x, y = (compute + i // self.tiles_n, i % self.tiles_n) if zero else tile_of(i, compute, self.tiles_n,
+                                                                                     self.group_m)
         e = tb.group_of_tile(x, groups)
         row0 = tb.start[e] + (x - tb.tile_start[e]) * BM
         return Task(True, e, row0, tb.start[e + 1], y * self.bn, 0, 0 if e == groups else -(-self.k // BK))
@@ -144,8 +153,8 @@ class Launch:
 
     # --- cost model: a task's time in units of one full BM x BN tile of 64 k-blocks at BN 256 ---------
     def cost(self, task: Task, epilogue: float = 0.02) -> float:
-        if not task.valid:
-            return 0.001
+        if not task.valid or (self.mode != WEIGHT_GRAD and task.group == len(self.sizes)):
+            return 0.001  # skipped, or a tail tile: zeros stored by the storer alone (no MMAs, no epilogue)
         if self.mode == WEIGHT_GRAD:
             busy = 2
         else:
