@@ -8,10 +8,11 @@
 // Forward / input grad: a task is (row tile of a group, n tile); a group's tiles start at its first row
 // (unaligned TMA boxes), so its last tile reads the next group's rows: those output rows are never stored
 // (a consumer copies a partial 64-row slice itself, row by row; whole slices go out by TMA). The tail
-// (rows past sum(group_sizes)) is one more group whose tiles are zeros: the storer alone stores them from one
-// zeroed box in shared memory, and they are spread evenly through the compute tiles (SpreadOrder) so those
-// stores run under other tiles' MMAs (an MoE layer's worst-case row bound leaves ~3/4 of the rows in the tail
-// at G 4). Tasks past the real count (the host launches a static bound) are skipped by every role alike.
+// (rows past sum(group_sizes)) is one more group whose tiles are zeros and not tasks: CTA i's storer stores
+// tail tiles i, i + CTAs, ... from a zeroed box in shared memory, a few after each of its tasks' stores and the
+// rest at its end, so those stores run under the MMAs (an MoE layer's worst-case row bound leaves ~3/4 of the
+// rows in the tail at G 4; as tasks they ran after every compute tile, bandwidth-bound). Tasks past the real
+// count (the host launches a static bound) are skipped by every role alike.
 // Weight grad: a task is (group, m tile, n tile), groups largest first (balance under skew); the last
 // k-block of a group holds rows of the next one: the consumers zero those k-rows of A and B in shared
 // memory before their MMAs.
@@ -27,6 +28,7 @@
 // next tile's MMAs (the last one in consumer_finish); with pipe the weight grad ignores narrow (its n tail
 // is at most 128 wide already).
 #pragma once
+#include <climits>
 #include <type_traits>
 
 #include "gemm_kernel.cuh"
@@ -110,7 +112,12 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     __device__ PipeState() : Base::ConsumerState{}, prev_task{}, has_prev(false) {}
   };
   using ConsumerState = std::conditional_t<PIPE, PipeState, typename Base::ConsumerState>;
-  using StorerState = typename Base::StorerState;
+  struct StorerState : Base::StorerState {
+    int zeros_done = 0;  // this CTA's tail tiles stored so far
+  };
+  // Tail tiles a storer stores after each task: at the G 4 MoE bound (3 tail tiles per compute tile) the tail is
+  // done within the first ~3/4 of the tasks; 64 KiB each against a task's ~20-60 us of MMAs.
+  static constexpr int kZeroTilesPerTask = 4;
   using SlotLayout = typename Base::SlotLayout;
   static constexpr int WGS = WGS_, BN = BN_, BM = Base::BM, BK = Base::BK;
   static constexpr int kBoxCols = Base::kBoxCols, kOutBoxCols = Base::kOutBoxCols;
@@ -138,11 +145,9 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       r.k_blocks = (rows + BK - 1) / BK;
       r.k_last = rows - (r.k_blocks - 1) * BK;  // 1..64 when k_blocks > 0
     } else {
-      const int tiles = tb.tile_start[groups + 1], compute = tb.tile_start[groups];
-      if (t >= tiles * g.tiles_n) return r;  // valid = false
-      const int2 at = SpreadOrder{tiles * g.tiles_n, (tiles - compute) * g.tiles_n}.at(t);
-      const int2 tile = at.x ? make_int2(compute + at.y / g.tiles_n, at.y % g.tiles_n)  // a tail tile
-                             : TileGrid{compute, g.tiles_n, g.group_m}.tile(at.y);
+      const int tiles = tb.tile_start[groups];  // the groups' row tiles (the tail's are the storers')
+      if (t >= tiles * g.tiles_n) return r;    // valid = false
+      const int2 tile = TileGrid{tiles, g.tiles_n, g.group_m}.tile(t);
       const int e = tb.group_of_tile(tile.x, groups);
       r.valid = true;
       r.group = e;
@@ -150,7 +155,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       r.row_end = tb.start[e + 1];
       r.col0 = tile.y * BN;
       r.k0 = 0;
-      r.k_blocks = e == groups ? 0 : (g.k + BK - 1) / BK;  // the tail's tiles are zeros
+      r.k_blocks = (g.k + BK - 1) / BK;
       r.k_last = BK;
     }
     return r;
@@ -168,21 +173,30 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     return rows > 0 && (rows == 64 || task.row_end >= (kWeightGradMode ? g.m : g.tokens));
   }
 
-  // A tail tile (forward / input grad): zeros, stored by the storer alone.
-  __device__ static bool zero_task(const Globals& g, const Task& task) {
-    return !kWeightGradMode && task.group == g.num_groups;
+  // Forward / input grad: the tail's BM x BN tiles (rows past sum(group_sizes)), stored as zeros by the storers.
+  __device__ static int zero_tiles(const Globals& g, const GroupTable& tb) {
+    return kWeightGradMode ? 0 : (tb.tile_start[g.num_groups + 1] - tb.tile_start[g.num_groups]) * g.tiles_n;
   }
 
-  // The tail tile's zeros: one TMA store of the zero box per 64-row x 128-byte box inside the output.
-  __device__ static void store_zero_task(const Globals& g, const Shared& s, const Task& task) {
-    for (int w = 0; w < WGS; ++w) {
-      const int row = task.row0 + w * 64;
-      if (row >= g.tokens) break;
+  // Tail tile z as zeros: one TMA store of the zero box per 64-row x 128-byte box inside the output.
+  __device__ static void store_zero_tile(const Globals& g, const Shared& s, int z) {
+    const int row0 = s.ext.table.start[g.num_groups] + (z / g.tiles_n) * BM, col0 = (z % g.tiles_n) * BN;
+    for (int w = 0; w < WGS && row0 + w * 64 < g.tokens; ++w) {
 #pragma unroll
       for (int j = 0; j < BN / kOutBoxCols; ++j)
-        if (task.col0 + j * kOutBoxCols < g.n) tma::store_tile_2d(&g.c, task.col0 + j * kOutBoxCols, row, s.ext.zero_box);
+        if (col0 + j * kOutBoxCols < g.n) tma::store_tile_2d(&g.c, col0 + j * kOutBoxCols, row0 + w * 64, s.ext.zero_box);
     }
     tma::commit_group();
+  }
+
+  // This CTA's tail tiles (blockIdx.x, + gridDim.x, ...) up to `quota` of them in all (INT_MAX: every one).
+  __device__ static void store_zero_tiles(const Globals& g, const Shared& s, StorerState& st, int quota) {
+    const int total = zero_tiles(g, s.ext.table);
+    for (; st.zeros_done < quota; ++st.zeros_done) {
+      const int z = int(blockIdx.x) + st.zeros_done * int(gridDim.x);
+      if (z >= total) break;
+      store_zero_tile(g, s, z);
+    }
   }
 
   __device__ static void begin(const Globals& g, Shared& s) {
@@ -354,7 +368,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int t) {
     const Task task = task_of(g, s.ext.table, t);
-    if (!task.valid || zero_task(g, task)) return;
+    if (!task.valid) return;
     float acc[BN / 2];
     if constexpr (PIPE) {  // weight grad: the previous task's output goes out under this task's first MMAs
       auto flush = [&] {
@@ -393,7 +407,6 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int t) {
     const Task task = task_of(g, s.ext.table, t);
     if (!task.valid) return;
-    if (zero_task(g, task)) return store_zero_task(g, s, task);  // no slot: the consumers skip it
     for (int w = 0; w < WGS; ++w) {
       tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
       if (!tma_stored(g, task, w)) continue;
@@ -409,9 +422,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
     for (int w = 0; w < WGS; ++w) tma::mbar_arrive(&s.c_slot[w].empty);
     st.c_phase ^= 1;
+    store_zero_tiles(g, s, st, st.zeros_done + kZeroTilesPerTask);  // under the next task's MMAs
   }
 
-  __device__ static void storer_finish(const Globals& g, Shared&, StorerState&) {
+  __device__ static void storer_finish(const Globals& g, Shared& s, StorerState& st) {
+    store_zero_tiles(g, s, st, INT_MAX);
     tma::wait_group<0>();
     if constexpr (DYN) finish_counter_pair(ExtT::task_counter(g));
   }

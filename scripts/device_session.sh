@@ -59,6 +59,7 @@
 #               S 2048, H 128 per ULYSSES_CFGS "chunks:exchange[:engine]" (default 1:pk 2:async:sm 2:async:copy 4:async:sm) ~2 min
 #   moetimeline (2 GPUs+, G dividing 256) scripts/moe_timeline.py: device 0's kernels of moe_mlp fwd / fwd+bwd and of
 #               dispatch + GEMM fused / GEMM alone / unfused at the DeepSeek-V3 shape                  ~3 min
+#   ulysseshalf2 (4 GPUs) the 2-GPU Ulysses forward rows on GPUs PAIR, defaults then half ends          ~2 min
 #   ulyssescopy (2 GPUs+) Ulysses fwd / fwd+bwd per ULYSSES_CFGS (default "1:pk 2:async:pk 4:async:pk 8:async:pk")
 #               with PK_JAX_RING_SHIFT_ENGINE=copy: head chunks exchanged by copy engines under the attention, as
 #               windowed all-to-alls since session 15 (no chunk slices, no assembly)                        ~8 min
@@ -453,6 +454,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ulysseshalf) # (2 GPUs+) Ulysses at defaults with half-width first and last chunks (PK_JAX_ULYSSES_HALF_ENDS=1: 9 chunks)
                  stage ulysses-half ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_HALF_ENDS=1 python3 -m pk_jax.bench context \
                    --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-half.json" ;;
+    ulysseshalf2) # (4 GPUs) issue 26's 2-GPU Ulysses forward rows on GPUs PAIR, defaults then half ends, in one call
+                  for half in 0 1; do
+                    stage ulysses-fwd-2gpu-half$half 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_HALF_ENDS=$half \
+                      python3 -m pk_jax.bench context --op ulysses_attention --cases fwd --reps 10 \
+                      --out "$OUT/$day-context-ulysses-fwd-2gpu-half$half.json"
+                  done ;;
     ulyssescopy) # (2 GPUs+) Ulysses per ULYSSES_CFGS "chunks:exchange[:local]" with the async exchanges on copy engines
                  for cfg in ${ULYSSES_CFGS:-1:pk 2:async:pk 4:async:pk 8:async:pk}; do
                    IFS=: read -r chunks a2a local <<< "$cfg"

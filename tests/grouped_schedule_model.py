@@ -45,13 +45,6 @@ def tile_of(t: int, tiles_m: int, tiles_n: int, group_m: int) -> tuple[int, int]
     return first + r % rows, r // rows
 
 
-def spread_order(t: int, total: int, count: int) -> tuple[bool, int]:
-    """SpreadOrder::at: (is_b, index within its kind) of position t, `count` B tasks spread through `total`."""
-    b_before = t * count // total
-    is_b = (t + 1) * count // total > b_before
-    return is_b, b_before if is_b else t - b_before
-
-
 @dataclasses.dataclass
 class Table:
     """GroupTable::build."""
@@ -131,15 +124,23 @@ class Launch:
             rows = tb.start[e + 1] - tb.start[e]
             kb = (rows + BK - 1) // BK
             return Task(True, e, x * BM, self.m, y * self.bn, tb.start[e], kb, rows - (kb - 1) * BK)
-        tiles, compute = tb.tile_start[groups + 1], tb.tile_start[groups]
+        tiles = tb.tile_start[groups]  # the groups' row tiles (the tail's are the storers', zero_tiles)
         if t >= tiles * self.tiles_n:
             return Task(False)
-        zero, i = spread_order(t, tiles * self.tiles_n, (tiles - compute) * self.tiles_n)
-        x, y = (compute + i // self.tiles_n, i % self.tiles_n) if zero else tile_of(i, compute, self.tiles_n,
-                                                                                     self.group_m)
+        x, y = tile_of(t, tiles, self.tiles_n, self.group_m)
         e = tb.group_of_tile(x, groups)
         row0 = tb.start[e] + (x - tb.tile_start[e]) * BM
-        return Task(True, e, row0, tb.start[e + 1], y * self.bn, 0, 0 if e == groups else -(-self.k // BK))
+        return Task(True, e, row0, tb.start[e + 1], y * self.bn, 0, -(-self.k // BK))
+
+    def zero_tiles(self) -> list[Task]:
+        """Kernel::store_zero_tile of every tail tile (the storers': CTA i takes i, i + CTAs, ...) as tasks
+        without k-blocks."""
+        if self.mode == WEIGHT_GRAD:
+            return []
+        tb, groups = self.table, len(self.sizes)
+        count = (tb.tile_start[groups + 1] - tb.tile_start[groups]) * self.tiles_n
+        return [Task(True, groups, tb.start[groups] + (z // self.tiles_n) * BM, self.tokens,
+                     (z % self.tiles_n) * self.bn, 0, 0) for z in range(count)]
 
     def slice_rows(self, task: Task, w: int) -> int:
         return max(0, min(64, task.row_end - (task.row0 + w * 64)))
@@ -153,8 +154,8 @@ class Launch:
 
     # --- cost model: a task's time in units of one full BM x BN tile of 64 k-blocks at BN 256 ---------
     def cost(self, task: Task, epilogue: float = 0.02) -> float:
-        if not task.valid or (self.mode != WEIGHT_GRAD and task.group == len(self.sizes)):
-            return 0.001  # skipped, or a tail tile: zeros stored by the storer alone (no MMAs, no epilogue)
+        if not task.valid:
+            return 0.001
         if self.mode == WEIGHT_GRAD:
             busy = 2
         else:
@@ -192,7 +193,7 @@ def emulate(launch: Launch, a: np.ndarray, b: np.ndarray, fill=np.nan) -> np.nda
         out = np.full((launch.tokens, launch.n), fill)
         at = np.concatenate([a, np.zeros((BM, a.shape[1]))])
     written = np.zeros(out.shape, np.int32)
-    for task in launch.tasks():
+    for task in launch.tasks() + launch.zero_tiles():
         if not task.valid:
             continue
         width = bn // 2 if launch.narrow(task) else bn

@@ -28,20 +28,6 @@ struct TileGrid {
   }
 };
 
-// `count` tasks of kind B spread evenly through `total` positions (the rest kind A, in order): position t is
-// B task number floor(t * count / total) when that count steps up at t + 1, else A task number t minus the Bs
-// before it. A bijection onto (A 0 .. total - count - 1) and (B 0 .. count - 1). The grouped GEMM spreads its
-// zero-fill tiles through its compute tiles this way so the stores overlap the MMAs.
-struct SpreadOrder {
-  int total, count;
-  // -> (is_b ? 1 : 0, the task's index within its kind).
-  __host__ __device__ int2 at(int t) const {
-    const int b_before = int((long long)t * count / total);
-    const bool is_b = int((long long)(t + 1) * count / total) > b_before;
-    return make_int2(is_b ? 1 : 0, is_b ? b_before : t - b_before);
-  }
-};
-
 // The tasks of one worker: worker, worker + workers, ... below total.
 struct TaskRange {
   int first, stride, total;
