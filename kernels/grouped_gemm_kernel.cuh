@@ -22,7 +22,8 @@
 // skips its MMAs; a narrow n tail; a short-K weight-grad group) take more of them: the counter is reset by
 // the launch's last CTA (one launch of a kernel at a time per device). `narrow`: a tile whose valid
 // columns fit in BN/2 (the n tail, e.g. n = 1408 = 5.5 x 256) runs m64n(BN/2) wgmmas on half the
-// accumulator. `n128` (host only, grouped_gemm.cu): the 128x128 tile where n % 256 is 1..128. `pipe`
+// accumulator. `n128` (host only, grouped_gemm.cu): the 128x128 tile where n % 256 is 1..128 in the weight grad
+// too (the forward and input grad take it by default there). `pipe`
 // (weight grad, 128x128 tiles): a consumer keeps a task's accumulator (a second 64-register copy) and writes
 // it out after issuing the next task's first k-block, so the epilogue of a short-K tile runs under the
 // next tile's MMAs (the last one in consumer_finish); with pipe the weight grad ignores narrow (its n tail

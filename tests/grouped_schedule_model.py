@@ -23,9 +23,9 @@ BN_OF_TILE = (256, 128)  # kBn
 EFFICIENCY = (1.0, 0.87)
 
 
-def choose_tile(n: int, variant: int) -> int:
+def choose_tile(n: int, variant: int, mode: int = FORWARD) -> int:
     """grouped_gemm.cu choose_tile: 0 = 128x256, 1 = 128x128."""
-    if variant & N128 and n % 256 and n % 256 <= 128:
+    if n % 256 and n % 256 <= 128 and (mode != WEIGHT_GRAD or variant & N128):
         return 1
     costs = [math.ceil(n / bn) * bn / eff for bn, eff in zip(BN_OF_TILE, EFFICIENCY)]
     return int(np.argmin(costs))  # ties: the first (the kernel keeps the first minimum)
@@ -101,7 +101,7 @@ class Launch:
     sms: int = 132
 
     def __post_init__(self):
-        self.tile = choose_tile(self.n, self.variant)
+        self.tile = choose_tile(self.n, self.variant, self.mode)
         if self.mode == WEIGHT_GRAD and self.variant & PIPE:  # launch(): the pipelined weight grad's tile
             self.tile = 1
         self.bn = BN_OF_TILE[self.tile]

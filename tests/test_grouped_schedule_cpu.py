@@ -95,7 +95,9 @@ def test_grouped_schedule_task_bound_and_narrow_tiles(variant):
 
 
 def test_grouped_schedule_tile_choice():
-    assert gsm.choose_tile(1408, 0) == 0 and gsm.choose_tile(1408, gsm.N128) == 1
+    # n % 256 in 1..128: 128-wide tiles for the forward and input grad; the weight grad only with n128
+    assert gsm.choose_tile(1408, 0) == 1 and gsm.choose_tile(1408, 0, gsm.INPUT_GRAD) == 1
+    assert gsm.choose_tile(1408, 0, gsm.WEIGHT_GRAD) == 0 and gsm.choose_tile(1408, gsm.N128, gsm.WEIGHT_GRAD) == 1
     assert gsm.choose_tile(4096, gsm.N128) == 0 and gsm.choose_tile(2048, gsm.N128) == 0
     assert gsm.choose_tile(1536 - 64, gsm.N128) == 0  # n % 256 = 192: a 256-wide tail is 3/4 full
     assert gsm.choose_tile(128, 0) == 1 and gsm.choose_tile(136, 0) == 0  # the default padding model
@@ -137,12 +139,15 @@ def bench_sizes(kind: str, seed: int = 0) -> list[int]:
 
 
 @pytest.mark.parametrize("kind", ["uniform", "skewed"])
-def test_grouped_cost_model_gains_at_e64_f1408(kind):
-    """The arithmetic behind the variants at the losing bench shape (m 16384, k 4096, n 1408, E 64): the
-    claimed schedule with narrow tails must beat the static one by 10%, and no claimed schedule may be worse
-    (n128 alone only trades 256-wide tiles for 128-wide ones: within a few % either way)."""
+def test_grouped_cost_model_at_e64_f1408(kind):
+    """The bench's losing shape (m 16384, k 4096, n 1408, E 64): the forward pads no column by default (11 x
+    128-wide tiles), so narrow has nothing to halve there; the claimed schedule is not worse than the static one
+    in the model. (The model's 10 % gain for dyn+narrow over 256-wide tiles did not happen on H200: dyn+narrow
+    0.68-0.80x the default in session 9, dyn 0.91x and n128 1.06x on 2x H200 in session 24.)"""
     sizes = bench_sizes(kind)
-    base = gsm.Launch(gsm.FORWARD, 16384, 0, 1408, 4096, sizes, 0).makespan()
+    launch = gsm.Launch(gsm.FORWARD, 16384, 0, 1408, 4096, sizes, 0)
+    assert launch.bn == 128 and launch.tiles_n * launch.bn == 1408
+    assert not any(launch.narrow(t) for t in gsm.Launch(gsm.FORWARD, 16384, 0, 1408, 4096, sizes, gsm.NARROW).tasks())
+    base = launch.makespan()
     times = {v: gsm.Launch(gsm.FORWARD, 16384, 0, 1408, 4096, sizes, v).makespan() for v in VARIANT_BITS}
-    assert times[gsm.DYN | gsm.NARROW] < 0.9 * base
     assert all(t <= base * 1.001 for v, t in times.items() if v & gsm.DYN)
