@@ -185,7 +185,8 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     for (int w = 0; w < WGS && row0 + w * 64 < g.tokens; ++w) {
 #pragma unroll
       for (int j = 0; j < BN / kOutBoxCols; ++j)
-        if (col0 + j * kOutBoxCols < g.n) tma::store_tile_2d(&g.c, col0 + j * kOutBoxCols, row0 + w * 64, s.ext.zero_box);
+        if (col0 + j * kOutBoxCols < g.n)
+          tma::store_tile_2d(&g.c, col0 + j * kOutBoxCols, row0 + w * 64, s.ext.zero_box);
     }
     tma::commit_group();
   }

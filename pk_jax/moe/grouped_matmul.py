@@ -15,16 +15,16 @@ platforms) run the reference paths below with identical semantics (on a GPU, say
 The VJP is two grouped GEMMs on the same paths: dx = grouped(dy, w^T), dw[e] = x_e^T dy_e; an operand
 replicated over an axis the rows are sharded over gets its gradient summed by pk_jax.all_reduce.
 
-Kernel schedule variants (benchmarking; identical results): PK_JAX_GROUPED_VARIANT, read when a call is
-traced, names any of `dyn` (tasks claimed at run time from a device-wide counter: CTAs with cheap tiles take
-more), `narrow` (half-width MMAs for an n tail of at most half a tile), `n128` (128x128 tiles where n %
-256 is 1..128 in the weight grad too: the forward and input grad take them there by default) and `pipe` (weight grad: 128x128 tiles, each tile's epilogue under the next tile's MMAs),
-joined by "+" or ","; unset, empty or "default": the static schedule (kernels/
-grouped_gemm_kernel.cuh). The variant is part of the traced call, so a jitted function keeps the variant
-it was traced with. Measured on one H200 (2026-11-23, `bench moe --op grouped_matmul --variants`; bits
-identical): dyn+narrow 1.04-1.06x the default on the k 7168 / E 64 rows but 0.68-0.95x on the n 1408 rows
-the model predicted it would help most; pipe 0.82-0.95x forward+backward. The default stays static. On 2x
-H200 (2026-11-27, n 1408, E 64 at G 2): 128-wide tiles 1.06 / 1.08x forward (uniform / skewed), so the forward
+Kernel schedule variants (benchmarking; identical results): PK_JAX_GROUPED_VARIANT, read when a call is traced,
+names any of `dyn` (tasks claimed at run time from a device-wide counter: CTAs with cheap tiles take more),
+`narrow` (half-width MMAs for an n tail of at most half a tile), `n128` (128x128 tiles where n % 256 is 1..128 in
+the weight grad too: the forward and input grad take them there by default) and `pipe` (weight grad: 128x128
+tiles, each tile's epilogue under the next tile's MMAs), joined by "+" or ","; unset, empty or "default": the
+static schedule (kernels/grouped_gemm_kernel.cuh). The variant is part of the traced call, so a jitted function
+keeps the variant it was traced with. Measured on one H200 (2026-11-23, `bench moe --op grouped_matmul
+--variants`; bits identical): dyn+narrow 1.04-1.06x the default on the k 7168 / E 64 rows but 0.68-0.95x on the n
+1408 rows the model predicted it would help most; pipe 0.82-0.95x forward+backward. The default stays static. On
+2x H200 (2026-11-27, n 1408, E 64 at G 2): 128-wide tiles 1.06 / 1.08x forward (uniform / skewed), so the forward
 and input grad take them where n % 256 is 1..128; dyn 0.91x.
 """
 
