@@ -19,7 +19,7 @@ constexpr double kEfficiency[kNumTiles] = {1.0, 0.87};  // as the GEMM's tiles (
 template <typename T, int WGS, int BN>
 constexpr int stages_for() {
   constexpr size_t stage = size_t(64 * WGS * 64 + 64 * BN) * sizeof(T);
-  constexpr size_t fixed = size_t(WGS) * 64 * BN * sizeof(T) + sizeof(GroupTable) + kZeroBoxBytes + 2048 + 1024;
+  constexpr size_t fixed = size_t(WGS) * 64 * BN * sizeof(T) + kSharedExtBytes + 2048 + 1024;
   constexpr size_t n = (kSmemLimit - fixed) / stage;
   return n > 8 ? 8 : int(n);
 }

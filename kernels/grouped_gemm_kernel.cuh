@@ -75,6 +75,10 @@ struct Ext : gemm::NoComm {
   __device__ static uint32_t* task_counter(const Globals&) { return g_task_counters[SLOT < 0 ? 0 : SLOT]; }
 };
 
+// Shared memory a grouped kernel holds beside its stages and output slots (group table, zero box): the hosts'
+// stage counts (grouped_gemm.cu, moe_gemm.cu) subtract it.
+constexpr size_t kSharedExtBytes = sizeof(Ext<-1>::SharedExt);
+
 template <typename T, int BN, int MODE, bool DYN, bool PIPE>
 constexpr int counter_slot() {
   static_assert(kWeightGrad * 4 + 4 + 1 < kCounterSlots, "counter slots");

@@ -17,7 +17,7 @@ constexpr int kBN = 256;                   // 128x256 tiles (F = 2048: 8 per hal
 template <typename T>
 constexpr int stages() {
   constexpr size_t stage = size_t(64 * 2 * 64 + 64 * kBN) * sizeof(T);
-  constexpr size_t fixed = size_t(2) * 64 * kBN * sizeof(T) + sizeof(GroupTable) + grouped::kZeroBoxBytes + 2048 + 1024;
+  constexpr size_t fixed = size_t(2) * 64 * kBN * sizeof(T) + grouped::kSharedExtBytes + 2048 + 1024;
   constexpr size_t n = (kSmemLimit - fixed) / stage;
   return n > 8 ? 8 : int(n);
 }

@@ -209,13 +209,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             -k "ulysses_attention_matches_reference"
           stage ulysses-default-timeline 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/ring_timeline.py \
             --op ulysses --seq 8192 --heads 128 --cases fwd ;;
-    groupedab) # the grouped_matmul rows once per extension in AB_PREBUILT (default ".prebuilt/h .prebuilt/b"), each
+    groupedab) # the grouped_matmul rows once per extension in AB_PREBUILT (e.g. ".prebuilt/x .prebuilt/h"), each
                # with its own jnp.dot / ragged_dot baselines in the same run; the first extension is restored after
-               for pre in ${AB_PREBUILT:-.prebuilt/h .prebuilt/b}; do
+               : "${AB_PREBUILT:?groupedab: set AB_PREBUILT to two or more prebuilt extension folders}"
+               for pre in $AB_PREBUILT; do
                  cp "$pre"/_pk_jax_ext*.so pk_jax/ && stage grouped-${pre##*/} ${GROUPED_LIMIT:-200} python3 -m pk_jax.bench moe \
                    --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped-${pre##*/}.json"
                done
-               set -- ${AB_PREBUILT:-.prebuilt/h}; cp "$1"/_pk_jax_ext*.so pk_jax/ ;;
+               set -- $AB_PREBUILT; cp "$1"/_pk_jax_ext*.so pk_jax/ ;;
     attnbwd) export PK_JAX_ATTENTION_BWD=kernel
              stage attnbwd-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 stdbuf -oL -eL python3 -m pytest -s -x -v -m gpu \
                tests/gpu/test_attention_bwd_gpu.py -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"  # debug: waits time out and name the barrier
