@@ -28,6 +28,9 @@ void bind_vmm(nb::module_& m);        // vmm_bindings.cc
 extern "C" XLA_FFI_Error* PkCollective(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkGroupedMatmul(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkGroupedMatmulSum(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkSwigluRows(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkSwigluRowsBwd(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkTpGemm(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttention(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkAttentionAccumulate(XLA_FFI_CallFrame*);
@@ -109,6 +112,9 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_collective"] = handler_capsule(reinterpret_cast<void*>(&PkCollective));
     d["pk_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkMatmul));
     d["pk_grouped_matmul"] = handler_capsule(reinterpret_cast<void*>(&PkGroupedMatmul));
+    d["pk_grouped_matmul_sum"] = handler_capsule(reinterpret_cast<void*>(&PkGroupedMatmulSum));
+    d["pk_swiglu_rows"] = handler_capsule(reinterpret_cast<void*>(&PkSwigluRows));
+    d["pk_swiglu_rows_bwd"] = handler_capsule(reinterpret_cast<void*>(&PkSwigluRowsBwd));
     d["pk_tp_gemm"] = handler_capsule(reinterpret_cast<void*>(&PkTpGemm));
     d["pk_attention"] = handler_capsule(reinterpret_cast<void*>(&PkAttention));
     d["pk_attention_accumulate"] = handler_capsule(reinterpret_cast<void*>(&PkAttentionAccumulate));

@@ -12,6 +12,8 @@
 #include "../kernels/attention.cuh"
 #include "../kernels/attention_bwd.cuh"
 #include "../kernels/gemm.cuh"
+#include "../kernels/grouped_gemm.cuh"
+#include "../kernels/swiglu_rows.cuh"
 #include "../kernels/multimem_collectives.cuh"
 #include "../kernels/tp_gemm.cuh"
 #include "../kernels/moe_gemm.cuh"
@@ -122,6 +124,8 @@ void Runtime::load_kernels_and_errors(size_t i, int ordinal) {
   PK_CUDA(attention_bwd::configure_once(ordinal));
   PK_CUDA(tp::configure());
   PK_CUDA(moe::configure());  // DispatchMatmul spins on peers: loaded up front like the others
+  PK_CUDA(grouped::configure_once(ordinal));  // moe_mlp runs them between its dispatch and combine
+  PK_CUDA(swiglu::configure());
   PK_CUDA(multimem::configure());  // loads the multimem kernels only where the multicast policy allows it
   cudaDeviceProp prop;
   PK_CUDA(cudaGetDeviceProperties(&prop, ordinal));

@@ -45,6 +45,12 @@ void run(const Problem& p, int sms, cudaStream_t stream) {
                              : make_tensor_map_3d(p.b, p.type, e, p.k, p.n, K::BK, K::kBoxCols);  // (k, n) boxes 64 x 64
     g.c = make_tensor_map_2d(p.out, p.type, p.tokens, p.n, p.n, 64, K::kOutBoxCols);
     g.tiles_m = (p.tokens + K::BM - 1) / K::BM;
+    if (p.k2 > 0) {
+      g.a2 = make_tensor_map_2d(p.a2, p.type, p.tokens, p.k2, p.k2, K::BM, K::kBoxCols);
+      g.b2 = MODE == kInputGrad ? make_tensor_map_3d(p.b2, p.type, e, p.n, p.k2, K::BN, K::kBoxCols)
+                                : make_tensor_map_3d(p.b2, p.type, e, p.k2, p.n, K::BK, K::kBoxCols);
+      g.k2 = p.k2;
+    }
   }
   g.group_sizes = p.group_sizes;
   g.out = p.out;
@@ -59,6 +65,7 @@ void run(const Problem& p, int sms, cudaStream_t stream) {
   g.max_tasks = int(tasks);
   g.num_comm_sms = 0;
   g.narrow_tail = (p.variant & kVariantNarrow) ? 1 : 0;
+  g.store_tail = (p.variant & kVariantNoTail) ? 0 : 1;
   const cudaError_t err = lcsc::launch<K>(g, sms, stream);
   if (err != cudaSuccess) throw std::runtime_error(std::string("pk_jax grouped_matmul launch: ") + cudaGetErrorString(err));
 }
@@ -112,7 +119,9 @@ const char* unsupported(const Problem& p) {
   if (p.n % 8) return "n must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.mode == kWeightGrad ? p.m % 8 : p.k % 8) return "k must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.tokens < 0 || p.m < 0 || p.n < 0 || p.k < 0) return "negative sizes";
-  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe)";
+  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail)";
+  if (p.k2 < 0 || (p.k2 > 0 && (p.mode == kWeightGrad || p.k == 0 || p.k2 % 8 || !p.a2 || !p.b2)))
+    return "a second product needs the forward or input grad, a first one (k > 0), both operands and k2 % 8 == 0";
   return "";
 }
 
@@ -149,7 +158,7 @@ int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   if (tile < 0 || tile >= kNumTiles) throw std::invalid_argument("pk_jax grouped_matmul: unknown tile");
   const size_t out_elems = p.mode == kWeightGrad ? size_t(p.num_groups) * p.m * p.n : size_t(p.tokens) * p.n;
   if (out_elems == 0) return tile;
-  const bool no_contraction = p.mode == kWeightGrad ? p.tokens == 0 : p.k == 0;
+  const bool no_contraction = p.mode == kWeightGrad ? p.tokens == 0 : p.k == 0 && p.k2 == 0;
   if (no_contraction) {  // every output element is an empty sum
     const cudaError_t e = cudaMemsetAsync(p.out, 0, out_elems * elem_bytes(p.type), stream);
     if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax grouped_matmul: cudaMemsetAsync: ") + cudaGetErrorString(e));

@@ -23,7 +23,13 @@ struct Problem {
   ElemType type;               // bf16 or f16 (inputs and output)
   int variant;                 // Variant bits (grouped_gemm_kernel.cuh): 0 the default schedule; 1 dyn (tasks
                                // claimed at run time), 2 narrow (half-width MMAs for the n tail), 4 n128,
-                               // 8 pipe (weight grad: 128x128 tiles, epilogue under the next tile's MMAs)
+                               // 8 pipe (weight grad: 128x128 tiles, epilogue under the next tile's MMAs),
+                               // 16 notail (rows past sum(group_sizes) left unwritten)
+  // Forward / input grad: a second product summed into out (k2 > 0): a2 (tokens, k2) with b2 shaped as b
+  // over k2 (moe_mlp's input grad of gate and up in one pass: no (tokens, n) sum afterwards).
+  const void* a2 = nullptr;
+  const void* b2 = nullptr;
+  int k2 = 0;
 };
 
 // Why the kernel cannot run `p` ("" when it can): the Python side checks the same before binding.

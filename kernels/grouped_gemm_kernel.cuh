@@ -13,6 +13,9 @@
 // rest at its end, so those stores run under the MMAs (an MoE layer's worst-case row bound leaves ~3/4 of the
 // rows in the tail at G 4; as tasks they ran after every compute tile, bandwidth-bound). Tasks past the real
 // count (the host launches a static bound) are skipped by every role alike.
+// Variant bit `notail` leaves the tail's rows unwritten (moe_mlp reads only the rows in use). A second product
+// (k2 > 0, forward / input grad): out = a @ b[e] + a2 @ b2[e], its k-blocks loaded after the first's into the same
+// accumulator (moe_mlp's d recv = d_gate @ w_gateᵀ + d_up @ w_upᵀ in one pass).
 // Weight grad: a task is (group, m tile, n tile), groups largest first (balance under skew); the last
 // k-block of a group holds rows of the next one: the consumers zero those k-rows of A and B in shared
 // memory before their MMAs.
@@ -41,20 +44,27 @@ enum Mode : int { kForward = 0, kInputGrad = 1, kWeightGrad = 2 };
 
 struct Globals {
   CUtensorMap a, b, c;  // a: x; b: w (3-D, E matrices) or y; c: out (3-D for the weight grad)
+  CUtensorMap a2, b2;   // forward / input grad with k2 > 0: a second product summed into the same tiles
   const int32_t* group_sizes;
   void* out;          // c's base, for the consumers' row-masked copies
   int tokens;         // rows of x (and y)
   int m, n, k;        // forward / input grad: out (tokens, n), contraction k; weight grad: out (E, m, n)
+  int k2;             // forward / input grad: the second product's contraction (0: none)
   int num_groups;
   int tiles_m, tiles_n;  // weight grad: tiles of one output matrix; forward / input grad: tiles_n only
   int group_m;           // tile-rows per raster band (TileGrid)
   int max_tasks;         // static bound on the task count (the launch's)
   int num_comm_sms;      // 0
   int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
+  int store_tail;        // forward / input grad: 1 stores the tail's zeros; 0 (variant `notail`) leaves those rows
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
-enum Variant : int { kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8, kVariantMask = 15 };
+enum Variant : int {
+  kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8,
+  kVariantNoTail = 16,  // rows past sum(group_sizes) are left as they were (callers that never read them)
+  kVariantMask = 31
+};
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
 // load; the last CTA of a launch resets both (storer_finish), so graph replays start from zero too.
@@ -132,6 +142,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   static_assert(sizeof(T) == 2, "16-bit operands and output");
 
   __host__ __device__ static int num_tasks(const Globals& g) { return g.max_tasks; }
+  __host__ __device__ static int k_blocks_of(int k) { return (k + BK - 1) / BK; }
 
   __device__ static Task task_of(const Globals& g, const GroupTable& tb, int t) {
     Task r{};
@@ -160,7 +171,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       r.row_end = tb.start[e + 1];
       r.col0 = tile.y * BN;
       r.k0 = 0;
-      r.k_blocks = (g.k + BK - 1) / BK;
+      r.k_blocks = k_blocks_of(g.k) + k_blocks_of(g.k2);  // the second product's k-blocks follow the first's
       r.k_last = BK;
     }
     return r;
@@ -180,7 +191,8 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // Forward / input grad: the tail's BM x BN tiles (rows past sum(group_sizes)), stored as zeros by the storers.
   __device__ static int zero_tiles(const Globals& g, const GroupTable& tb) {
-    return kWeightGradMode ? 0 : (tb.tile_start[g.num_groups + 1] - tb.tile_start[g.num_groups]) * g.tiles_n;
+    if (kWeightGradMode || !g.store_tail) return 0;
+    return (tb.tile_start[g.num_groups + 1] - tb.tile_start[g.num_groups]) * g.tiles_n;
   }
 
   // Tail tile z as zeros: one TMA store of the zero box per 64-row x 128-byte box inside the output.
@@ -230,13 +242,20 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
         for (int j = 0; j < BN / kBoxCols; ++j)
           tma::load_tile_2d(dst.b + j * BK * kBoxCols, &g.b, task.col0 + j * kBoxCols, krow, full);
       } else {
-        tma::load_tile_2d(dst.a, &g.a, krow, task.row0, full);  // BM token rows from the tile's first row
+        // k-blocks past the first product's come from the second (a2, b2), from its k-row 0; a partial last
+        // k-block of either reads TMA zeros past its k.
+        const int first = k_blocks_of(g.k);
+        const bool second = kb >= first;
+        const CUtensorMap* a = second ? &g.a2 : &g.a;
+        const CUtensorMap* b = second ? &g.b2 : &g.b;
+        const int kr = second ? (kb - first) * BK : krow;
+        tma::load_tile_2d(dst.a, a, kr, task.row0, full);  // BM token rows from the tile's first row
         if constexpr (MODE == kInputGrad) {  // w[e] stored (n, k): one K-major box of BN n-rows x 64 k
-          tma::load_tile_3d(dst.b, &g.b, krow, task.col0, task.group, full);
+          tma::load_tile_3d(dst.b, b, kr, task.col0, task.group, full);
         } else {  // w[e] stored (k, n): BN/64 N-major boxes of 64 k-rows x 64 n
 #pragma unroll
           for (int j = 0; j < BN / kBoxCols; ++j)
-            tma::load_tile_3d(dst.b + j * BK * kBoxCols, &g.b, task.col0 + j * kBoxCols, krow, task.group, full);
+            tma::load_tile_3d(dst.b + j * BK * kBoxCols, b, task.col0 + j * kBoxCols, kr, task.group, full);
         }
       }
       st.pos.advance();

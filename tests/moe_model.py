@@ -87,3 +87,32 @@ def moe_mlp_reference(x, ids, weights, w_gate, w_up, w_down):
 
     per_choice = jax.vmap(lambda row, es: jax.vmap(lambda e: expert(e, row))(es))(x, ids)  # (N, K, H)
     return jnp.einsum("nkh,nk->nh", per_choice, weights)
+
+
+def group_segments(group_sizes, m: int):
+    """(group, first row, end row) of each group's rows, cut at m."""
+    start = 0
+    for e, size in enumerate(group_sizes):
+        end = min(start + int(size), m)
+        yield e, start, end
+        start = end
+
+
+def swiglu_experts_reference(x, w_gate, w_up, w_down, group_sizes, dy):
+    """float32 NumPy forward and gradients of SwiGLU experts over contiguous groups of rows (pk_jax's
+    expert_ffn): y (m, H), dx (m, H), dw_gate, dw_up (E, H, F), dw_down (E, F, H); rows past the sum zero."""
+    m = x.shape[0]
+    y, dx = np.zeros((m, w_down.shape[2]), np.float32), np.zeros_like(x)
+    dwg, dwu, dwd = np.zeros_like(w_gate), np.zeros_like(w_up), np.zeros_like(w_down)
+    for e, lo, hi in group_segments(group_sizes, m):
+        xe, dye = x[lo:hi], dy[lo:hi]
+        g, u = xe @ w_gate[e], xe @ w_up[e]
+        s = 1 / (1 + np.exp(-g))
+        h = g * s * u
+        y[lo:hi] = h @ w_down[e]
+        dh = dye @ w_down[e].T
+        dwd[e] = h.T @ dye
+        dg, du = dh * u * s * (1 + g * (1 - s)), dh * g * s
+        dx[lo:hi] = dg @ w_gate[e].T + du @ w_up[e].T
+        dwg[e], dwu[e] = xe.T @ dg, xe.T @ du
+    return y, dx, dwg, dwu, dwd

@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import moe_model  # tests/ is on sys.path
 import pk_jax
 from pk_jax.bench import hlo_checks
-from pk_jax.moe import fused, overlap, routing
+from pk_jax.moe import expert_ffn, fused, overlap, routing
 
 ROUTINGS = [  # (G, E, K, kind, capacity, recv_rows): drops by capacity and by the R bound included
     (2, 8, 2, "uniform", None, None),
@@ -132,6 +132,8 @@ def test_moe_mlp_takes_the_fused_primitive_only_when_enabled(monkeypatch):
     (4, 8, 8, "repeats", None, jnp.bfloat16),
 ])
 def test_fallback_equals_unfused_moe_mlp(monkeypatch, g, e, k, kind, capacity, dtype):
+    # the overlap path composes SwiGLU and the down GEMM after its gate / up: the unfused path composed alike
+    monkeypatch.setenv(expert_ffn.MODE_ENV, "compose")
     assert "pk_moe_dispatch_matmul" in _mlp(monkeypatch, True, g, e, k, kind, capacity, dtype, names=True)
     got = _mlp(monkeypatch, True, g, e, k, kind, capacity, dtype)
     want = _mlp(monkeypatch, False, g, e, k, kind, capacity, dtype)

@@ -31,7 +31,9 @@ Baselines, timed in turns in the same run:
   skewed; extra.tflops counts the busiest member's gate + up FLOPs.
 --variants (grouped_matmul): our kernel's schedule variants (PK_JAX_GROUPED_VARIANT: BENCH_VARIANTS) timed
 in the same turns as the default and the baselines (extra.variants_ms, each checked against the default's
-result: the variants change the schedule, not the sums); lax.ragged_dot is left out there (time).
+result: the variants change the schedule, not the sums); lax.ragged_dot is left out there (time). moe_mlp:
+ours[compose], the experts' FFN composed from grouped_matmul and jax.nn (PK_JAX_MOE_EXPERT_FFN=compose) instead
+of pk_jax/moe/expert_ffn.py (its SwiGLU rounds twice: extra.baseline_errors.variant_checks gives the difference).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 import pk_jax
 from pk_jax.bench import results, timing
-from pk_jax.moe import fused, overlap, routing
+from pk_jax.moe import expert_ffn, fused, overlap, routing
 
 AX = "ep"
 # --variants: the schedule variants timed beside the default (PK_JAX_BENCH_GROUPED_VARIANTS, space-separated,
@@ -60,26 +62,27 @@ _gm = importlib.import_module("pk_jax.moe.grouped_matmul")  # the module (the pa
 
 
 @contextlib.contextmanager
-def _variant_env(spec: str):
-    old = os.environ.get(_gm.VARIANT_ENV)
-    os.environ[_gm.VARIANT_ENV] = spec
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if old is None:
-            os.environ.pop(_gm.VARIANT_ENV, None)
+            os.environ.pop(name, None)
         else:
-            os.environ[_gm.VARIANT_ENV] = old
+            os.environ[name] = old
 
 
 class _Traced:
-    """A jitted function lowered (so traced) with PK_JAX_GROUPED_VARIANT set to `spec` (read at trace time)."""
+    """A jitted function lowered (so traced) with environment variable `env` (default PK_JAX_GROUPED_VARIANT) set
+    to `spec` (read at trace time)."""
 
-    def __init__(self, jitted, spec: str):
-        self.jitted, self.spec = jitted, spec
+    def __init__(self, jitted, spec: str, env: str = _gm.VARIANT_ENV):
+        self.jitted, self.spec, self.env = jitted, spec, env
 
     def lower(self, *args):
-        with _variant_env(self.spec):
+        with _env(self.env, self.spec):
             return self.jitted.lower(*args)
 
 
@@ -363,6 +366,9 @@ def _contenders(c: Case, g: int, mesh: Mesh, dtype, variants: bool = False):
         mlp = lambda x, ids, wts, a, b, d: pk_jax.moe.moe_mlp(x, ids, wts, a, b, d, AX)
         ours = _program(mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))
         args = [x, ids, wts, wg, wu, wd]
+        if variants:  # the experts' FFN composed from grouped_matmul and jax.nn (before expert_ffn), same turns
+            bases.append(("ours[compose]", _Traced(_program(mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5)),
+                                                   "compose", expert_ffn.MODE_ENV)))
         bases.append(("lax.ragged_all_to_all + capacity-padded einsum (cf 1.25)",
                       _program(_ragged_mlp, mesh, P(AX), c.backward, (0, 2, 3, 4, 5))))
         if (c.t, c.h, c.e, c.k, c.f) != DEEPSEEK_EXCHANGE:  # there its (T, K, E, C) one-hot einsums are ~19 TFLOP

@@ -1,7 +1,9 @@
 """moe_mlp: an expert-parallel SwiGLU MoE layer: dispatch -> grouped gate/up -> SwiGLU -> grouped down -> combine.
 
-PK_JAX_MOE_OVERLAP=1 (trace time): dispatch and the gate/up grouped GEMMs run as one kernel where it serves
-(pk_jax/moe/overlap.py); same results, the backward unchanged."""
+The experts' FFN runs as pk_jax/moe/expert_ffn.py (GEMMs, SwiGLU and the backward on the rows in use only;
+PK_JAX_MOE_EXPERT_FFN=compose composes grouped_matmul and jax.nn instead). PK_JAX_MOE_OVERLAP=1 (trace time):
+dispatch and the gate/up grouped GEMMs run as one kernel where it serves (pk_jax/moe/overlap.py); same results,
+the backward unchanged."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from pk_jax.moe.dispatch import combine, dispatch
-from pk_jax.moe import overlap, routing
+from pk_jax.moe import expert_ffn, overlap, routing
 from pk_jax.moe.grouped_matmul import grouped_matmul
 from pk_jax.sharding import group_size
 from pk_jax.sharding.mesh_groups import AxisName
@@ -51,6 +53,8 @@ def moe_mlp(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: 
     else:  # dispatch validates the routing arguments and names the bad one
         recv, counts, handle = dispatch(x, topk_ids, axis_name, num_experts=local * g, capacity=capacity,
                                         recv_rows=recv_rows)
+        if not expert_ffn.composed():  # only the rows in use (combine reads no others)
+            return combine(expert_ffn.expert_ffn(recv, counts, w_gate, w_up, w_down), topk_weights, handle)
         gate, up = grouped_matmul(recv, w_gate, counts), grouped_matmul(recv, w_up, counts)
     hidden = jax.nn.silu(gate) * up
     return combine(grouped_matmul(hidden, w_down, counts), topk_weights, handle)
