@@ -67,7 +67,8 @@ ffi::Error launched(const char* what, cudaError_t e) {
 ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> key,
                     ffi::Buffer<ffi::S32> pos, ffi::Result<ffi::AnyBuffer> recv,
                     ffi::Result<ffi::Buffer<ffi::S32>> recv_counts, ffi::Result<ffi::Buffer<ffi::S32>> send_row,
-                    ffi::Result<ffi::Buffer<ffi::S32>> src_of, int32_t num_experts, int32_t dedup, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+                    ffi::Result<ffi::Buffer<ffi::S32>> src_of, int32_t num_experts, int32_t dedup, int32_t zero_tail,
+                    Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   Group g;
   const LocalDevice* me = nullptr;
   if (ffi::Error e = group_for(ordinal, kOpMoeDispatch, mesh_ids, mesh_shape, group_axes, g, me); e.failure())
@@ -96,7 +97,7 @@ ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
   }
   const int vec = vector_bytes(row_bytes, {x.untyped_data(), out}, {16, 4, 2});
   if (vec == 0) return ffi::Error::InvalidArgument("pk_jax moe dispatch: rows must be a multiple of 2 bytes");
-  const MoeDims d{dx[0], int32_t(n / dx[0]), num_experts, dr[0], row_bytes / vec};
+  const MoeDims d{dx[0], int32_t(n / dx[0]), num_experts, dr[0], row_bytes / vec, zero_tail};
   cudaError_t e = launch_moe_dispatch(g, d, vec, dedup != 0, x.untyped_data(), key.typed_data(), pos.typed_data(),
                                       out, static_cast<int32_t*>(scratch), recv_counts->typed_data(),
                                       send_row->typed_data(), Runtime::get().limits(*me), stream);
@@ -106,7 +107,7 @@ ffi::Error dispatch(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi:
 
 ffi::Error send(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_row,
                 ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> received, ffi::Result<ffi::AnyBuffer> recv,
-                int32_t top_k, int32_t scaled, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
+                int32_t top_k, int32_t scaled, int32_t zero_tail, Ids mesh_ids, Ids mesh_shape, Ids group_axes) {
   Group g;
   const LocalDevice* me = nullptr;
   if (ffi::Error e = group_for(ordinal, kOpMoeSend, mesh_ids, mesh_shape, group_axes, g, me); e.failure())
@@ -129,7 +130,7 @@ ffi::Error send(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer x, ffi::Buf
   const int64_t row_bytes = dx[1] * elem_bytes(dt);
   const int vec = vector_bytes(row_bytes, {x.untyped_data(), out}, {16, elem_bytes(dt)});
   if (vec == 0) return ffi::Error::Internal("pk_jax moe send: misaligned buffers");
-  const MoeDims d{dx[0], top_k, 0, dr[0], row_bytes / vec};
+  const MoeDims d{dx[0], top_k, 0, dr[0], row_bytes / vec, zero_tail};
   cudaError_t e = launch_moe_send(g, d, vec, dt, scaled != 0, x.untyped_data(), send_row.typed_data(),
                                   scale.typed_data(), received.typed_data(), out, Runtime::get().limits(*me), stream);
   if (e == cudaSuccess) e = staging.copy_back();
@@ -199,6 +200,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeDispatch, pk::dispatch,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int32_t>("num_experts")
                                   .Attr<int32_t>("dedup")
+                                  .Attr<int32_t>("zero_tail")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")
                                   .Attr<ffi::Span<const int64_t>>("group_axes"),
@@ -215,6 +217,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkMoeSend, pk::send,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int32_t>("top_k")
                                   .Attr<int32_t>("scaled")
+                                  .Attr<int32_t>("zero_tail")
                                   .Attr<ffi::Span<const int64_t>>("mesh_ids")
                                   .Attr<ffi::Span<const int64_t>>("mesh_shape")
                                   .Attr<ffi::Span<const int64_t>>("group_axes"),

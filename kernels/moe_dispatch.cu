@@ -27,7 +27,8 @@ __device__ __forceinline__ int32_t load_volatile(const int32_t* p) {
 // to the own member at every kept choice (local stores) and to each peer once, at the row of the token's
 // first kept choice there (its primary; MoeRoute::primary). Each kept choice's src_of entry tells the
 // destination where its data is; moe_fill_kernel copies the peers' non-primary rows after finish.
-// One warp in kZeroEvery zeroes the unused tail meanwhile (local HBM, overlapping the NVLink stores).
+// One warp in kZeroEvery zeroes the unused tail meanwhile (local HBM, overlapping the NVLink stores), unless
+// d.zero_tail is 0 (moe_mlp: nothing reads those rows; at G 4 they are ~3/4 of the buffer).
 constexpr int kZeroEvery = 4;
 
 template <int VEC>
@@ -36,14 +37,15 @@ __device__ __forceinline__ void dedup_rows(const MoeRoute& route, const MoeDims&
   const Warps w;
   const int64_t segs = segments(d), items = d.tokens * segs;
   const int64_t zero_from = (arrived < d.recv_rows ? arrived : d.recv_rows) * d.row_vecs;
-  const bool zeroes = w.warp % kZeroEvery == kZeroEvery - 1 && w.nwarps >= kZeroEvery;
+  const bool split = d.zero_tail && w.nwarps >= kZeroEvery;  // some warps zero the tail, the rest move rows
+  const bool zeroes = split && w.warp % kZeroEvery == kZeroEvery - 1;
   if (zeroes) {
     const int64_t zw = w.nwarps / kZeroEvery, me = w.warp / kZeroEvery;
     if (me < zw) zero_vecs<VEC>(own_recv, zero_from, d.recv_rows * d.row_vecs, me * 32 + w.lane, zw * 32);
     return;
   }
-  const int64_t rw = w.nwarps >= kZeroEvery ? w.nwarps - w.nwarps / kZeroEvery : w.nwarps;
-  const int64_t first = w.nwarps >= kZeroEvery ? w.warp - w.warp / kZeroEvery : w.warp;  // index among row warps
+  const int64_t rw = split ? w.nwarps - w.nwarps / kZeroEvery : w.nwarps;
+  const int64_t first = split ? w.warp - w.warp / kZeroEvery : w.warp;  // index among row warps
   for (int64_t it = first; it < items; it += rw) {
     const int64_t t = it / segs, seg = it % segs;
     const int64_t left = d.row_vecs - seg * kSegVecs;
@@ -61,7 +63,7 @@ __device__ __forceinline__ void dedup_rows(const MoeRoute& route, const MoeDims&
       store_segment<VEC>(recv[m], row * d.row_vecs + seg * kSegVecs, left, w.lane, v);
     }
   }
-  if (w.nwarps < kZeroEvery) zero_rows<VEC>(own_recv, zero_from / d.row_vecs, d.recv_rows, d.row_vecs);
+  if (d.zero_tail && !split) zero_rows<VEC>(own_recv, zero_from / d.row_vecs, d.recv_rows, d.row_vecs);
 }
 
 // Forward dispatch with the count exchange (see moe_dispatch.cuh).
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(kMoeThreads)
       if (DEDUP && row >= 0)
         reinterpret_cast<int32_t*>(bufs[1][route.dest(a)])[row] = int32_t(route.primary(a));
     }
-    if (!DEDUP) zero_rows<VEC>(recv, arrived < d.recv_rows ? arrived : d.recv_rows, d.recv_rows, d.row_vecs);
+    if (!DEDUP && d.zero_tail) zero_rows<VEC>(recv, arrived < d.recv_rows ? arrived : d.recv_rows, d.recv_rows, d.row_vecs);
   }
   op.finish();
 }
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(kMoeThreads)
       }
     }
     const int64_t got = *received;
-    zero_rows<VEC>(recv, got < d.recv_rows ? got : d.recv_rows, d.recv_rows, d.row_vecs);
+    if (d.zero_tail) zero_rows<VEC>(recv, got < d.recv_rows ? got : d.recv_rows, d.recv_rows, d.row_vecs);
   }
   op.finish();
 }

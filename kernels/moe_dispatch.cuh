@@ -17,13 +17,14 @@ struct MoeDims {
   int32_t experts;    // E (dispatch with counts only): global experts, L = E / G per member
   int64_t recv_rows;  // R: rows of every member's receive buffer (dispatch, send) or expert output y (combine)
   int64_t row_vecs;   // vec_bytes-wide vectors per row (x, recv, y and out rows have the same length)
+  int32_t zero_tail = 1;  // dispatch, send: 1 zeroes recv's rows past those that arrived; 0 leaves them
 };
 
 // Forward dispatch: counts each member's rows per global expert (key[a] in [0, E); anything else is
 // a dropped assignment), publishes them to every peer with the receive buffer's address, derives
 // every (source, destination, expert) offset in rank order, and pushes row x[a / K] of each kept
 // assignment to row base(dest, expert) + pos[a] of its destination's `recv` (rows at or past R drop).
-// Outputs: recv (R rows; zero after the rows that arrived), recv_counts (G, L) rows of each local
+// Outputs: recv (R rows; zero after the rows that arrived unless d.zero_tail is 0), recv_counts (G, L) rows of each local
 // expert from each source, send_row (T * K) dest * R + row of each assignment or -1 if dropped.
 // dedup: a token's row crosses to each peer once (at its primary row, MoeRoute::primary); src_of (R
 // int32, scratch published with recv) gets each received row's primary, and a second, local launch
@@ -36,7 +37,7 @@ cudaError_t launch_moe_dispatch(const Group& g, const MoeDims& d, int vec_bytes,
 
 // Dispatch with the layout known (the backward of combine): row x[a / K] (times scale[a] in float32
 // when `scaled`) to row send_row[a] % R of member send_row[a] / R; rows of `recv` from
-// min(*received, R) on are zeroed.
+// min(*received, R) on are zeroed (unless d.zero_tail is 0).
 cudaError_t launch_moe_send(const Group& g, const MoeDims& d, int vec_bytes, DType dtype, bool scaled, const void* x,
                             const int32_t* send_row, const float* scale, const int32_t* received, void* recv,
                             const LaunchLimits& lim, cudaStream_t stream);

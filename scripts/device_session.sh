@@ -43,6 +43,7 @@
 #   moe         (2 GPUs+) python -m pk_jax.bench moe                                      ~4 min
 #   expertffn   moe_mlp's experts on the rows in use: its GPU tests, the grouped GEMM's (default schedule), moe_mlp's
 #               (2 GPUs+), then (2 GPUs+) bench moe --op moe_mlp --variants (ours[compose]: the FFN composed, same turns) ~7 min
+#   zerotail    (2 GPUs+) dispatch(zero_tail=False) GPU tests, the expert FFN's and moe_mlp's, then expertffn's bench ~6 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   acctests    the attention kernels merging into ring attention's float32 states (forward epilogue, backward dQ add):
@@ -297,6 +298,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage moe-mlp-tests 120 python3 -m pytest tests/gpu/test_moe_gpu.py -m gpu -x -q -rs -k moe_mlp
                stage moe-mlp-ab ${MOE_LIMIT:-300} python3 -m pk_jax.bench moe --op moe_mlp --variants \
                  --out "$OUT/$day-moe-mlp-ab.json" ;;
+    zerotail) stage zero-tail-tests 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_moe_fused_gpu.py \
+                -m gpu -x -q -rs -k "zero_tail or fused_equals_reference"
+              stage ffn-tests 120 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py tests/gpu/test_moe_gpu.py -m gpu -x \
+                -q -rs -k "expert or sum or swiglu or moe_mlp"
+              stage moe-mlp-ab ${MOE_LIMIT:-300} python3 -m pk_jax.bench moe --op moe_mlp --variants \
+                --out "$OUT/$day-moe-mlp-ab.json" ;;
     chunked) stage chunked-first 60 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
                -m gpu -x -q -rs -k "test_all_reduce_sizes and small_chunked and 4096-"
              if grep -q " passed" "$OUT/chunked-first.log" && ! grep -q "failed" "$OUT/chunked-first.log"; then

@@ -113,7 +113,7 @@ def _check_routing_args(fn: str, x: jax.Array, topk_ids: jax.Array, num_experts:
 
 
 def dispatch(x: jax.Array, topk_ids: jax.Array, axis_name: AxisName, *, num_experts: int,
-             capacity: int | None = None, recv_rows: int | None = None
+             capacity: int | None = None, recv_rows: int | None = None, zero_tail: bool = True
              ) -> tuple[jax.Array, jax.Array, RoutingHandle]:
     """Sends every token to the members holding its top-k experts, grouped by local expert there.
 
@@ -134,11 +134,15 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, axis_name: AxisName, *, num_expe
         capacity), the worst case, so nothing drops. A smaller bound saves memory; rows arriving past it
         drop from the end of the output order (last local expert, last source, last position) and
         handle.received - sum(counts) says how many did.
+      zero_tail: True (default): recv's rows after sum(counts) are zeros, as is the gradient combine returns for
+        y there. False: both are unspecified where the fused kernels run (they leave those rows unwritten:
+        at G members the default bound is G times the average, so most of the buffer), for consumers that read
+        only the rows in use, as pk_jax.grouped_matmul's forward and gradients do (and moe_mlp).
 
     Returns:
       (recv, counts, handle): recv (R, H) in x's dtype, the received rows grouped by local expert (expert 0's
       rows first, contiguous, no padding between experts; within an expert by source member, then token,
-      then choice), zero rows after sum(counts); counts (L,) int32 rows per local expert (the group_sizes
+      then choice), zero rows after sum(counts) (see zero_tail); counts (L,) int32 rows per local expert (the group_sizes
       of pk_jax.grouped_matmul); handle, for pk_jax.moe.combine. Dropped assignments arrive nowhere and
       add zero in combine.
     """
@@ -148,7 +152,8 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, axis_name: AxisName, *, num_expe
         raise ValueError(f"pk_jax.moe.dispatch: capacity={capacity!r} must be None or an int >= 0")
     if recv_rows is not None and (not isinstance(recv_rows, int) or recv_rows < 1):
         raise ValueError(f"pk_jax.moe.dispatch: recv_rows={recv_rows!r} must be None or an int >= 1")
-    sizes = routing.routing_sizes(g, num_experts, x.shape[0], topk_ids.shape[1], capacity, recv_rows)
+    sizes = routing.routing_sizes(g, num_experts, x.shape[0], topk_ids.shape[1], capacity, recv_rows,
+                                  bool(zero_tail))
     if fused.use_fused(sizes, x.shape[1], x.dtype):
         axes = normalize_axis_name(axis_name)
         lp = routing.plan_local(topk_ids, sizes)

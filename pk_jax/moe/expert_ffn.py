@@ -174,6 +174,14 @@ def _ffn_bwd(use_kernel, variant, res, dy):
 _ffn.defvjp(_ffn_fwd, _ffn_bwd)
 
 
+def runs_kernels(recv, w_gate, w_down) -> bool:
+    """Whether expert_ffn's passes run the GPU kernels (on a CUDA device) for rows like recv's (only its dtype and
+    row length count): then it reads no row of recv, nor of its cotangent, past sum(counts)."""
+    hidden = jax.ShapeDtypeStruct((1, w_down.shape[1]), recv.dtype)
+    return _ext.available() and gm._kernel_unsupported(recv, w_gate) is None and \
+        gm._kernel_unsupported(hidden, w_down) is None
+
+
 def expert_ffn(recv: jax.Array, counts: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                w_down: jax.Array) -> jax.Array:
     """SwiGLU experts over contiguous groups of rows: silu(x_e W_gate[e]) * (x_e W_up[e]) W_down[e].
@@ -189,7 +197,5 @@ def expert_ffn(recv: jax.Array, counts: jax.Array, w_gate: jax.Array, w_up: jax.
       are unspecified likewise.
     """
     gs = counts.astype(jnp.int32)
-    hidden = jax.ShapeDtypeStruct((recv.shape[0], w_down.shape[1]), recv.dtype)
-    why = gm._kernel_unsupported(recv, w_gate) or gm._kernel_unsupported(hidden, w_down)
     variant = gm._variant() | NO_TAIL
-    return _ffn(recv, w_gate, w_up, w_down, gs, why is None and _ext.available(), variant)
+    return _ffn(recv, w_gate, w_up, w_down, gs, runs_kernels(recv, w_gate, w_down), variant)

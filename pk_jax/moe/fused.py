@@ -228,7 +228,7 @@ def _dispatch_abstract(x, key, pos, *, axis_name, sizes: RoutingSizes):
             _varying(x, axis_name, key.shape, jnp.int32, key, pos))
 
 
-def _send_abstract(x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
+def _send_abstract(x, send_row, scale, received, *, axis_name, recv_rows, g, scaled, zero_tail=True):
     return _varying(x, axis_name, (recv_rows, x.shape[1]), x.dtype, send_row, scale, received)
 
 
@@ -247,7 +247,7 @@ def _dispatch_lax(ctx, x, key, pos, *, axis_name, sizes):
                           multiple_results=True)(ctx, x, key, pos)
 
 
-def _send_lax(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
+def _send_lax(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled, zero_tail=True):
     fn = lambda x, s, c, _: _send_emulation(x, s, c if scaled else None, axis_name=axis_name, recv_rows=recv_rows,
                                             g=g)
     return mlir.lower_fun(fn, multiple_results=False)(ctx, x, send_row, scale, received)
@@ -286,17 +286,18 @@ def _dispatch_cuda(ctx, x, key, pos, *, axis_name, sizes):
     outs = jax.ffi.ffi_lowering("pk_moe_dispatch")(ctx.replace(avals_out=[*ctx.avals_out, scratch]), x, key, pos,
                                                    num_experts=np.int32(sizes.num_experts),
                                                    dedup=np.int32(dispatch_dedup(sizes.g, sizes.top_k)),
-                                                   **_mesh_attrs(table))
+                                                   zero_tail=np.int32(sizes.zero_tail), **_mesh_attrs(table))
     return outs[:3]
 
 
-def _send_cuda(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled):
+def _send_cuda(ctx, x, send_row, scale, received, *, axis_name, recv_rows, g, scaled, zero_tail=True):
     if (table := _group(ctx, "moe dispatch", axis_name)) is None:
         return _send_lax(ctx, x, send_row, scale, received, axis_name=axis_name, recv_rows=recv_rows, g=g,
                          scaled=scaled)
     top_k = ctx.avals_in[1].shape[0] // ctx.avals_in[0].shape[0]
     return jax.ffi.ffi_lowering("pk_moe_send")(ctx, x, send_row, scale, received, top_k=np.int32(top_k),
-                                               scaled=np.int32(scaled), **_mesh_attrs(table))
+                                               scaled=np.int32(scaled), zero_tail=np.int32(zero_tail),
+                                               **_mesh_attrs(table))
 
 
 def _combine_cuda(ctx, y, send_row, weights, *, axis_name, top_k, gather, partials):
@@ -327,11 +328,12 @@ if _ext.available():
 # d(combine)/dy = dispatch of the weighted cotangent).
 
 def send(x, send_row, scale, received, axis_name, sizes: RoutingSizes):
-    """(T, H) rows -> (R, H) at their destinations (layout known), scaled per assignment unless scale is None."""
+    """(T, H) rows -> (R, H) at their destinations (layout known), scaled per assignment unless scale is None;
+    rows past those received are zero, or unspecified where sizes.zero_tail is False (the kernel leaves them)."""
     scaled = scale is not None
     scale = (scale.reshape(-1).astype(jnp.float32) if scaled else jnp.ones(send_row.shape, jnp.float32))
     return _bind(moe_send_p, x, send_row, scale, jnp.asarray(received, jnp.int32).reshape(()),
-                 axis_name=axis_name, recv_rows=sizes.recv_rows, g=sizes.g, scaled=scaled)
+                 axis_name=axis_name, recv_rows=sizes.recv_rows, g=sizes.g, scaled=scaled, zero_tail=sizes.zero_tail)
 
 
 def partials_pay(g: int, top_k: int, itemsize: int) -> bool:

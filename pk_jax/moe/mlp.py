@@ -51,9 +51,12 @@ def moe_mlp(x: jax.Array, topk_ids: jax.Array, topk_weights: jax.Array, w_gate: 
         gate, up, counts, handle = overlap.dispatch_gate_up(x, topk_ids, w_gate, w_up, axis_name, num_experts=local * g,
                                                            capacity=capacity, recv_rows=recv_rows)
     else:  # dispatch validates the routing arguments and names the bad one
+        rows_only = not expert_ffn.composed()
+        # Where the FFN's kernels read only the rows in use, recv's tail (and combine's d y tail) need no zeros.
+        zero_tail = not (rows_only and expert_ffn.runs_kernels(x, w_gate, w_down))
         recv, counts, handle = dispatch(x, topk_ids, axis_name, num_experts=local * g, capacity=capacity,
-                                        recv_rows=recv_rows)
-        if not expert_ffn.composed():  # only the rows in use (combine reads no others)
+                                        recv_rows=recv_rows, zero_tail=zero_tail)
+        if rows_only:  # only the rows in use (combine reads no others)
             return combine(expert_ffn.expert_ffn(recv, counts, w_gate, w_up, w_down), topk_weights, handle)
         gate, up = grouped_matmul(recv, w_gate, counts), grouped_matmul(recv, w_up, counts)
     hidden = jax.nn.silu(gate) * up

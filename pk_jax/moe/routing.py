@@ -50,6 +50,7 @@ class RoutingSizes:
     send_rows: int
     recv_rows: int
     capacity: int | None
+    zero_tail: bool = True  # rows of recv (and of combine's d y) past those received: zeros, else unspecified
 
     @property
     def local_experts(self) -> int:
@@ -57,7 +58,7 @@ class RoutingSizes:
 
 
 def routing_sizes(g: int, num_experts: int, tokens: int, top_k: int, capacity: int | None,
-                  recv_rows: int | None) -> RoutingSizes:
+                  recv_rows: int | None, zero_tail: bool = True) -> RoutingSizes:
     """The static sizes, defaults included: S = T * K without capacity (every assignment to one member),
     min(T * K, L * C) with it; R = G * S unless the caller bounds it."""
     if tokens * top_k > MAX_ASSIGNMENTS:
@@ -66,7 +67,8 @@ def routing_sizes(g: int, num_experts: int, tokens: int, top_k: int, capacity: i
                          f"only up to 2^24; split the tokens into smaller calls")
     local = num_experts // g
     send = tokens * top_k if capacity is None else min(tokens * top_k, local * capacity)
-    return RoutingSizes(g, num_experts, tokens, top_k, send, g * send if recv_rows is None else recv_rows, capacity)
+    return RoutingSizes(g, num_experts, tokens, top_k, send, g * send if recv_rows is None else recv_rows, capacity,
+                        zero_tail)
 
 
 @jax.tree_util.register_dataclass

@@ -9,6 +9,7 @@ take the fused path by default on GPUs."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import pk_jax
 from pk_jax.moe import fused
 
 from .devices import gpus
+from .poison import poison_allocator
 
 MIN_GPUS = 2
 FUSED_CALLS = ("pk_moe_dispatch", "pk_moe_combine", "pk_moe_send")
@@ -179,6 +181,46 @@ def test_fused_equals_reference(g, local, k, kind, capacity, recv_rows):
     mesh = Mesh(np.array(gpus()[:g]), ("ep",))
     _compare(mesh, "ep", g, local * g, k, kind, jnp.float32, capacity=capacity, recv_rows=recv_rows, seed=g + k)
     print(f"PASS moe fused == reference G={g} L={local} K={k} {kind} cap={capacity} R={recv_rows}")
+
+
+@pytest.mark.parametrize("g", group_sizes())
+@pytest.mark.parametrize("dedup", [True, False], ids=["dedup", "old"])
+def test_zero_tail_off_changes_only_the_tail(g, dedup):
+    """dispatch(zero_tail=False): the rows in use, counts, combine's output and both VJPs equal the default's bit
+    for bit (the tail of recv and of combine's d y is left unwritten: NaN-poisoned memory there)."""
+    mesh = Mesh(np.array(gpus()[:g]), ("ep",))
+    rng = np.random.default_rng(40 + g)
+    tokens, k, e, hidden = 64, 4, 4 * g, 64
+    ids = jnp.asarray(moe_model.random_routing(rng, g, tokens, k, e, "skewed").reshape(g * tokens, k))
+    x = jnp.asarray(rng.standard_normal((g * tokens, hidden)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.1, 1.0, (g * tokens, k)), jnp.float32)
+    cot = jnp.asarray(rng.standard_normal((g * tokens, hidden)), jnp.bfloat16)
+
+    def member(x, ids, w, cot, zero_tail):
+        def layer(x, w):
+            recv, counts, h = pk_jax.moe.dispatch(x, ids, "ep", num_experts=e, zero_tail=zero_tail)
+            return pk_jax.moe.combine(recv * jnp.asarray(1.5, recv.dtype), w, h), (recv, counts)
+
+        out, vjp, (recv, counts) = jax.vjp(layer, x, w, has_aux=True)
+        return (recv, counts, out, *vjp(cot))
+
+    results = {}
+    for zero_tail in (True, False):
+        f = jax.jit(jax.shard_map(functools.partial(member, zero_tail=zero_tail), mesh=mesh, in_specs=P("ep"),
+                                  out_specs=P("ep")))
+        poison_allocator(64 << 20, gpus()[:g])
+        with fused.override("fused"), fused.override_dedup(dedup):
+            results[zero_tail] = [np.asarray(o.astype(jnp.float32)) for o in f(x, ids, w, cot)]
+    pk_jax.runtime.check()
+    (recv_a, counts_a, *rest_a), (recv_b, counts_b, *rest_b) = results[True], results[False]
+    np.testing.assert_array_equal(counts_a, counts_b)
+    r, local = recv_a.shape[0] // g, e // g
+    for m in range(g):
+        lo, used = m * r, int(counts_a[m * local:(m + 1) * local].sum())
+        assert not recv_a[lo + used:lo + r].any(), "the default zeroes recv's tail"
+        np.testing.assert_array_equal(recv_a[lo:lo + used], recv_b[lo:lo + used], err_msg=f"recv rows of member {m}")
+    for name, a, b in zip(("out", "dx", "dw"), rest_a, rest_b):
+        np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("dtype,hidden", [(jnp.bfloat16, 64), (jnp.float16, 5), (jnp.bfloat16, 6),
