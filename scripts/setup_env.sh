@@ -21,7 +21,7 @@ else
   [ -n "$base" ] || { echo "pk_jax: needs Python >= 3.12 (jax 0.11)"; exit 1; }
   "$base" -m venv .venv
   .venv/bin/python -m pip install -q --upgrade pip
-  .venv/bin/python -m pip install -q "jax==0.11.2" nanobind scikit-build-core pytest numpy matplotlib flax
+  .venv/bin/python -m pip install -q "jax==0.11.2" nanobind scikit-build-core pytest pytest-xdist numpy matplotlib flax
   PY=.venv/bin/python
 fi
 echo "pk_jax: using $($PY -c 'import sys; print(sys.executable)')"

@@ -1,4 +1,9 @@
 #!/usr/bin/env bash
 # Set up, build, and run the tests (GPU tests run when >= 2 GPUs are present, else they skip).
+# Without a GPU the CPU tests run on PK_JAX_TEST_WORKERS processes (default 2, pytest-xdist when installed).
 source "$(dirname "$0")/setup_env.sh"
-exec $PY -m pytest tests -q -rs "$@"
+workers=()
+if ! nvidia-smi -L >/dev/null 2>&1 && $PY -c "import xdist" 2>/dev/null; then
+  workers=(-n "${PK_JAX_TEST_WORKERS:-2}")
+fi
+exec $PY -m pytest tests -q -rs "${workers[@]}" "$@"

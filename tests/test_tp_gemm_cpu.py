@@ -191,7 +191,7 @@ def test_autotune_without_composition(tmp_path, monkeypatch):
     (pk_jax.matmul_all_reduce, {"schedule": "store_add", "num_comm_sms": 8}, "no num_comm_sms"),
     (pk_jax.all_gather_matmul, {"schedule": "store_add"}, "'intra_sm', 'comm_sms', 'small' or 'xla'"),
     (pk_jax.all_gather_matmul, {"schedule": "intra_sm", "num_comm_sms": 4}, "no num_comm_sms"),
-], ids=str)
+], ids=lambda v: getattr(v, "__name__", str(v)))  # stable ids (not addresses): pytest-xdist workers must agree
 def test_schedule_errors(fn, kw, match):
     mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
     x, w = rand(9, (64, 32)), rand(10, (32, 48))

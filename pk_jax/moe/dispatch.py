@@ -142,9 +142,9 @@ def dispatch(x: jax.Array, topk_ids: jax.Array, axis_name: AxisName, *, num_expe
     Returns:
       (recv, counts, handle): recv (R, H) in x's dtype, the received rows grouped by local expert (expert 0's
       rows first, contiguous, no padding between experts; within an expert by source member, then token,
-      then choice), zero rows after sum(counts) (see zero_tail); counts (L,) int32 rows per local expert (the group_sizes
-      of pk_jax.grouped_matmul); handle, for pk_jax.moe.combine. Dropped assignments arrive nowhere and
-      add zero in combine.
+      then choice), zero rows after sum(counts) (see zero_tail); counts (L,) int32 rows per local expert (the
+      group_sizes of pk_jax.grouped_matmul); handle, for pk_jax.moe.combine. Dropped assignments arrive nowhere
+      and add zero in combine.
     """
     g = group_size(axis_name)
     _check_routing_args("dispatch", x, topk_ids, num_experts, g)

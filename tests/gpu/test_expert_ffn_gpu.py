@@ -95,7 +95,8 @@ def test_expert_ffn_matches_reference(r, h, f, e, kind):
     x, dy = _nan_tail(rand((r, h), jnp.bfloat16), used), _nan_tail(rand((r, h), jnp.bfloat16), used)
     wg, wu = rand((e, h, f), jnp.bfloat16, 1 / np.sqrt(h)), rand((e, h, f), jnp.bfloat16, 1 / np.sqrt(h))
     wd = rand((e, f, h), jnp.bfloat16, 1 / np.sqrt(f))
-    want = moe_model.swiglu_experts_reference(*(np.asarray(t, np.float32) for t in (x, wg, wu, wd)), gs, np.asarray(dy, np.float32))
+    want = moe_model.swiglu_experts_reference(*(np.asarray(t, np.float32) for t in (x, wg, wu, wd)), gs,
+                                              np.asarray(dy, np.float32))
 
     def fwd_bwd(x, wg, wu, wd, gs, dy):
         y, vjp = jax.vjp(lambda *p: ffn.expert_ffn(p[0], gs, *p[1:]), x, wg, wu, wd)
