@@ -80,6 +80,7 @@
 #   moededup    (2 GPUs+) the deduplicated dispatch and the partials combine: first tests alone (waits bounded at 3 s),
 #               the MoE GPU tests, then dispatch/combine alone vs the kernels before dedup, the reference and lax ~5 min
 #   ringbench   (2 GPUs+) ring rows at S 12288 with both transports (no tests first)              ~1.5 min
+#   moeranks2   2 ranks sharing one GPU (MPS): check_moe only (dispatch/combine every routing, moe_mlp and gradients) ~3 min
 #   sharedranks ranks sharing one GPU (MPS): check_small (incl. chunk flags), replays, check_moe (dedup/partials
 #               and the kernels before), check_ring, at 2 then 4 ranks                              ~8 min
 #   ringtimeline (2 GPUs+) scripts/ring_timeline.py, pk transport only: causal zigzag fwd, fwd+bwd both masks ~1.5 min
@@ -359,6 +360,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ringbench) stage ringbench 150 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
                  fwd_contiguous fwd_causal_zigzag fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports pk xla --reps 10 \
                  --out "$OUT/$day-context-ring-transports.json" ;;
+    moeranks2) stage moeranks2 ${MOERANKS_LIMIT:-200} python3 -m pk_jax.bench multirank --ranks 2 --steps check_moe \
+                 --out "$OUT/$day-multirank-2-moe.json" ;;
     sharedranks) stage sharedranks 540 python3 -m pk_jax.bench multirank --ranks 2 4 --steps check_small \
                    check_small_replay check_moe check_ring --out "$OUT/$day-multirank-shared.json" ;;
     overlapall) stage overlap-every-gpu 150 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest -x -q -rs tests/gpu/test_moe_overlap_gpu.py \
