@@ -25,7 +25,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax._src import config, core, dispatch
+from jax._src import core, dispatch
 from jax.interpreters import batching, mlir
 
 from pk_jax import _ext
@@ -44,13 +44,6 @@ def composed() -> bool:
     return mode == "compose"
 
 
-def _varying_like(out, *ins):
-    if config._check_vma.value:
-        varying = frozenset().union(*(frozenset(a.mat.varying) for a in ins))
-        out = out.update(manual_axis_type=ins[0].mat.update(varying=varying))
-    return out
-
-
 # (a, b, a2, b2, group_sizes) -> grouped(a, b) + grouped(a2, b2) in one accumulator (mode 0: w (E, k, n); mode 1:
 # w (E, n, k) read transposed), one rounding to a's dtype.
 grouped_sum_p = core.Primitive("pk_grouped_matmul_sum")
@@ -65,7 +58,7 @@ def _sum_reference(a, b, a2, b2, group_sizes, *, mode, variant=0):
 
 def _sum_abstract(a, b, a2, b2, group_sizes, *, mode, variant=0):
     n = b.shape[1] if mode == gm.INPUT_GRAD else b.shape[2]
-    return _varying_like(a.update(shape=(a.shape[0], n), dtype=a.dtype), a, b, a2, b2, group_sizes)
+    return gm.varying_like(a.update(shape=(a.shape[0], n), dtype=a.dtype), a, b, a2, b2, group_sizes)
 
 
 def _sum_cuda(ctx, a, b, a2, b2, group_sizes, *, mode, variant=0):
@@ -92,15 +85,15 @@ def _swiglu_bwd_reference(gate, up, d_hidden, group_sizes):
 
 
 def _swiglu_abstract(gate, up, group_sizes):
-    return _varying_like(gate.update(dtype=gate.dtype), gate, up, group_sizes)
+    return gm.varying_like(gate.update(dtype=gate.dtype), gate, up, group_sizes)
 
 
 def _swiglu_bwd_abstract(gate, up, d_hidden, group_sizes):
-    out = _varying_like(gate.update(dtype=gate.dtype), gate, up, d_hidden, group_sizes)
+    out = gm.varying_like(gate.update(dtype=gate.dtype), gate, up, d_hidden, group_sizes)
     return out, out
 
 
-def _register(p, abstract, reference, cuda_target: str | None, cuda_lowering=None):
+def _register(p, abstract, reference, cuda_lowering):
     p.def_abstract_eval(abstract)
     p.def_impl(functools.partial(dispatch.apply_primitive, p))
     multiple = p.multiple_results
@@ -115,12 +108,12 @@ def _register(p, abstract, reference, cuda_target: str | None, cuda_lowering=Non
     mlir.register_lowering(p, lambda ctx, *args, **params: mlir.lower_fun(
         functools.partial(reference, **params), multiple_results=multiple)(ctx, *args))
     if _ext.available():
-        mlir.register_lowering(p, cuda_lowering or jax.ffi.ffi_lowering(cuda_target), platform="cuda")
+        mlir.register_lowering(p, cuda_lowering, platform="cuda")
 
 
-_register(grouped_sum_p, _sum_abstract, _sum_reference, None, _sum_cuda)
-_register(swiglu_p, _swiglu_abstract, _swiglu_reference, "pk_swiglu_rows")
-_register(swiglu_bwd_p, _swiglu_bwd_abstract, _swiglu_bwd_reference, "pk_swiglu_rows_bwd")
+_register(grouped_sum_p, _sum_abstract, _sum_reference, _sum_cuda)
+_register(swiglu_p, _swiglu_abstract, _swiglu_reference, jax.ffi.ffi_lowering("pk_swiglu_rows"))
+_register(swiglu_bwd_p, _swiglu_bwd_abstract, _swiglu_bwd_reference, jax.ffi.ffi_lowering("pk_swiglu_rows_bwd"))
 
 
 def _input_grad_sum(d_gate, w_gate, d_up, w_up, gs, x_dtype, use_kernel, variant):

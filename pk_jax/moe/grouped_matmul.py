@@ -179,16 +179,20 @@ def _note_fallback(why: str) -> None:
                   "kernel", stacklevel=4)
 
 
+def varying_like(out, *ins):
+    """An output aval varying over every axis any input varies over (shard_map's vma typing)."""
+    if config._check_vma.value:
+        varying = frozenset().union(*(frozenset(a.mat.varying) for a in ins))
+        out = out.update(manual_axis_type=ins[0].mat.update(varying=varying))
+    return out
+
+
 def _abstract_eval(a, b, group_sizes, *, mode, variant=0):
     if mode == WEIGHT_GRAD:
         shape = (group_sizes.shape[0], a.shape[1], b.shape[1])
     else:
         shape = (a.shape[0], b.shape[1] if mode == INPUT_GRAD else b.shape[2])
-    out = a.update(shape=shape, dtype=a.dtype)
-    if config._check_vma.value:
-        varying = frozenset(a.mat.varying) | frozenset(b.mat.varying) | frozenset(group_sizes.mat.varying)
-        out = out.update(manual_axis_type=a.mat.update(varying=varying))
-    return out
+    return varying_like(a.update(shape=shape, dtype=a.dtype), a, b, group_sizes)
 
 
 def _reference(a, b, group_sizes, *, mode, variant=0, tile_rows=TILE_ROWS):
