@@ -86,6 +86,8 @@
 #   ringtimeline (2 GPUs+) scripts/ring_timeline.py, pk transport only: causal zigzag fwd, fwd+bwd both masks ~1.5 min
 #   attnncu     Nsight Compute counters of our attention forward/backward kernels beside cuDNN's (B4 S16384 N16
 #               D128; NCU_ARGS="--causal"): details page (Firecracker kinds only: nvidia-h100-x1)   ~4 min
+#   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
+#               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
 #   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
@@ -341,6 +343,18 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ours_bwd cudnn_bwd \
                ${NCU_ARGS:-}
              stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details ;;
+    groupedprobe) # where the grouped forward loses to jnp.dot: one group / even / multinomial / 64-row counts, then
+                  # Nsight Compute on jnp.dot and E 64 even / uniform (nvidia-h100-x1 only: counters elsewhere refused)
+                  stage groupedprobe 150 python3 scripts/grouped_probe.py ${PROBE_ARGS:-}
+                  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+                  for c in "jnp.dot" "ours E64 even" "ours E64 uniform"; do
+                    tag=$(echo "$c" | tr ' .' '__')
+                    stage ncu-$tag 90 "$NCU" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
+                      -k 'regex:grouped|nvjet|sm90|gemm|cutlass' -c 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                      --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+                      env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/grouped_probe.py --once "$c" ${PROBE_ARGS:-}
+                    stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
+                  done ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
     moeoverlap) stage moeoverlap $((${MOEOVERLAP_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${MOEOVERLAP_DEADLINE:-420} \

@@ -1,0 +1,79 @@
+"""Where the grouped GEMM's forward loses to a dense GEMM of the same FLOPs (issue 27's 0.9x target).
+
+At one (m, k, n) it times, in the same turns: jnp.dot (m, k) x (k, n); our kernel with one group (the dense
+problem through the grouped path); E groups of exactly m / E rows (no partial row tile: only the weight traffic
+differs from one group); E groups with multinomial counts (uniform routing: partial last tiles too); and E groups
+with counts rounded to 64-row multiples (a partial tile never has more than one 64-row slice to compute).
+
+    python3 scripts/grouped_probe.py [--rows 32768 --k 7168 --n 2048 --experts 64 128] [--once NAME]
+
+--once NAME runs that contender twice (compile, then once more) and exits: for Nsight Compute."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pk_jax.bench.timing import time_interleaved
+
+gm = importlib.import_module("pk_jax.moe.grouped_matmul")
+
+
+def counts(kind: str, rows: int, e: int, rng: np.random.Generator) -> np.ndarray:
+    if kind == "even":
+        c = np.full(e, rows // e)
+    elif kind == "uniform":
+        c = rng.multinomial(rows, np.full(e, 1.0 / e))
+    elif kind == "round64":  # each count cut down to a multiple of 64 (fewer rows: FLOPs counted per row)
+        c = rng.multinomial(rows, np.full(e, 1.0 / e)) // 64 * 64
+    else:
+        raise ValueError(kind)
+    return c.astype(np.int32)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", type=int, default=32768)
+    ap.add_argument("--k", type=int, default=7168)
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--experts", type=int, nargs="*", default=[64, 128])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--once", default=None)
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    m, k, n = a.rows, a.k, a.n
+    xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.float32).astype(jnp.bfloat16) for i in range(4)]
+    w1 = jax.random.normal(jax.random.key(9), (1, k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
+    dense = jax.jit(lambda xs: [jnp.dot(x, w1[0]) for x in xs])
+    contenders = {"jnp.dot": (dense, m)}
+    one = jnp.array([m], jnp.int32)
+    contenders["ours E1"] = (jax.jit(lambda xs: [gm.grouped_matmul(x, w1, one) for x in xs]), m)
+    for e in a.experts:
+        w = jax.random.normal(jax.random.key(e), (e, k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
+        for kind in ("even", "uniform", "round64"):
+            c = counts(kind, m, e, rng)
+            gs = jnp.asarray(c)
+            contenders[f"ours E{e} {kind}"] = (
+                jax.jit(lambda xs, w=w, gs=gs: [gm.grouped_matmul(x, w, gs) for x in xs]), int(c.sum()))
+    if a.once:
+        f, _ = contenders[a.once]
+        jax.block_until_ready(f(xs[:1]))
+        print(f"== {a.once}", flush=True)
+        jax.block_until_ready(f(xs[:1]))
+        return
+    names = list(contenders)
+    ms = time_interleaved([contenders[nm][0] for nm in names], xs, reps=a.reps, min_sample_ms=20.0)
+    base = ms[0] * 1.0 / contenders["jnp.dot"][1]
+    print(f"m {m} k {k} n {n} (bf16), ms per op, TFLOP/s on the rows in use, vs jnp.dot per row")
+    for nm, t in zip(names, ms):
+        rows = contenders[nm][1]
+        tf = 2.0 * rows * k * n / (t * 1e-3) / 1e12
+        print(f"{nm:24s} {t:8.3f} ms  rows {rows:6d}  {tf:6.1f} TFLOP/s  {base * rows / t:5.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
