@@ -24,12 +24,12 @@ constexpr int stages_for() {
   return n > 8 ? 8 : int(n);
 }
 
-template <typename T, int TILE, int MODE, bool DYN = false, bool PIPE = false>
-using KernelOf = Kernel<T, 2, kBn[TILE], stages_for<T, 2, kBn[TILE]>(), MODE, DYN, PIPE>;
+template <typename T, int TILE, int MODE, bool DYN = false, bool PIPE = false, bool PAIR = false>
+using KernelOf = Kernel<T, 2, kBn[TILE], stages_for<T, 2, kBn[TILE]>(), MODE, DYN, PIPE, PAIR>;
 
-template <typename T, int TILE, int MODE, bool DYN, bool PIPE = false>
+template <typename T, int TILE, int MODE, bool DYN, bool PIPE = false, bool PAIR = false>
 void run(const Problem& p, int sms, cudaStream_t stream) {
-  using K = KernelOf<T, TILE, MODE, DYN, PIPE>;
+  using K = KernelOf<T, TILE, MODE, DYN, PIPE, PAIR>;
   static_assert(K::STAGES >= 3, "pipeline depth");
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   Globals g{};
@@ -57,9 +57,13 @@ void run(const Problem& p, int sms, cudaStream_t stream) {
   g.tokens = p.tokens, g.m = p.m, g.n = p.n, g.k = p.k;
   g.num_groups = e;
   g.tiles_n = (p.n + K::BN - 1) / K::BN;
-  g.group_m = TileGrid::balanced_group_m(sms, K::BM, K::BN, g.tiles_m);
-  // Forward / input grad: each group adds at most one partial row tile to ceil(tokens / BM), plus the tail.
+  // Forward / input grad: each group adds at most one partial row tile to ceil(tokens / BM), plus the tail;
+  // pair: tasks are pairs of a group's row tiles (an odd count rounds up: at most one more per group), the
+  // raster over clusters of two CTAs.
+  g.group_m = PAIR ? TileGrid::balanced_group_m(sms / 2, 2 * K::BM, K::BN, (g.tiles_m + 1) / 2)
+                   : TileGrid::balanced_group_m(sms, K::BM, K::BN, g.tiles_m);
   const long long tasks = MODE == kWeightGrad ? (long long)e * g.tiles_m * g.tiles_n
+                          : PAIR              ? ((long long)g.tiles_m + 2 * e) / 2 * g.tiles_n
                                               : ((long long)g.tiles_m + e + 1) * g.tiles_n;
   if (tasks > INT_MAX) throw std::invalid_argument("pk_jax grouped_matmul: too many tiles for one launch");
   g.max_tasks = int(tasks);
@@ -74,6 +78,12 @@ template <typename T, int MODE, bool DYN>
 void dispatch_tile(const Problem& p, int tile, int sms, cudaStream_t stream) {
   if constexpr (MODE == kWeightGrad) {  // variant pipe: 128x128 tiles (launch() picks the tile)
     if (p.variant & kVariantPipe) return run<T, k128x128, MODE, DYN, true>(p, sms, stream);
+  }
+  if constexpr (MODE == kForward) {  // variant pair (static schedule, so dyn is dropped)
+    if ((p.variant & kVariantPair) && sms >= 2) {
+      if (tile == k128x256) return run<T, k128x256, MODE, false, false, true>(p, sms, stream);
+      return run<T, k128x128, MODE, false, false, true>(p, sms, stream);
+    }
   }
   if (tile == k128x256) run<T, k128x256, MODE, DYN>(p, sms, stream);
   else run<T, k128x128, MODE, DYN>(p, sms, stream);
@@ -97,6 +107,7 @@ void dispatch(const Problem& p, int tile, int sms, cudaStream_t stream) {
 template <typename T, int TILE, bool DYN>
 cudaError_t configure_tile() {
   cudaError_t e = lcsc::configure<KernelOf<T, TILE, kForward, DYN>>();
+  if (e == cudaSuccess && !DYN) e = lcsc::configure<KernelOf<T, TILE, kForward, false, false, true>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, TILE, kInputGrad, DYN>>();
   if (e == cudaSuccess && TILE == k128x128) e = lcsc::configure<KernelOf<T, k128x128, kWeightGrad, DYN, true>>();
   return e == cudaSuccess ? lcsc::configure<KernelOf<T, TILE, kWeightGrad, DYN>>() : e;
@@ -119,7 +130,7 @@ const char* unsupported(const Problem& p) {
   if (p.n % 8) return "n must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.mode == kWeightGrad ? p.m % 8 : p.k % 8) return "k must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.tokens < 0 || p.m < 0 || p.n < 0 || p.k < 0) return "negative sizes";
-  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail)";
+  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail, 32: pair)";
   if (p.k2 < 0 || (p.k2 > 0 && (p.mode == kWeightGrad || p.k == 0 || p.k2 % 8 || !p.a2 || !p.b2)))
     return "a second product needs the forward or input grad, a first one (k > 0), both operands and k2 % 8 == 0";
   return "";

@@ -30,12 +30,17 @@
 // (weight grad, 128x128 tiles): a consumer keeps a task's accumulator (a second 64-register copy) and writes
 // it out after issuing the next task's first k-block, so the epilogue of a short-K tile runs under the
 // next tile's MMAs (the last one in consumer_finish); with pipe the weight grad ignores narrow (its n tail
-// is at most 128 wide already).
+// is at most 128 wide already). `pair` (forward): clusters of two CTAs; a task is a pair of one group's row tiles
+// (tiles 2i and 2i + 1) and an n tile, each CTA computing one of the two while each loads half of the B boxes and
+// multicasts them to both (pk/cluster.cuh: within one GPU), so B is read from L2 once per pair instead of once per
+// tile (one H100, k 7168, E 64 at 512 rows: L2 at 88 % of its throughput, tensor pipes at 76 %). A group's odd
+// last tile leaves the second CTA a shadow: it loads and releases the stages, computes and stores nothing.
 #pragma once
 #include <climits>
 #include <type_traits>
 
 #include "gemm_kernel.cuh"
+#include "pk/cluster.cuh"
 #include "pk/group_table.cuh"
 
 namespace pk::grouped {
@@ -63,7 +68,8 @@ struct Globals {
 enum Variant : int {
   kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8,
   kVariantNoTail = 16,  // rows past sum(group_sizes) are left as they were (callers that never read them)
-  kVariantMask = 31
+  kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
+  kVariantMask = 63
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
@@ -108,7 +114,8 @@ struct Task {
   int k_last;    // valid k-rows of the last k-block (weight grad; 64 elsewhere)
 };
 
-template <typename T, int WGS_, int BN_, int STAGES_, int MODE, bool DYN = false, bool PIPE = false>
+template <typename T, int WGS_, int BN_, int STAGES_, int MODE, bool DYN = false, bool PIPE = false,
+          bool PAIR = false>
 struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, MODE, DYN, PIPE>()>, MODE == kWeightGrad,
                              MODE == kInputGrad> {
   using ExtT = Ext<counter_slot<T, BN_, MODE, DYN, PIPE>()>;
@@ -117,6 +124,8 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   using Stage = typename Base::Stage;
   using LoaderState = typename Base::LoaderState;
   static_assert(!PIPE || (MODE == kWeightGrad && BN_ == 128), "pipe: weight grad, 128x128 tiles (two accumulators)");
+  static_assert(!PAIR || (MODE == kForward && !DYN && !PIPE), "pair: the forward's static schedule");
+  static constexpr int kClusterSize = PAIR ? 2 : 1;  // lcsc.cuh launches clusters of this size
   // Variant pipe: the previous task's accumulator and task, written out under the next task's first MMAs.
   // (prev is left uninitialized: registers the wgmma accumulator may share no non-wgmma definition with,
   // or ptxas serializes the wgmmas.)
@@ -160,6 +169,21 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       r.k0 = tb.start[e];
       r.k_blocks = (rows + BK - 1) / BK;
       r.k_last = rows - (r.k_blocks - 1) * BK;  // 1..64 when k_blocks > 0
+    } else if constexpr (PAIR) {
+      const int pairs = tb.pair_start[groups];
+      if (t >= pairs * g.tiles_n) return r;  // valid = false
+      const int2 tile = TileGrid{pairs, g.tiles_n, g.group_m}.tile(t);
+      const int e = tb.group_of_pair(tile.x, groups);
+      const int mine = (tile.x - tb.pair_start[e]) * 2 + int(cluster::rank());
+      const bool shadow = mine >= tb.tile_start[e + 1] - tb.tile_start[e];  // an odd group's last pair
+      r.valid = true;
+      r.group = e;
+      r.row0 = tb.start[e] + (shadow ? mine - 1 : mine) * BM;  // a shadow loads its partner's rows
+      r.row_end = shadow ? r.row0 : tb.start[e + 1];             // and stores none
+      r.col0 = tile.y * BN;
+      r.k0 = 0;
+      r.k_blocks = k_blocks_of(g.k) + k_blocks_of(g.k2);
+      r.k_last = BK;
     } else {
       const int tiles = tb.tile_start[groups];  // the groups' row tiles (the tail's are the storers')
       if (t >= tiles * g.tiles_n) return r;    // valid = false
@@ -221,7 +245,20 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     for (int i = threadIdx.x; i < kZeroBoxBytes / 16; i += blockDim.x)
       reinterpret_cast<uint4*>(s.ext.zero_box)[i] = make_uint4(0, 0, 0, 0);
     tma::fence_proxy_async_shared();  // before the storer's TMA reads it (build() ends with a CTA barrier)
-    s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode);
+    s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode, PAIR);
+  }
+
+  // pair: each empty barrier counts the consumer warps of both CTAs (a stage is multicast into both).
+  __device__ static void init(const Globals& g, Shared& s) {
+    Base::init(g, s);
+    if constexpr (PAIR)
+      for (int i = 0; i < Base::STAGES; ++i) tma::mbar_init(&s.ring.empty[i], 2 * 4 * WGS);
+  }
+
+  // A consumer warp's release of a ring stage (lane 0): to its CTA's loader and, with pair, to the peer's.
+  __device__ static void release(Shared& s, int stage) {
+    tma::mbar_arrive(&s.ring.empty[stage]);
+    if constexpr (PAIR) cluster::mbar_arrive_peer(&s.ring.empty[stage], cluster::rank() ^ 1u);
   }
 
   __device__ static void loader(const Globals& g, Shared& s, LoaderState& st, int t) {
@@ -252,6 +289,13 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
         tma::load_tile_2d(dst.a, a, kr, task.row0, full);  // BM token rows from the tile's first row
         if constexpr (MODE == kInputGrad) {  // w[e] stored (n, k): one K-major box of BN n-rows x 64 k
           tma::load_tile_3d(dst.b, b, kr, task.col0, task.group, full);
+        } else if constexpr (PAIR) {  // this CTA's half of the boxes, multicast to both CTAs of the cluster
+          const int rank = int(cluster::rank());
+#pragma unroll
+          for (int j = 0; j < BN / kBoxCols; ++j)
+            if (j % 2 == rank)
+              cluster::load_tile_3d_multicast(dst.b + j * BK * kBoxCols, b, task.col0 + j * kBoxCols, kr, task.group,
+                                              full, uint16_t(0x3));
         } else {  // w[e] stored (k, n): BN/64 N-major boxes of 64 k-rows x 64 n
 #pragma unroll
           for (int j = 0; j < BN / kBoxCols; ++j)
@@ -310,13 +354,13 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       wgmma::commit();
       if (kb == 0) after_first();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
-      if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+      if (prev >= 0 && lane == 0) release(s, prev);
       prev = st.pos.stage;
       st.pos.advance();
     }
     wgmma::wait<0>();
     wgmma::fence_operands(acc);
-    if (prev >= 0 && lane == 0) tma::mbar_arrive(&s.ring.empty[prev]);
+    if (prev >= 0 && lane == 0) release(s, prev);
   }
 
   // Variant `narrow`: whether the task's valid columns fit in the first BN/2.
@@ -346,14 +390,15 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
         return;
       }
     }
-    Base::mma_blocks(s, st, task.k_blocks, acc, prepare);
+    if constexpr (PAIR) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {});  // releases to both CTAs
+    else Base::mma_blocks(s, st, task.k_blocks, acc, prepare);
   }
 
   // A warpgroup whose slice stores nothing only walks the ring (hands each stage back unread).
   __device__ static void skip_task(Shared& s, ConsumerState& st, const Task& task) {
     for (int kb = 0; kb < task.k_blocks; ++kb) {
       st.pos.wait_full(s.ring);
-      if (threadIdx.x % 32 == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+      if (threadIdx.x % 32 == 0) release(s, st.pos.stage);
       st.pos.advance();
     }
   }

@@ -88,6 +88,8 @@
 #               D128; NCU_ARGS="--causal"): details page (Firecracker kinds only: nvidia-h100-x1)   ~4 min
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
+#   pairab      the grouped forward's pair variant: GPU tests (pair, then default), grouped_probe default vs pair,
+#               bench moe --op grouped_matmul --variants (PK_JAX_BENCH_GROUPED_VARIANTS=pair)          ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
 #   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
@@ -344,17 +346,26 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                ${NCU_ARGS:-}
              stage attnncu-details 120 "$NCU" -i "$OUT/attn.ncu-rep" --page details ;;
     groupedprobe) # where the grouped forward loses to jnp.dot: one group / even / multinomial / 64-row counts, then
-                  # Nsight Compute on jnp.dot and E 64 even / uniform (nvidia-h100-x1 only: counters elsewhere refused)
+                  # Nsight Compute on E 64 uniform (nvidia-h100-x1 only: counters elsewhere refused)
                   stage groupedprobe 150 python3 scripts/grouped_probe.py ${PROBE_ARGS:-}
                   NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-                  for c in "jnp.dot" "ours E64 even" "ours E64 uniform"; do
+                  for c in "ours E64 uniform"; do  # one launch after the compile run's; 3 sections: few replay passes
                     tag=$(echo "$c" | tr ' .' '__')
-                    stage ncu-$tag 90 "$NCU" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
-                      -k 'regex:grouped|nvjet|sm90|gemm|cutlass' -c 2 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                      --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+                    stage ncu-$tag 120 "$NCU" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
+                      -k 'regex:grouped' --launch-skip 1 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+                      --section ComputeWorkloadAnalysis \
                       env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/grouped_probe.py --once "$c" ${PROBE_ARGS:-}
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
+    pairab) # the grouped forward's pair variant (two-CTA clusters sharing B): its GPU tests (bounded), the default's,
+            # the probe (default vs pair, same turns), then bench moe grouped_matmul rows, default vs pair (same turns)
+            stage pair-tests 200 env PK_JAX_GROUPED_VARIANT=pair PK_JAX_TIMEOUT_MS=5000 timeout 190 python3 -m pytest \
+              tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+            stage default-tests 150 env PK_JAX_GROUPED_VARIANT=default timeout 140 python3 -m pytest \
+              tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+            stage pair-probe 120 python3 scripts/grouped_probe.py --variants pair
+            stage pair-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS=pair python3 -m pk_jax.bench moe \
+              --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-pair.json" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
     moeoverlap) stage moeoverlap $((${MOEOVERLAP_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${MOEOVERLAP_DEADLINE:-420} \

@@ -5,7 +5,10 @@ problem through the grouped path); E groups of exactly m / E rows (no partial ro
 differs from one group); E groups with multinomial counts (uniform routing: partial last tiles too); and E groups
 with counts rounded to 64-row multiples (a partial tile never has more than one 64-row slice to compute).
 
-    python3 scripts/grouped_probe.py [--rows 32768 --k 7168 --n 2048 --experts 64 128] [--once NAME]
+    python3 scripts/grouped_probe.py [--rows 32768 --k 7168 --n 2048 --experts 64] [--variants pair] [--once NAME]
+
+--variants: kernel schedule variants (PK_JAX_GROUPED_VARIANT, set while each contender traces) timed beside the
+default for one group and E groups with multinomial counts.
 
 --once NAME runs that contender twice (compile, then once more) and exits: for Nsight Compute."""
 
@@ -13,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -40,32 +45,63 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=32768)
     ap.add_argument("--k", type=int, default=7168)
     ap.add_argument("--n", type=int, default=2048)
-    ap.add_argument("--experts", type=int, nargs="*", default=[64, 128])
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--experts", type=int, nargs="*", default=[64])
+    ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--once", default=None)
+    ap.add_argument("--variants", nargs="*", default=[])
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     m, k, n = a.rows, a.k, a.n
     xs = [jax.random.normal(jax.random.key(i), (m, k), jnp.float32).astype(jnp.bfloat16) for i in range(4)]
     w1 = jax.random.normal(jax.random.key(9), (1, k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
-    dense = jax.jit(lambda xs: [jnp.dot(x, w1[0]) for x in xs])
-    contenders = {"jnp.dot": (dense, m)}
+    # Operands are arguments, never closed over: a captured (E, k, n) array becomes an HLO constant (a 1.9 GB
+    # literal took a minute to compile).
+    dense_jit = jax.jit(lambda xs, w: [jnp.dot(x, w[0]) for x in xs])
+    grouped_jit = jax.jit(lambda xs, w, gs: [gm.grouped_matmul(x, w, gs) for x in xs])
+
+    def grouped(w, gs):
+        return lambda xs: grouped_jit(xs, w, gs)
+
+    def grouped_variant(w, gs):  # its own jit: the variant is fixed when it traces
+        f = jax.jit(lambda xs, w, gs: [gm.grouped_matmul(x, w, gs) for x in xs])
+        return lambda xs: f(xs, w, gs)
+
+    contenders = {"jnp.dot": (lambda xs: dense_jit(xs, w1), m)}
+    variant_of = {}  # contender -> PK_JAX_GROUPED_VARIANT while it traces
     one = jnp.array([m], jnp.int32)
-    contenders["ours E1"] = (jax.jit(lambda xs: [gm.grouped_matmul(x, w1, one) for x in xs]), m)
+    contenders["ours E1"] = (grouped(w1, one), m)
     for e in a.experts:
         w = jax.random.normal(jax.random.key(e), (e, k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
         for kind in ("even", "uniform", "round64"):
             c = counts(kind, m, e, rng)
             gs = jnp.asarray(c)
-            contenders[f"ours E{e} {kind}"] = (
-                jax.jit(lambda xs, w=w, gs=gs: [gm.grouped_matmul(x, w, gs) for x in xs]), int(c.sum()))
+            contenders[f"ours E{e} {kind}"] = (grouped(w, gs), int(c.sum()))
+            if kind == "uniform":
+                for v in a.variants:
+                    name = f"ours E{e} {kind} [{v}]"
+                    contenders[name] = (grouped_variant(w, gs), int(c.sum()))
+                    variant_of[name] = v
+    for v in a.variants:
+        contenders[f"ours E1 [{v}]"] = (grouped_variant(w1, one), m)
+        variant_of[f"ours E1 [{v}]"] = v
+    def first_call(name, inputs):  # traces under the contender's variant
+        os.environ[gm.VARIANT_ENV] = variant_of.get(name, "")
+        try:
+            return jax.block_until_ready(contenders[name][0](inputs))
+        finally:
+            os.environ.pop(gm.VARIANT_ENV, None)
+
     if a.once:
         f, _ = contenders[a.once]
-        jax.block_until_ready(f(xs[:1]))
+        first_call(a.once, xs[:1])
         print(f"== {a.once}", flush=True)
         jax.block_until_ready(f(xs[:1]))
         return
     names = list(contenders)
+    for nm in names:  # compile and first run, timed apart (the timing below is warm)
+        t0 = time.perf_counter()
+        first_call(nm, xs)
+        print(f"# {nm}: first call {time.perf_counter() - t0:.1f} s", flush=True)
     ms = time_interleaved([contenders[nm][0] for nm in names], xs, reps=a.reps, min_sample_ms=20.0)
     base = ms[0] * 1.0 / contenders["jnp.dot"][1]
     print(f"m {m} k {k} n {n} (bf16), ms per op, TFLOP/s on the rows in use, vs jnp.dot per row")

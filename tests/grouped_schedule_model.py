@@ -1,6 +1,6 @@
 """Host model of the grouped GEMM's task schedule (kernels/grouped_gemm_kernel.cuh, kernels/pk/group_table.cuh,
 kernels/pk/tile_scheduler.cuh, kernels/grouped_gemm.cu), written line for line after the device code, so
-CPU tests check the tile-table math of every variant (PK_JAX_GROUPED_VARIANT: dyn, narrow, n128, pipe), and a
+CPU tests check the tile-table math of every variant (PK_JAX_GROUPED_VARIANT: dyn, narrow, n128, pipe, pair), and a
 cost model of the static and the claimed (dyn) schedules gives the expected gain of each variant.
 
 The emulation computes every task as the kernel does (BM x BN tile from the group's first row; the last
@@ -17,7 +17,7 @@ import math
 import numpy as np
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
-DYN, NARROW, N128, PIPE = 1, 2, 4, 8  # the kernel's Variant bits
+DYN, NARROW, N128, PIPE, PAIR = 1, 2, 4, 8, 32  # the kernel's Variant bits
 BM, BK = 128, 64
 BN_OF_TILE = (256, 128)  # kBn
 EFFICIENCY = (1.0, 0.87)
@@ -51,6 +51,7 @@ class Table:
     start: list[int]
     tile_start: list[int]
     order: list[int]
+    pair_start: list[int]
 
     @staticmethod
     def build(sizes, rows: int, bm: int) -> "Table":
@@ -63,17 +64,27 @@ class Table:
             tile_start += list(np.cumsum(per).astype(int))
         size = [start[t + 1] - start[t] for t in range(e)]
         order = sorted(range(e), key=lambda t: (-size[t], t))
-        return Table(start, tile_start, order)
+        pair_start = [0]
+        if bm > 0:  # pairs of a group's row tiles (built with the pair variant; harmless otherwise)
+            pair_start += list(np.cumsum([(tile_start[t + 1] - tile_start[t] + 1) // 2 for t in range(e)]).astype(int))
+        return Table(start, tile_start, order, pair_start)
 
-    def group_of_tile(self, tile: int, num_groups: int) -> int:
-        lo, hi = 0, num_groups
+    @staticmethod
+    def _last_at_most(firsts, v: int, hi: int) -> int:
+        lo = 0
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.tile_start[mid] <= tile:
+            if firsts[mid] <= v:
                 lo = mid
             else:
                 hi = mid - 1
         return lo
+
+    def group_of_tile(self, tile: int, num_groups: int) -> int:
+        return self._last_at_most(self.tile_start, tile, num_groups)
+
+    def group_of_pair(self, pair: int, num_groups: int) -> int:
+        return self._last_at_most(self.pair_start, pair, num_groups - 1)
 
 
 @dataclasses.dataclass
@@ -109,9 +120,16 @@ class Launch:
         wgrad = self.mode == WEIGHT_GRAD
         self.tiles_m = -(-self.m // BM) if wgrad else -(-self.tokens // BM)
         self.tiles_n = -(-self.n // self.bn)
-        self.group_m = balanced_group_m(self.sms, BM, self.bn, self.tiles_m)
-        self.max_tasks = e * self.tiles_m * self.tiles_n if wgrad else (self.tiles_m + e + 1) * self.tiles_n
-        self.workers = min(self.sms, self.max_tasks)
+        # pair (forward): clusters of two CTAs walk pairs of a group's row tiles (dyn dropped)
+        self.pair = self.mode == FORWARD and bool(self.variant & PAIR) and self.sms >= 2
+        if self.pair:
+            self.group_m = balanced_group_m(self.sms // 2, 2 * BM, self.bn, (self.tiles_m + 1) // 2)
+            self.max_tasks = (self.tiles_m + 2 * e) // 2 * self.tiles_n
+            self.workers = min(self.sms // 2, self.max_tasks)  # clusters
+        else:
+            self.group_m = balanced_group_m(self.sms, BM, self.bn, self.tiles_m)
+            self.max_tasks = e * self.tiles_m * self.tiles_n if wgrad else (self.tiles_m + e + 1) * self.tiles_n
+            self.workers = min(self.sms, self.max_tasks)
         self.table = Table.build(self.sizes, self.tokens, 0 if wgrad else BM)
 
     def task(self, t: int) -> Task:
@@ -124,6 +142,8 @@ class Launch:
             rows = tb.start[e + 1] - tb.start[e]
             kb = (rows + BK - 1) // BK
             return Task(True, e, x * BM, self.m, y * self.bn, tb.start[e], kb, rows - (kb - 1) * BK)
+        if self.pair:
+            raise ValueError("pair: tasks are pair_task(t, rank)")
         tiles = tb.tile_start[groups]  # the groups' row tiles (the tail's are the storers', zero_tiles)
         if t >= tiles * self.tiles_n:
             return Task(False)
@@ -131,6 +151,19 @@ class Launch:
         e = tb.group_of_tile(x, groups)
         row0 = tb.start[e] + (x - tb.tile_start[e]) * BM
         return Task(True, e, row0, tb.start[e + 1], y * self.bn, 0, -(-self.k // BK))
+
+    def pair_task(self, t: int, rank: int) -> Task:
+        """Kernel::task_of with pair: CTA `rank` of the cluster's part of pair task t (a shadow stores nothing)."""
+        tb, groups = self.table, len(self.sizes)
+        pairs = tb.pair_start[groups]
+        if t >= pairs * self.tiles_n:
+            return Task(False)
+        x, y = tile_of(t, pairs, self.tiles_n, self.group_m)
+        e = tb.group_of_pair(x, groups)
+        mine = (x - tb.pair_start[e]) * 2 + rank
+        shadow = mine >= tb.tile_start[e + 1] - tb.tile_start[e]
+        row0 = tb.start[e] + (mine - 1 if shadow else mine) * BM
+        return Task(True, e, row0, row0 if shadow else tb.start[e + 1], y * self.bn, 0, -(-self.k // BK))
 
     def zero_tiles(self) -> list[Task]:
         """Kernel::store_zero_tile of every tail tile (the storers': CTA i takes i, i + CTAs, ...) as tasks
@@ -150,6 +183,8 @@ class Launch:
         return bool(self.variant & NARROW) and self.bn >= 128 and self.n - task.col0 <= self.bn // 2
 
     def tasks(self) -> list[Task]:
+        if self.pair:
+            return [self.pair_task(t, r) for t in range(self.max_tasks) for r in (0, 1)]
         return [self.task(t) for t in range(self.max_tasks)]
 
     # --- cost model: a task's time in units of one full BM x BN tile of 64 k-blocks at BN 256 ---------
@@ -169,8 +204,10 @@ class Launch:
 
     def makespan(self, dynamic: bool | None = None) -> float:
         """Time of the launch under the static round-robin or claimed (greedy list) schedule."""
-        dynamic = bool(self.variant & DYN) if dynamic is None else dynamic
+        dynamic = bool(self.variant & DYN) and not self.pair if dynamic is None else dynamic
         costs = [self.cost(t) for t in self.tasks()]
+        if self.pair:  # a cluster's two CTAs walk one list in step: a pair task lasts as its longer part
+            costs = [max(costs[i], costs[i + 1]) for i in range(0, len(costs), 2)]
         if not dynamic:
             return max(sum(costs[i::self.workers]) for i in range(self.workers))
         free = [0.0] * self.workers

@@ -1,6 +1,6 @@
 """The grouped GEMM's tile schedule on the CPU (tests/grouped_schedule_model.py, a line-for-line host model
 of kernels/grouped_gemm_kernel.cuh and pk/group_table.cuh): every output element stored exactly once and
-equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128, pipe) and the odd group
+equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128, pipe, pair) and the odd group
 sizes of the GPU tests; the task bound holds; the variant parser; the cost model's expected gains."""
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ import importlib
 gm = importlib.import_module("pk_jax.moe.grouped_matmul")
 
 VARIANT_BITS = [0, gsm.DYN, gsm.NARROW, gsm.N128, gsm.PIPE, gsm.DYN | gsm.NARROW, gsm.DYN | gsm.N128,
-                gsm.DYN | gsm.NARROW | gsm.N128, gsm.DYN | gsm.NARROW | gsm.PIPE]
+                gsm.DYN | gsm.NARROW | gsm.N128, gsm.DYN | gsm.NARROW | gsm.PIPE, gsm.PAIR, gsm.PAIR | gsm.NARROW,
+                gsm.PAIR | gsm.DYN]
 
 
 def sizes_of(kind: str, m: int, e: int, rng) -> list[int]:
@@ -84,14 +85,42 @@ def test_grouped_schedule_task_bound_and_narrow_tiles(variant):
         sizes = sizes_of("skewed", tokens, e, rng)
         launch = gsm.Launch(gsm.FORWARD, tokens, 0, n, 64, sizes, variant)
         tasks = launch.tasks()
-        real = launch.table.tile_start[e + 1] * launch.tiles_n
-        assert real <= launch.max_tasks
+        if launch.pair:  # two CTAs' parts per task
+            real = 2 * launch.table.pair_start[e] * launch.tiles_n
+            assert real <= 2 * launch.max_tasks
+        else:
+            real = launch.table.tile_start[e + 1] * launch.tiles_n
+            assert real <= launch.max_tasks
         assert all(t.valid for t in tasks[:real]) and not any(t.valid for t in tasks[real:])
         narrow = [t for t in tasks if t.valid and launch.narrow(t)]
         if variant & gsm.NARROW and 0 < n % launch.bn <= launch.bn // 2:
             assert narrow and all(t.col0 == (launch.tiles_n - 1) * launch.bn for t in narrow)
         elif not variant & gsm.NARROW:
             assert not narrow
+
+
+def test_grouped_pair_tasks_share_their_b_boxes():
+    """pair: the two CTAs of a cluster multicast halves of one B tile to each other, so both parts of a task must
+    name the same group, columns and k-blocks (and both be valid or not); a group's odd last row tile leaves the
+    second CTA a shadow that stores nothing, and the first CTA always has rows."""
+    rng = np.random.default_rng(7)
+    for tokens, e, n in [(4099, 13, 200), (16384, 64, 1408), (3000, 256, 256), (700, 5, 360)]:
+        sizes = sizes_of("skewed", tokens, e, rng)
+        launch = gsm.Launch(gsm.FORWARD, tokens, 0, n, 64, sizes, gsm.PAIR | gsm.DYN)
+        assert launch.pair
+        tasks = launch.tasks()
+        shadows = 0
+        for first, second in zip(tasks[0::2], tasks[1::2]):
+            assert first.valid == second.valid
+            if first.valid:
+                assert (first.group, first.col0, first.k_blocks) == (second.group, second.col0, second.k_blocks)
+                assert first.row_end > first.row0
+                shadows += second.row_end == second.row0
+        tb = launch.table
+        odd = sum((tb.tile_start[g + 1] - tb.tile_start[g]) % 2 for g in range(e))
+        assert shadows == odd * launch.tiles_n
+    # the other modes ignore the bit
+    assert not gsm.Launch(gsm.INPUT_GRAD, 700, 0, 360, 64, [100] * 7, gsm.PAIR).pair
 
 
 def test_grouped_schedule_tile_choice():
@@ -109,6 +138,7 @@ def test_grouped_variant_parser():
     assert gm.variant_bits("dyn+narrow") == gsm.DYN | gsm.NARROW
     assert gm.variant_bits("n128, dyn") == gsm.DYN | gsm.N128
     assert gm.variant_bits("dyn+narrow+pipe") == gsm.DYN | gsm.NARROW | gsm.PIPE
+    assert gm.variant_bits("pair") == gsm.PAIR
     with pytest.raises(ValueError, match="unknown variant"):
         gm.variant_bits("fast")
     for v in gm.VARIANTS:
@@ -150,4 +180,4 @@ def test_grouped_cost_model_at_e64_f1408(kind):
     assert not any(launch.narrow(t) for t in gsm.Launch(gsm.FORWARD, 16384, 0, 1408, 4096, sizes, gsm.NARROW).tasks())
     base = launch.makespan()
     times = {v: gsm.Launch(gsm.FORWARD, 16384, 0, 1408, 4096, sizes, v).makespan() for v in VARIANT_BITS}
-    assert all(t <= base * 1.001 for v, t in times.items() if v & gsm.DYN)
+    assert all(t <= base * 1.001 for v, t in times.items() if v & gsm.DYN and not v & gsm.PAIR)  # pair: static

@@ -21,12 +21,17 @@
 // Tasks are assigned statically (compute SM i takes i, i + workers, ...) unless K::kTaskCounter and
 // K::task_counter(g) is not null: then the loader claims tasks from a device-wide counter (task_queue.cuh) and the comm CTAs, once their
 // communication is done, join the compute SMs and take what is left (no idle SMs in the last wave).
+// Optional K::kClusterSize (default 1): the CTAs launch in clusters of that size and a cluster walks one task
+// list (task i of every CTA of a cluster is the same task; cluster::rank() tells the CTA its part). The
+// template syncs the cluster after K::init (peers may signal this CTA's barriers from then on) and before
+// exit (no peer signals or multicasts into a CTA that has left). Static tasks, no comm SMs.
 #pragma once
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
 
+#include "cluster.cuh"
 #include "task_queue.cuh"
 #include "tile_scheduler.cuh"
 #include "tma.cuh"
@@ -71,6 +76,12 @@ struct HasConsumerFinish : std::false_type {};
 template <class K>
 struct HasConsumerFinish<K, std::void_t<decltype(&K::consumer_finish)>> : std::true_type {};
 
+// K::kClusterSize, 1 when K does not declare it.
+template <class K, class = void>
+struct ClusterSize : std::integral_constant<int, 1> {};
+template <class K>
+struct ClusterSize<K, std::void_t<decltype(K::kClusterSize)>> : std::integral_constant<int, K::kClusterSize> {};
+
 constexpr int kQueueDepth = 4;
 // Only kernels that claim tasks at run time instantiate (and so allocate) the queue.
 template <class K>
@@ -88,7 +99,8 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
     if constexpr (K::kTaskCounter) task_queue<K>().init(4 * K::kConsumerWarpgroups + 1);  // consumer warps + storer
     tma::fence_barrier_init();
   }
-  __syncthreads();
+  if constexpr (ClusterSize<K>::value > 1) cluster::sync();  // the peers' barriers are initialized too
+  else __syncthreads();
   K::begin(g, s);
   // One walk over this CTA's tasks for each role; `claims` marks the loader (the one that claims).
   auto each_task = [&](bool claims, bool whole_warp, auto&& body) {
@@ -101,7 +113,8 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
         return;
       }
     }
-    for (int t : TaskRange{int(blockIdx.x) - comm, int(gridDim.x) - comm, K::num_tasks(g)}) body(t);
+    constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
+    for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
   };
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
@@ -146,6 +159,7 @@ __global__ void __launch_bounds__(threads<K>(), 1) kernel(const __grid_constant_
     __syncthreads();  // communication done: its shared memory becomes the compute roles'
   }
   compute<K>(g, *reinterpret_cast<typename K::Shared*>(base));  // the one compute call of every CTA
+  if constexpr (ClusterSize<K>::value > 1) cluster::sync();  // the peers' last arrivals on this CTA are in
   if constexpr (K::kHasCommunicator) K::finish(g);
 }
 
@@ -158,11 +172,29 @@ cudaError_t configure() {
 }
 
 // num_comm_sms + compute SMs CTAs, one per SM (the kernels are sized to fill an SM).
+// With K::kClusterSize C > 1: clusters of C CTAs, compute_sms rounded down to a multiple of C (no comm SMs).
 template <class K>
 cudaError_t launch(const typename K::Globals& g, int compute_sms, cudaStream_t stream) {
-  const int workers = compute_sms < K::num_tasks(g) ? compute_sms : K::num_tasks(g);
-  kernel<K><<<g.num_comm_sms + (workers > 0 ? workers : 1), threads<K>(), smem_bytes<K>(), stream>>>(g);
-  return cudaGetLastError();
+  constexpr int C = ClusterSize<K>::value;
+  if constexpr (C > 1) {
+    static_assert(!K::kHasCommunicator && !K::kTaskCounter, "clusters: static tasks on compute SMs only");
+    const int clusters_max = compute_sms / C, tasks = K::num_tasks(g);
+    const int clusters = clusters_max < tasks ? clusters_max : tasks;
+    cudaLaunchConfig_t cfg{};
+    cfg.gridDim = dim3(unsigned(C * (clusters > 0 ? clusters : 1)));
+    cfg.blockDim = dim3(unsigned(threads<K>()));
+    cfg.dynamicSmemBytes = smem_bytes<K>();
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr, cfg.numAttrs = 1;
+    return cudaLaunchKernelEx(&cfg, kernel<K>, g);
+  } else {
+    const int workers = compute_sms < K::num_tasks(g) ? compute_sms : K::num_tasks(g);
+    kernel<K><<<g.num_comm_sms + (workers > 0 ? workers : 1), threads<K>(), smem_bytes<K>(), stream>>>(g);
+    return cudaGetLastError();
+  }
 }
 
 }  // namespace pk::lcsc
