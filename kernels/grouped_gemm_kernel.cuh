@@ -35,6 +35,9 @@
 // multicasts them to both (pk/cluster.cuh: within one GPU), so B is read from L2 once per pair instead of once per
 // tile (one H100, k 7168, E 64 at 512 rows: L2 at 88 % of its throughput, tensor pipes at 76 %). A group's odd
 // last tile leaves the second CTA a shadow: it loads and releases the stages, computes and stores nothing.
+// `early` (forward / input grad): a consumer waits for each k-block's own MMAs (wgmma wait 0, the other consumer
+// warpgroup's MMAs keep the tensor cores busy meanwhile) and releases its stage at once, instead of one k-block
+// later: with 3 stages the loader then runs two stages ahead instead of one.
 #pragma once
 #include <climits>
 #include <type_traits>
@@ -62,6 +65,7 @@ struct Globals {
   int num_comm_sms;      // 0
   int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
   int store_tail;        // forward / input grad: 1 stores the tail's zeros; 0 (variant `notail`) leaves those rows
+  int early_release;     // variant `early`: wait for a k-block's own MMAs and release its stage at once
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
@@ -69,7 +73,8 @@ enum Variant : int {
   kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8,
   kVariantNoTail = 16,  // rows past sum(group_sizes) are left as they were (callers that never read them)
   kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
-  kVariantMask = 63
+  kVariantEarly = 64,   // forward / input grad: a consumer releases each stage as soon as its MMAs are done
+  kVariantMask = 127
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
@@ -340,9 +345,10 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
   // MMAs are issued (variant pipe: the previous task's epilogue, under them).
+  // early: each k-block's stage goes back as soon as its own MMAs are done (variant `early`).
   template <int N, class Prepare, class AfterFirst>
   __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare,
-                                      AfterFirst&& after_first) {
+                                      AfterFirst&& after_first, bool early = false) {
     const int lane = threadIdx.x % 32;
     int prev = -1;
     for (int kb = 0; kb < n; ++kb) {
@@ -353,9 +359,14 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       mma_stage_n<N>(in, st.warpgroup, acc, kb != 0);
       wgmma::commit();
       if (kb == 0) after_first();
-      wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
-      if (prev >= 0 && lane == 0) release(s, prev);
-      prev = st.pos.stage;
+      if (early) {
+        wgmma::wait<0>();
+        if (lane == 0) release(s, st.pos.stage);
+      } else {
+        wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
+        if (prev >= 0 && lane == 0) release(s, prev);
+        prev = st.pos.stage;
+      }
       st.pos.advance();
     }
     wgmma::wait<0>();
@@ -371,7 +382,8 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
   // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
-  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow) {
+  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow,
+                                  bool early) {
     if (task.k_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -384,13 +396,14 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     };
     if constexpr (BN >= 128) {
       if (narrow) {
-        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {});
+        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {},
+                             early);
 #pragma unroll
         for (int i = BN / 4; i < BN / 2; ++i) acc[i] = 0.f;
         return;
       }
     }
-    if constexpr (PAIR) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {});  // releases to both CTAs
+    if (PAIR || early) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {}, early);  // pair: both CTAs'
     else Base::mma_blocks(s, st, task.k_blocks, acc, prepare);
   }
 
@@ -461,7 +474,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     } else {
       // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
       if (!kWeightGradMode && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
-      else mma_task(s, st, task, acc, narrow_task(g, task));
+      else mma_task(s, st, task, acc, narrow_task(g, task), !kWeightGradMode && g.early_release);
       output(g, s, st, task, acc);
     }
   }

@@ -88,8 +88,8 @@
 #               D128; NCU_ARGS="--causal"): details page (Firecracker kinds only: nvidia-h100-x1)   ~4 min
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
-#   pairab      the grouped forward's pair variant: GPU tests (pair, then default), grouped_probe default vs pair,
-#               bench moe --op grouped_matmul --variants (PK_JAX_BENCH_GROUPED_VARIANTS=pair)          ~8 min
+#   pairab      grouped forward variants PAIR_VARIANTS (default "pair early pair+early"): GPU tests of each and the
+#               default's, grouped_probe and bench moe --op grouped_matmul --variants, default vs each      ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
 #   moeoverlap  (2 GPUs+) dispatch + first grouped GEMM in one kernel: scripts/stage_moe_overlap.sh (first test alone,
@@ -357,15 +357,17 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                       env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/grouped_probe.py --once "$c" ${PROBE_ARGS:-}
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
-    pairab) # the grouped forward's pair variant (two-CTA clusters sharing B): its GPU tests (bounded), the default's,
-            # the probe (default vs pair, same turns), then bench moe grouped_matmul rows, default vs pair (same turns)
-            stage pair-tests 200 env PK_JAX_GROUPED_VARIANT=pair PK_JAX_TIMEOUT_MS=5000 timeout 190 python3 -m pytest \
+    pairab) # grouped forward variants (PAIR_VARIANTS, default "pair early pair+early"): the GPU tests of each (bounded)
+            # and the default's, the probe (default vs each, same turns), then bench moe grouped_matmul rows (same turns)
+            for v in ${PAIR_VARIANTS:-pair early pair+early}; do
+              stage tests-$v 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
+                tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+            done
+            stage default-tests 120 env PK_JAX_GROUPED_VARIANT=default timeout 110 python3 -m pytest \
               tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-            stage default-tests 150 env PK_JAX_GROUPED_VARIANT=default timeout 140 python3 -m pytest \
-              tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-            stage pair-probe 120 python3 scripts/grouped_probe.py --variants pair
-            stage pair-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS=pair python3 -m pk_jax.bench moe \
-              --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-pair.json" ;;
+            stage variants-probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair early pair+early}
+            stage variants-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS="${PAIR_VARIANTS:-pair early pair+early}" \
+              python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-variants.json" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
     moeoverlap) stage moeoverlap $((${MOEOVERLAP_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${MOEOVERLAP_DEADLINE:-420} \
