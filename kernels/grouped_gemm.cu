@@ -131,7 +131,7 @@ const char* unsupported(const Problem& p) {
   if (p.n % 8) return "n must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.mode == kWeightGrad ? p.m % 8 : p.k % 8) return "k must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.tokens < 0 || p.m < 0 || p.n < 0 || p.k < 0) return "negative sizes";
-  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail, 32: pair, 64: early)";
+  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail, 32: pair, 64: early, 128: w128)";
   if (p.k2 < 0 || (p.k2 > 0 && (p.mode == kWeightGrad || p.k == 0 || p.k2 % 8 || !p.a2 || !p.b2)))
     return "a second product needs the forward or input grad, a first one (k > 0), both operands and k2 % 8 == 0";
   return "";
@@ -167,6 +167,7 @@ int launch(const Problem& p, int tile, int compute_sms, cudaStream_t stream) {
   if (const char* why = unsupported(p); *why) throw std::invalid_argument(std::string("pk_jax grouped_matmul: ") + why);
   if (tile == kAuto) tile = choose_tile(p);
   if (p.mode == kWeightGrad && (p.variant & kVariantPipe)) tile = k128x128;  // the pipelined weight grad's tile
+  if (p.variant & kVariantTile128) tile = k128x128;
   if (tile < 0 || tile >= kNumTiles) throw std::invalid_argument("pk_jax grouped_matmul: unknown tile");
   const size_t out_elems = p.mode == kWeightGrad ? size_t(p.num_groups) * p.m * p.n : size_t(p.tokens) * p.n;
   if (out_elems == 0) return tile;

@@ -74,7 +74,8 @@ enum Variant : int {
   kVariantNoTail = 16,  // rows past sum(group_sizes) are left as they were (callers that never read them)
   kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
   kVariantEarly = 64,   // forward / input grad: a consumer releases each stage as soon as its MMAs are done
-  kVariantMask = 127
+  kVariantTile128 = 128,  // host only: 128x128 tiles in every mode (5 stages instead of 3)
+  kVariantMask = 255
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
