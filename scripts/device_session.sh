@@ -88,6 +88,7 @@
 #               D128; NCU_ARGS="--causal"): details page (Firecracker kinds only: nvidia-h100-x1)   ~4 min
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
+#   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS only                                 ~1 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair early pair+early"): GPU tests of each and the
 #               default's, grouped_probe and bench moe --op grouped_matmul --variants, default vs each      ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
@@ -357,6 +358,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                       env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/grouped_probe.py --once "$c" ${PROBE_ARGS:-}
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
+    probe) stage probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ;;
     pairab) # grouped forward variants (PAIR_VARIANTS, default "pair early pair+early"): the GPU tests of each (bounded)
             # and the default's, the probe (default vs each, same turns), then bench moe grouped_matmul rows (same turns)
             for v in ${PAIR_VARIANTS:-pair early pair+early}; do
