@@ -35,6 +35,12 @@ def counts(kind: str, rows: int, e: int, rng: np.random.Generator) -> np.ndarray
         c = rng.multinomial(rows, np.full(e, 1.0 / e))
     elif kind == "round64":  # each count cut down to a multiple of 64 (fewer rows: FLOPs counted per row)
         c = rng.multinomial(rows, np.full(e, 1.0 / e)) // 64 * 64
+    elif kind == "shift64":  # even, but every group after the first starts 64 rows off the 128-row grid
+        c = np.full(e, rows // e)
+        c[0] -= 64
+        c[-1] += 64
+    elif kind == "half448":  # every group 3.5 row tiles (a half tile each; odd groups start off the grid)
+        c = np.full(e, 448)
     else:
         raise ValueError(kind)
     return c.astype(np.int32)
@@ -72,7 +78,7 @@ def main() -> None:
     contenders["ours E1"] = (grouped(w1, one), m)
     for e in a.experts:
         w = jax.random.normal(jax.random.key(e), (e, k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
-        for kind in ("even", "uniform", "round64"):
+        for kind in ("even", "uniform", "round64", "shift64", "half448"):
             c = counts(kind, m, e, rng)
             gs = jnp.asarray(c)
             contenders[f"ours E{e} {kind}"] = (grouped(w, gs), int(c.sum()))
