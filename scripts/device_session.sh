@@ -89,6 +89,7 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS only                                 ~1 min
+#   splitab     variant split: expert FFN GPU tests under it, then pairab for "split split+pair"        ~6 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair early pair+early"): GPU tests of each and the
 #               default's, grouped_probe and bench moe --op grouped_matmul --variants, default vs each      ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
@@ -158,6 +159,20 @@ day=$(date +%F)
 source scripts/stage_step.sh
 stage() { step "$@" || true; }  # a stage that fails or times out does not stop the call
 FLOOR_BYTES="4096 16384 65536 131072 262144 524288 1048576 2097152 4194304 8388608"  # issue 25's sizes (latdefault, latfloor2)
+
+# Grouped forward variants $1 (space-separated PK_JAX_GROUPED_VARIANT values): the GPU tests of each (bounded) and the
+# default's, grouped_probe (default vs each, same turns), then bench moe grouped_matmul rows (same turns).
+variant_ab() {
+  for v in $1; do
+    stage tests-${v//+/_} 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
+      tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+  done
+  stage default-tests 120 env PK_JAX_GROUPED_VARIANT=default timeout 110 python3 -m pytest \
+    tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+  stage variants-probe 120 python3 scripts/grouped_probe.py --variants $1
+  stage variants-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS="$1" \
+    python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-variants.json"
+}
 
 # The kernels merging into ring attention's states (1 GPU): first look at every forward variant, then the tests.
 accumulate_tests() {
@@ -359,17 +374,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
     probe) stage probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ;;
-    pairab) # grouped forward variants (PAIR_VARIANTS, default "pair early pair+early"): the GPU tests of each (bounded)
-            # and the default's, the probe (default vs each, same turns), then bench moe grouped_matmul rows (same turns)
-            for v in ${PAIR_VARIANTS:-pair early pair+early}; do
-              stage tests-$v 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
-                tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-            done
-            stage default-tests 120 env PK_JAX_GROUPED_VARIANT=default timeout 110 python3 -m pytest \
-              tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-            stage variants-probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair early pair+early}
-            stage variants-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS="${PAIR_VARIANTS:-pair early pair+early}" \
-              python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-variants.json" ;;
+    splitab) # variant split: the expert FFN's GPU tests under it (its forward and two-product input grad), then pairab's
+             # stages for PAIR_VARIANTS (default here "split split+pair")
+             stage ffn-tests-split 120 env PK_JAX_GROUPED_VARIANT=split timeout 110 python3 -m pytest \
+               tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
+             variant_ab "${PAIR_VARIANTS:-split split+pair}" ;;
+    pairab) variant_ab "${PAIR_VARIANTS:-pair early pair+early}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
     moeoverlap) stage moeoverlap $((${MOEOVERLAP_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${MOEOVERLAP_DEADLINE:-420} \
