@@ -25,7 +25,12 @@ keeps the variant it was traced with. Measured on one H200 (2026-11-23, `bench m
 --variants`; bits identical): dyn+narrow 1.04-1.06x the default on the k 7168 / E 64 rows but 0.68-0.95x on the n
 1408 rows the model predicted it would help most; pipe 0.82-0.95x forward+backward. The default stays static. On
 2x H200 (2026-11-27, n 1408, E 64 at G 2): 128-wide tiles 1.06 / 1.08x forward (uniform / skewed), so the forward
-and input grad take them where n % 256 is 1..128; dyn 0.91x.
+and input grad take them where n % 256 is 1..128; dyn 0.91x. Variants `pair` (forward: two-CTA clusters whose
+CTAs share each B box by TMA multicast), `early` (each stage released once its own MMAs are done) and `w128`
+(128x128 tiles everywhere), one H200 (2026-11-27, `scripts/grouped_probe.py` and the bench rows): 0.90-1.0x,
+0.91-1.03x and 0.85-0.93x the default. What the default loses to jnp.dot there (0.76-0.78x at E 64 with multinomial
+counts, 0.94-0.95x with 512 rows per group) goes to tiles of at most 64 rows: E 64 groups of 448 rows (a 64-row
+tile each) took 1.10x the time of 512-row groups for 12 % fewer FLOPs (docs/design-moe.md).
 """
 
 from __future__ import annotations
