@@ -19,6 +19,7 @@ import numpy as np
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 DYN, NARROW, N128, PIPE, PAIR = 1, 2, 4, 8, 32  # the kernel's Variant bits
 BM, BK = 128, 64
+SINGLE_WARPGROUP_TILE = 1.1  # a 64 x BN tile on one warpgroup, in full (two-warpgroup) tiles: cost()
 BN_OF_TILE = (256, 128)  # kBn
 EFFICIENCY = (1.0, 0.87)
 
@@ -196,8 +197,9 @@ class Launch:
         else:
             busy = sum(self.slice_rows(task, w) > 0 for w in range(2))
         width = (self.bn // 2 if self.narrow(task) else self.bn) / 256 / EFFICIENCY[self.tile]
-        # one warpgroup alone issues its wgmmas at best at the rate of two (the tensor cores are shared)
-        mma = task.k_blocks / 64 * width * (busy / 2 if busy else 0)
+        # a tile whose rows fit in one 64-row slice runs on one warpgroup: measured at SINGLE_WARPGROUP_TILE of a
+        # full tile, not half (one H200, session 26: E 64 groups of 448 rows took 1.10x the 512-row time)
+        mma = task.k_blocks / 64 * width * (1.0 if busy == 2 else SINGLE_WARPGROUP_TILE if busy else 0.0)
         if self.mode == WEIGHT_GRAD and self.variant & PIPE and task.k_blocks:
             return max(mma, epilogue * self.bn / 256)  # the epilogue runs under the next tile's MMAs
         return mma + epilogue * self.bn / 256
