@@ -90,6 +90,7 @@ def main() -> None:
     for v in a.variants:
         contenders[f"ours E1 [{v}]"] = (grouped_variant(w1, one), m)
         variant_of[f"ours E1 [{v}]"] = v
+
     def first_call(name, inputs):  # traces under the contender's variant
         os.environ[gm.VARIANT_ENV] = variant_of.get(name, "")
         try:
@@ -109,7 +110,7 @@ def main() -> None:
         first_call(nm, xs)
         print(f"# {nm}: first call {time.perf_counter() - t0:.1f} s", flush=True)
     ms = time_interleaved([contenders[nm][0] for nm in names], xs, reps=a.reps, min_sample_ms=20.0)
-    base = ms[0] * 1.0 / contenders["jnp.dot"][1]
+    base = ms[0] / contenders["jnp.dot"][1]  # jnp.dot's ms per row
     print(f"m {m} k {k} n {n} (bf16), ms per op, TFLOP/s on the rows in use, vs jnp.dot per row")
     for nm, t in zip(names, ms):
         rows = contenders[nm][1]
