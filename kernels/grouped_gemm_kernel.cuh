@@ -37,9 +37,6 @@
 // last tile leaves the second CTA a shadow: it loads and releases the stages, computes and stores nothing.
 // Measured (one H200, 2026-11-27, m 32768 k 7168 n 2048 and the bench rows): 0.90-1.0x the default; with
 // 128x128 tiles (5 stages) no better: halving B's L2 reads does not speed this kernel up.
-// `early` (forward / input grad): a consumer waits for each k-block's own MMAs (wgmma wait 0) and releases its
-// stage at once, instead of one k-block later, so the loader runs two stages ahead instead of one. Measured:
-// 1.03x with one group, 0.91-0.95x at E 64 (both warpgroups wait on the same stage: the tensor pipe idles).
 // `w128` (host only): 128x128 tiles in every mode (5 stages): 0.85-0.93x.
 #pragma once
 #include <climits>
@@ -68,7 +65,6 @@ struct Globals {
   int num_comm_sms;      // 0
   int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
   int store_tail;        // forward / input grad: 1 stores the tail's zeros; 0 (variant `notail`) leaves those rows
-  int early_release;     // variant `early`: wait for a k-block's own MMAs and release its stage at once
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
@@ -76,9 +72,8 @@ enum Variant : int {
   kVariantDynamic = 1, kVariantNarrow = 2, kVariant128 = 4, kVariantPipe = 8,
   kVariantNoTail = 16,  // rows past sum(group_sizes) are left as they were (callers that never read them)
   kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
-  kVariantEarly = 64,   // forward / input grad: a consumer releases each stage as soon as its MMAs are done
-  kVariantTile128 = 128,  // host only: 128x128 tiles in every mode (5 stages instead of 3)
-  kVariantMask = 255
+  kVariantTile128 = 64,  // host only: 128x128 tiles in every mode (5 stages instead of 3)
+  kVariantMask = 127
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
@@ -349,10 +344,9 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
   // MMAs are issued (variant pipe: the previous task's epilogue, under them).
-  // early: each k-block's stage goes back as soon as its own MMAs are done (variant `early`).
   template <int N, class Prepare, class AfterFirst>
   __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare,
-                                      AfterFirst&& after_first, bool early = false) {
+                                      AfterFirst&& after_first) {
     const int lane = threadIdx.x % 32;
     int prev = -1;
     for (int kb = 0; kb < n; ++kb) {
@@ -363,14 +357,9 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       mma_stage_n<N>(in, st.warpgroup, acc, kb != 0);
       wgmma::commit();
       if (kb == 0) after_first();
-      if (early) {
-        wgmma::wait<0>();
-        if (lane == 0) release(s, st.pos.stage);
-      } else {
-        wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
-        if (prev >= 0 && lane == 0) release(s, prev);
-        prev = st.pos.stage;
-      }
+      wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
+      if (prev >= 0 && lane == 0) release(s, prev);
+      prev = st.pos.stage;
       st.pos.advance();
     }
     wgmma::wait<0>();
@@ -386,8 +375,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
   // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
-  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow,
-                                  bool early) {
+  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow) {
     if (task.k_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -400,14 +388,13 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     };
     if constexpr (BN >= 128) {
       if (narrow) {
-        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {},
-                             early);
+        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {});
 #pragma unroll
         for (int i = BN / 4; i < BN / 2; ++i) acc[i] = 0.f;
         return;
       }
     }
-    if (PAIR || early) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {}, early);  // pair: both CTAs'
+    if constexpr (PAIR) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {});  // releases to both CTAs
     else Base::mma_blocks(s, st, task.k_blocks, acc, prepare);
   }
 
@@ -478,7 +465,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     } else {
       // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
       if (!kWeightGradMode && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
-      else mma_task(s, st, task, acc, narrow_task(g, task), !kWeightGradMode && g.early_release);
+      else mma_task(s, st, task, acc, narrow_task(g, task));
       output(g, s, st, task, acc);
     }
   }

@@ -323,7 +323,7 @@ struct Kernel {
     if (!task.valid) return;
     float acc[BN / 2];
     if (GK::slice_rows(task, st.warpgroup) == 0) GK::skip_task(s, st, task);
-    else GK::mma_task(s, st, task, acc, false, false);
+    else GK::mma_task(s, st, task, acc, false);
     GK::output(g.half[h], s, st, task, acc);
   }
 

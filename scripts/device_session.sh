@@ -89,7 +89,7 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS only                                 ~1 min
-#   pairab      grouped forward variants PAIR_VARIANTS (default "pair early pair+early"): GPU tests of each and the
+#   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
 #               default's, grouped_probe and bench moe --op grouped_matmul --variants, default vs each      ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
 #               slopes vs small_chunked / auto / psum; PIPE_SWEEP="8:1 8:2" adds a rounds:lag sweep)   ~7 min
@@ -373,7 +373,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
     probe) stage probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ;;
-    pairab) variant_ab "${PAIR_VARIANTS:-pair early pair+early}" ;;
+    pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
     moeoverlap) stage moeoverlap $((${MOEOVERLAP_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${MOEOVERLAP_DEADLINE:-420} \

@@ -26,9 +26,9 @@ keeps the variant it was traced with. Measured on one H200 (2026-11-23, `bench m
 1408 rows the model predicted it would help most; pipe 0.82-0.95x forward+backward. The default stays static. On
 2x H200 (2026-11-27, n 1408, E 64 at G 2): 128-wide tiles 1.06 / 1.08x forward (uniform / skewed), so the forward
 and input grad take them where n % 256 is 1..128; dyn 0.91x. Variants `pair` (forward: two-CTA clusters whose
-CTAs share each B box by TMA multicast), `early` (each stage released once its own MMAs are done) and `w128`
-(128x128 tiles everywhere), one H200 (2026-11-27, `scripts/grouped_probe.py` and the bench rows): 0.90-1.0x,
-0.91-1.03x and 0.85-0.93x the default. What the default loses to jnp.dot there (0.76-0.78x at E 64 with multinomial
+CTAs share each B box by TMA multicast) and `w128` (128x128 tiles everywhere), one H200 (2026-11-27,
+`scripts/grouped_probe.py` and the bench rows): 0.90-1.0x and 0.85-0.93x the default (`early`, each stage released
+once its own MMAs were done, measured 0.91-1.03x and was removed). What the default loses to jnp.dot there (0.76-0.78x at E 64 with multinomial
 counts, 0.94-0.95x with 512 rows per group) goes to tiles of at most 64 rows: E 64 groups of 448 rows (a 64-row
 tile each) took 1.10x the time of 512-row groups for 12 % fewer FLOPs (docs/design-moe.md).
 """
@@ -55,11 +55,11 @@ MAX_GROUPS = 256  # the kernel's group table (kernels/pk/group_table.cuh)
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2  # the kernel's modes
 VARIANT_ENV = "PK_JAX_GROUPED_VARIANT"
 # the kernel's Variant bits (grouped_gemm_kernel.cuh; 16, notail, is expert_ffn's)
-VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8, "pair": 32, "early": 64, "w128": 128}
+VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8, "pair": 32, "w128": 64}
 # Variants the GPU tests run beside the default: every bit, every kernel instantiation and every variant that
 # `bench moe --variants` times (n128 is host-only: with dyn, its 128-wide tiles at n = 1408 / 1096).
-VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow", "dyn+narrow+pipe", "dyn+n128", "pair", "pair+narrow", "early",
-            "pair+early", "pair+w128")
+VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow", "dyn+narrow+pipe", "dyn+n128", "pair", "pair+narrow",
+            "pair+w128")
 
 
 def variant_bits(spec: str | None) -> int:
