@@ -38,6 +38,10 @@
 // Measured (one H200, 2026-11-27, m 32768 k 7168 n 2048 and the bench rows): 0.90-1.0x the default; with
 // 128x128 tiles (5 stages) no better: halving B's L2 reads does not speed this kernel up.
 // `w128` (host only): 128x128 tiles in every mode (5 stages): 0.85-0.93x.
+// `split` (forward / input grad): a task whose rows fit in one 64-row slice (a group's short last tile) is
+// computed by both consumer warpgroups on those rows, each over half the columns (m64n(BN/2) wgmmas from the same
+// stage), instead of by the first warpgroup alone while the second skips (one H200, k 7168: tiles of 64 rows
+// cost ~1.4 full tiles that way).
 #pragma once
 #include <climits>
 #include <type_traits>
@@ -65,6 +69,7 @@ struct Globals {
   int num_comm_sms;      // 0
   int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
   int store_tail;        // forward / input grad: 1 stores the tail's zeros; 0 (variant `notail`) leaves those rows
+  int split_short;       // variant `split`: a task of <= 64 rows runs on both warpgroups (split_task); 0 elsewhere
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
@@ -73,7 +78,8 @@ enum Variant : int {
   kVariantNoTail = 16,  // rows past sum(group_sizes) are left as they were (callers that never read them)
   kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
   kVariantTile128 = 64,  // host only: 128x128 tiles in every mode (5 stages instead of 3)
-  kVariantMask = 127
+  kVariantSplit = 128,   // forward / input grad: a tile of <= 64 rows is computed by both warpgroups, half the columns each
+  kVariantMask = 255
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
@@ -210,10 +216,25 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     const int rows = task.row_end - (task.row0 + w * 64);
     return rows < 0 ? 0 : (rows > 64 ? 64 : rows);
   }
+  // Variant `split`: a forward / input-grad task with 1..64 rows, computed by both warpgroups (half the columns each).
+  __device__ static bool split_task(const Globals& g, const Task& task) {
+    if constexpr (kWeightGradMode || BN < 128) return false;
+    else return g.split_short && task.row_end > task.row0 && task.row_end - task.row0 <= 64 && !narrow_task(g, task);
+  }
+
+  // Warpgroup w's part of a task's output: 64 rows (those of the group: `rows`) from row0, `width` columns from col0.
+  struct Slice {
+    int row0, rows, col0, width;
+  };
+  __device__ static Slice slice_of(const Globals& g, const Task& task, int w) {
+    if (split_task(g, task)) return {task.row0, slice_rows(task, 0), task.col0 + w * (BN / 2), BN / 2};
+    return {task.row0 + w * 64, slice_rows(task, w), task.col0, BN};
+  }
+
   // Whether the storer's TMA stores the slice: all 64 rows are the group's, or the group ends at the
   // output's last row (TMA clips there). Otherwise a partial slice is copied by its consumers.
   __device__ static bool tma_stored(const Globals& g, const Task& task, int w) {
-    const int rows = slice_rows(task, w);
+    const int rows = slice_of(g, task, w).rows;
     return rows > 0 && (rows == 64 || task.row_end >= (kWeightGradMode ? g.m : g.tokens));
   }
 
@@ -328,25 +349,30 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     asm volatile("bar.sync 1, %0;" ::"n"(128 * WGS) : "memory");  // every consumer thread's zeros are in
   }
 
-  // Base::mma_stage at wgmma width N (<= BN): acc holds the first N columns of the tile.
+  // Base::mma_stage at wgmma width N (<= BN): acc holds N columns of the tile from column b_col (a multiple of
+  // 64), rows of A slice a_slice (64-row slices).
   template <int N>
-  __device__ static void mma_stage_n(const Stage& in, int warpgroup, float (&acc)[N / 2], bool accumulate) {
+  __device__ static void mma_stage_n(const Stage& in, int a_slice, int b_col, float (&acc)[N / 2], bool accumulate) {
+    const T* a_wg = in.a + a_slice * 64 * BK;
+    // B_NK: one K-major box, n-row r at r * BK; otherwise N-major boxes of 64 columns
+    const T* b0 = B_NK ? in.b + b_col * BK : in.b + (b_col / kBoxCols) * BK * kBoxCols;
 #pragma unroll
     for (int kk = 0; kk < BK / 16; ++kk) {
-      const T* a_wg = in.a + warpgroup * 64 * BK;
       const uint64_t da = A_KM ? wgmma::desc_sw128(a_wg + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024)
                                : wgmma::desc_sw128(a_wg + kk * 16, 16, 1024);
-      const uint64_t db = B_NK ? wgmma::desc_sw128(in.b + kk * 16, 16, 1024)
-                               : wgmma::desc_sw128(in.b + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
+      const uint64_t db = B_NK ? wgmma::desc_sw128(b0 + kk * 16, 16, 1024)
+                               : wgmma::desc_sw128(b0 + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024);
       wgmma::mma<T, N, A_KM ? 1 : 0, B_NK ? 0 : 1>(acc, da, db, (accumulate || kk != 0) ? 1u : 0u);
     }
   }
 
   // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
   // MMAs are issued (variant pipe: the previous task's epilogue, under them).
+  // a_slice (default: the warpgroup's own) and b_col pick the operands' part (mma_stage_n).
   template <int N, class Prepare, class AfterFirst>
   __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare,
-                                      AfterFirst&& after_first) {
+                                      AfterFirst&& after_first, int a_slice = -1, int b_col = 0) {
+    if (a_slice < 0) a_slice = st.warpgroup;
     const int lane = threadIdx.x % 32;
     int prev = -1;
     for (int kb = 0; kb < n; ++kb) {
@@ -354,7 +380,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       Stage& in = s.stage[st.pos.stage];
       prepare(in, kb);
       wgmma::fence();
-      mma_stage_n<N>(in, st.warpgroup, acc, kb != 0);
+      mma_stage_n<N>(in, a_slice, b_col, acc, kb != 0);
       wgmma::commit();
       if (kb == 0) after_first();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
@@ -375,7 +401,8 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
   // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
-  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow) {
+  __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow,
+                                  bool split = false) {
     if (task.k_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
@@ -387,6 +414,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       }
     };
     if constexpr (BN >= 128) {
+      if (split) {  // the first slice's rows, this warpgroup's half of the columns
+        mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {}, 0,
+                             st.warpgroup * (BN / 2));
+        return;  // (acc[BN / 4..] unused: output() stores BN / 2 columns)
+      }
       if (narrow) {
         mma_blocks_n<BN / 2>(s, st, task.k_blocks, *reinterpret_cast<float(*)[BN / 4]>(&acc[0]), prepare, [] {});
 #pragma unroll
@@ -408,18 +440,17 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   }
 
   // A partial slice: the warpgroup copies its first `rows` rows (columns < n) from the slot to out.
-  __device__ static void copy_rows(const Globals& g, const T* slot, const Task& task, int w, int rows) {
+  __device__ static void copy_rows(const Globals& g, const T* slot, const Slice& sl, int w) {
     asm volatile("bar.sync %0, 128;" ::"r"(2 + w) : "memory");  // the warpgroup's stmatrix writes are in
-    constexpr int kChunks = BN / 8;                             // 16-byte chunks of a slot row
-    const int cols = g.n - task.col0 < BN ? g.n - task.col0 : BN;  // a multiple of 8 (n is)
+    const int chunks = sl.width / 8;                            // 16-byte chunks of a slot row
+    const int cols = g.n - sl.col0 < sl.width ? g.n - sl.col0 : sl.width;  // a multiple of 8 (n is); may be <= 0
     const unsigned char* src = reinterpret_cast<const unsigned char*>(slot);
     T* out = static_cast<T*>(g.out);
-    const size_t row0 = size_t(task.row0 + w * 64);
-    for (int i = threadIdx.x % 128; i < rows * kChunks; i += 128) {
-      const int r = i / kChunks, c = (i % kChunks) * 8;
+    for (int i = threadIdx.x % 128; i < sl.rows * chunks; i += 128) {
+      const int r = i / chunks, c = (i % chunks) * 8;
       if (c < cols) {
         const uint4 v = *reinterpret_cast<const uint4*>(src + swizzled_tile_offset<T>(r, c, 64));
-        *reinterpret_cast<uint4*>(out + (row0 + r) * size_t(g.n) + task.col0 + c) = v;
+        *reinterpret_cast<uint4*>(out + size_t(sl.row0 + r) * size_t(g.n) + sl.col0 + c) = v;
       }
     }
   }
@@ -428,13 +459,18 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   __device__ __forceinline__ static void output(const Globals& g, Shared& s, ConsumerState& st, const Task& task,
                                                 const float (&acc)[BN / 2]) {
     const int w = st.warpgroup;
-    const int rows = slice_rows(task, w);
+    const Slice sl = slice_of(g, task, w);
     Handoff& slot = s.c_slot[w];
     tma::mbar_wait(&slot.empty, st.c_phase ^ 1);
-    if (rows > 0) {
-      store_acc<T, BN, SlotLayout>(s.c[w], acc);
+    if (sl.rows > 0) {
+      if constexpr (BN >= 128) {
+        if (sl.width < BN) store_acc<T, BN / 2, SlotLayout>(s.c[w], *reinterpret_cast<const float(*)[BN / 4]>(&acc[0]));
+        else store_acc<T, BN, SlotLayout>(s.c[w], acc);
+      } else {
+        store_acc<T, BN, SlotLayout>(s.c[w], acc);
+      }
       if (tma_stored(g, task, w)) tma::fence_proxy_async_shared();  // the storer's TMA reads the slot
-      else copy_rows(g, s.c[w], task, w, rows);
+      else copy_rows(g, s.c[w], sl, w);
     }
     tma::mbar_arrive(&slot.full);
     st.c_phase ^= 1;
@@ -463,9 +499,11 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       st.prev_task = task;
       st.has_prev = true;
     } else {
-      // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync).
-      if (!kWeightGradMode && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
-      else mma_task(s, st, task, acc, narrow_task(g, task));
+      // A slice past its group's end skips the MMAs (weight grad: every warpgroup joins mask_stage's sync), unless
+      // the task is split over both warpgroups.
+      const bool split = split_task(g, task);
+      if (!kWeightGradMode && !split && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
+      else mma_task(s, st, task, acc, narrow_task(g, task), split);
       output(g, s, st, task, acc);
     }
   }
@@ -485,11 +523,13 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       tma::mbar_wait(&s.c_slot[w].full, st.c_phase);
       if (!tma_stored(g, task, w)) continue;
       const T* slot = s.c[w];
+      const Slice sl = slice_of(g, task, w);
 #pragma unroll
       for (int j = 0; j < BN / kOutBoxCols; ++j) {
-        const int col = task.col0 + j * kOutBoxCols, row = task.row0 + w * 64;
-        if constexpr (kWeightGradMode) tma::store_tile_3d(&g.c, col, row, task.group, slot + j * 64 * kOutBoxCols);
-        else tma::store_tile_2d(&g.c, col, row, slot + j * 64 * kOutBoxCols);
+        if (j * kOutBoxCols >= sl.width) break;
+        const int col = sl.col0 + j * kOutBoxCols;
+        if constexpr (kWeightGradMode) tma::store_tile_3d(&g.c, col, sl.row0, task.group, slot + j * 64 * kOutBoxCols);
+        else tma::store_tile_2d(&g.c, col, sl.row0, slot + j * 64 * kOutBoxCols);
       }
       tma::commit_group();
     }

@@ -1,6 +1,7 @@
 """Host model of the grouped GEMM's task schedule (kernels/grouped_gemm_kernel.cuh, kernels/pk/group_table.cuh,
 kernels/pk/tile_scheduler.cuh, kernels/grouped_gemm.cu), written line for line after the device code, so
-CPU tests check the tile-table math of every variant (PK_JAX_GROUPED_VARIANT: dyn, narrow, n128, pipe, pair), and a
+CPU tests check the tile-table math of every variant (PK_JAX_GROUPED_VARIANT: dyn, narrow, n128, pipe, pair, w128,
+split), and a
 cost model of the static and the claimed (dyn) schedules gives the expected gain of each variant.
 
 The emulation computes every task as the kernel does (BM x BN tile from the group's first row; the last
@@ -17,7 +18,7 @@ import math
 import numpy as np
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
-DYN, NARROW, N128, PIPE, PAIR = 1, 2, 4, 8, 32  # the kernel's Variant bits
+DYN, NARROW, N128, PIPE, PAIR, W128, SPLIT = 1, 2, 4, 8, 32, 64, 128  # the kernel's Variant bits
 BM, BK = 128, 64
 SINGLE_WARPGROUP_TILE = 1.1  # a 64 x BN tile on one warpgroup, in full (two-warpgroup) tiles: cost()
 BN_OF_TILE = (256, 128)  # kBn
@@ -116,6 +117,8 @@ class Launch:
         self.tile = choose_tile(self.n, self.variant, self.mode)
         if self.mode == WEIGHT_GRAD and self.variant & PIPE:  # launch(): the pipelined weight grad's tile
             self.tile = 1
+        if self.variant & W128:
+            self.tile = 1
         self.bn = BN_OF_TILE[self.tile]
         e = len(self.sizes)
         wgrad = self.mode == WEIGHT_GRAD
@@ -179,6 +182,17 @@ class Launch:
     def slice_rows(self, task: Task, w: int) -> int:
         return max(0, min(64, task.row_end - (task.row0 + w * 64)))
 
+    def split(self, task: Task) -> bool:
+        """Kernel::split_task: 1..64 rows on both warpgroups, half the columns each."""
+        return (self.mode != WEIGHT_GRAD and bool(self.variant & SPLIT) and self.bn >= 128
+                and 0 < task.row_end - task.row0 <= 64 and not self.narrow(task))
+
+    def slice_of(self, task: Task, w: int) -> tuple[int, int, int, int]:
+        """Kernel::slice_of: warpgroup w's (row0, rows, col0, width)."""
+        if self.split(task):
+            return task.row0, self.slice_rows(task, 0), task.col0 + w * (self.bn // 2), self.bn // 2
+        return task.row0 + w * 64, self.slice_rows(task, w), task.col0, self.bn
+
     def narrow(self, task: Task) -> bool:
         """Kernel::narrow_task."""
         return bool(self.variant & NARROW) and self.bn >= 128 and self.n - task.col0 <= self.bn // 2
@@ -197,6 +211,8 @@ class Launch:
         else:
             busy = sum(self.slice_rows(task, w) > 0 for w in range(2))
         width = (self.bn // 2 if self.narrow(task) else self.bn) / 256 / EFFICIENCY[self.tile]
+        if self.split(task):  # both warpgroups, half the columns each: half a tile's MMAs
+            busy, width = 2, width / 2
         # a tile whose rows fit in one 64-row slice runs on one warpgroup: measured at SINGLE_WARPGROUP_TILE of a
         # full tile, not half (one H200, session 26: E 64 groups of 448 rows took 1.10x the 512-row time)
         mma = task.k_blocks / 64 * width * (1.0 if busy == 2 else SINGLE_WARPGROUP_TILE if busy else 0.0)
@@ -265,15 +281,18 @@ def emulate(launch: Launch, a: np.ndarray, b: np.ndarray, fill=np.nan) -> np.nda
                 wb = b[task.group]
             wb = np.concatenate([wb, np.zeros((wb.shape[0], bn))], axis=1)[:, task.col0:task.col0 + bn]
             acc[:, :width] = ar @ wb[:, :width]
+        split = launch.split(task)
         for w in range(2):
-            rows = launch.slice_rows(task, w)
+            r0, rows, c0, wide = launch.slice_of(task, w)
             if rows == 0:
                 continue
-            r0 = task.row0 + w * 64
+            part = acc[:64, w * wide:(w + 1) * wide] if split else acc[w * 64:w * 64 + 64, :]
             stored = rows if rows < 64 and task.row_end < launch.tokens else min(64, launch.tokens - r0)
-            cols = min(bn, launch.n - task.col0)
-            out[r0:r0 + stored, task.col0:task.col0 + cols] = acc[w * 64:w * 64 + stored, :cols]
-            written[r0:r0 + stored, task.col0:task.col0 + cols] += 1
+            cols = min(wide, launch.n - c0)
+            if cols <= 0:
+                continue
+            out[r0:r0 + stored, c0:c0 + cols] = part[:stored, :cols]
+            written[r0:r0 + stored, c0:c0 + cols] += 1
     assert written.max() <= 1, "an output element stored by two tasks"
     return out
 

@@ -1,6 +1,6 @@
 """The grouped GEMM's tile schedule on the CPU (tests/grouped_schedule_model.py, a line-for-line host model
 of kernels/grouped_gemm_kernel.cuh and pk/group_table.cuh): every output element stored exactly once and
-equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128, pipe, pair) and the odd group
+equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128, pipe, pair, split, w128) and the odd group
 sizes of the GPU tests; the task bound holds; the variant parser; the cost model's expected gains."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ gm = importlib.import_module("pk_jax.moe.grouped_matmul")
 
 VARIANT_BITS = [0, gsm.DYN, gsm.NARROW, gsm.N128, gsm.PIPE, gsm.DYN | gsm.NARROW, gsm.DYN | gsm.N128,
                 gsm.DYN | gsm.NARROW | gsm.N128, gsm.DYN | gsm.NARROW | gsm.PIPE, gsm.PAIR, gsm.PAIR | gsm.NARROW,
-                gsm.PAIR | gsm.DYN]
+                gsm.PAIR | gsm.DYN, gsm.SPLIT, gsm.SPLIT | gsm.NARROW, gsm.SPLIT | gsm.PAIR, gsm.SPLIT | gsm.W128]
 
 
 def sizes_of(kind: str, m: int, e: int, rng) -> list[int]:
