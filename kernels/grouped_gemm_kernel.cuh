@@ -40,8 +40,8 @@
 // `w128` (host only): 128x128 tiles in every mode (5 stages): 0.85-0.93x.
 // `split` (forward / input grad): a task whose rows fit in one 64-row slice (a group's short last tile) is
 // computed by both consumer warpgroups on those rows, each over half the columns (m64n(BN/2) wgmmas from the same
-// stage), instead of by the first warpgroup alone while the second skips (one H200, k 7168: tiles of 64 rows
-// cost ~1.4 full tiles that way).
+// stage), instead of by the first warpgroup alone while the second skips (one H200, k 7168: a 64x256 tile on one
+// warpgroup took ~1.1x the time of a 128x256 tile on two; docs/design-moe.md).
 #pragma once
 #include <climits>
 #include <type_traits>
