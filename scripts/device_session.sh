@@ -89,7 +89,7 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS only                                 ~1 min
-#   splitab     variant split: expert FFN GPU tests under it, then pairab for "split split+pair"        ~6 min
+#   splitab     variant split: expert FFN GPU tests under it, then pairab for "split dyn+split"        ~6 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
 #               default's, grouped_probe and bench moe --op grouped_matmul --variants, default vs each      ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
@@ -375,10 +375,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   done ;;
     probe) stage probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ;;
     splitab) # variant split: the expert FFN's GPU tests under it (its forward and two-product input grad), then pairab's
-             # stages for PAIR_VARIANTS (default here "split split+pair")
+             # stages for PAIR_VARIANTS (default here "split dyn+split")
              stage ffn-tests-split 120 env PK_JAX_GROUPED_VARIANT=split timeout 110 python3 -m pytest \
                tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
-             variant_ab "${PAIR_VARIANTS:-split split+pair}" ;;
+             variant_ab "${PAIR_VARIANTS:-split dyn+split}" ;;
     pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;

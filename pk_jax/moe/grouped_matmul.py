@@ -59,7 +59,7 @@ VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8, "pair": 32, "w128":
 # Variants the GPU tests run beside the default: every bit, every kernel instantiation and every variant that
 # `bench moe --variants` times (n128 is host-only: with dyn, its 128-wide tiles at n = 1408 / 1096).
 VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow", "dyn+narrow+pipe", "dyn+n128", "pair", "pair+narrow",
-            "pair+w128", "split", "split+pair", "split+dyn+narrow")
+            "pair+w128", "split", "split+pair", "dyn+split", "split+dyn+narrow")
 
 
 def variant_bits(spec: str | None) -> int:
