@@ -89,7 +89,8 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS only                                 ~1 min
-#   splitab     variant split: expert FFN GPU tests under it, then pairab for "split dyn+split"        ~6 min
+#   splitdefault split as the default: grouped GPU tests at default / nosplit / pair, the expert FFN's, then
+#               grouped_probe with the backward's GEMMs (--modes dgrad wgrad), default vs nosplit and dyn    ~5 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
 #               default's, grouped_probe and bench moe --op grouped_matmul --variants, default vs each      ~8 min
 #   arpipe      (2 GPUs+) the pipelined all_reduce: scripts/stage_ar_pipelined.sh (first test alone, tests, latency
@@ -374,11 +375,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
     probe) stage probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ;;
-    splitab) # variant split: the expert FFN's GPU tests under it (its forward and two-product input grad), then pairab's
-             # stages for PAIR_VARIANTS (default here "split dyn+split")
-             stage ffn-tests-split 120 env PK_JAX_GROUPED_VARIANT=split timeout 110 python3 -m pytest \
-               tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
-             variant_ab "${PAIR_VARIANTS:-split dyn+split}" ;;
+    splitdefault) # split as the default (PK_JAX_GROUPED_VARIANT unset): the tests at it and beside it, then the probe
+             for v in default nosplit pair; do
+               stage tests-$v 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
+                 tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+             done
+             stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
+             stage modes-probe 240 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants nosplit dyn --reps 20 ;;
     pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;

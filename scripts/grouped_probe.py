@@ -10,6 +10,10 @@ with counts rounded to 64-row multiples (a partial tile never has more than one 
 --variants: kernel schedule variants (PK_JAX_GROUPED_VARIANT, set while each contender traces) timed beside the
 default for one group and E groups with multinomial counts.
 
+--modes dgrad wgrad: also the backward's two GEMMs at E groups with multinomial counts (and each variant), each
+beside jnp.dot of the same shapes: the input grad dy (m, n) x w^T (n, k) and the weight grad x^T (k, m) x dy (m, n)
+(per group: E outputs of (k, n), against one for the dense GEMM).
+
 --once NAME runs that contender twice (compile, then once more) and exits: for Nsight Compute."""
 
 from __future__ import annotations
@@ -46,6 +50,39 @@ def counts(kind: str, rows: int, e: int, rng: np.random.Generator) -> np.ndarray
     return c.astype(np.int32)
 
 
+def add_backward_mode(contenders: dict, variant_of: dict, mode: str, e: int, w, w1, gs, rows: int,
+                      variants: list[str]) -> None:
+    """The backward GEMM `mode` ("dgrad" or "wgrad") at E groups `gs` (ours, per variant) and its dense
+    contender. Their inputs come from the rotated x (m, k): dy is x's first n columns (m, n)."""
+    n = w.shape[2]
+    dense = f"jnp.dot {mode}"
+    if mode == "dgrad":  # dx = dy w^T: (m, n) x (n, k)
+        f_dense = jax.jit(lambda xs, w: [jnp.dot(x[:, :n], w[0].T) for x in xs])
+        contenders.setdefault(dense, (lambda xs: f_dense(xs, w1), xs_rows(contenders), dense))
+
+        def ours_jit():  # its own jit per contender: the variant is fixed when it traces
+            f = jax.jit(lambda xs, w, gs: [gm._input_grad(x[:, :n], w, gs, x.dtype, gm.TILE_ROWS, True, gm._variant())
+                                           for x in xs])
+            return lambda xs: f(xs, w, gs)
+    else:  # dw[e] = x_e^T dy_e: (k, m_e) x (m_e, n)
+        f_dense = jax.jit(lambda xs: [jnp.dot(x.T, x[:, :n]) for x in xs])
+        contenders.setdefault(dense, (f_dense, xs_rows(contenders), dense))
+
+        def ours_jit():
+            f = jax.jit(lambda xs, gs: [gm._weight_grad(x, x[:, :n], gs, w.dtype, gm.TILE_ROWS, True, gm._variant())
+                                        for x in xs])
+            return lambda xs: f(xs, gs)
+    contenders[f"ours {mode} E{e} uniform"] = (ours_jit(), rows, dense)
+    for v in variants:
+        name = f"ours {mode} E{e} uniform [{v}]"
+        contenders[name] = (ours_jit(), rows, dense)
+        variant_of[name] = v
+
+
+def xs_rows(contenders: dict) -> int:
+    return contenders["jnp.dot"][1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", type=int, default=32768)
@@ -55,6 +92,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--once", default=None)
     ap.add_argument("--variants", nargs="*", default=[])
+    ap.add_argument("--modes", nargs="*", default=[], choices=["dgrad", "wgrad"])
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     m, k, n = a.rows, a.k, a.n
@@ -72,23 +110,26 @@ def main() -> None:
         f = jax.jit(lambda xs, w, gs: [gm.grouped_matmul(x, w, gs) for x in xs])
         return lambda xs: f(xs, w, gs)
 
-    contenders = {"jnp.dot": (lambda xs: dense_jit(xs, w1), m)}
+    # name -> (fn, rows in use, the dense contender it is compared with)
+    contenders = {"jnp.dot": (lambda xs: dense_jit(xs, w1), m, "jnp.dot")}
     variant_of = {}  # contender -> PK_JAX_GROUPED_VARIANT while it traces
     one = jnp.array([m], jnp.int32)
-    contenders["ours E1"] = (grouped(w1, one), m)
+    contenders["ours E1"] = (grouped(w1, one), m, "jnp.dot")
     for e in a.experts:
         w = jax.random.normal(jax.random.key(e), (e, k, n), jnp.float32).astype(jnp.bfloat16) * 0.02
         for kind in ("even", "uniform", "round64", "shift64", "half448"):
             c = counts(kind, m, e, rng)
             gs = jnp.asarray(c)
-            contenders[f"ours E{e} {kind}"] = (grouped(w, gs), int(c.sum()))
+            contenders[f"ours E{e} {kind}"] = (grouped(w, gs), int(c.sum()), "jnp.dot")
             if kind == "uniform":
                 for v in a.variants:
                     name = f"ours E{e} {kind} [{v}]"
-                    contenders[name] = (grouped_variant(w, gs), int(c.sum()))
+                    contenders[name] = (grouped_variant(w, gs), int(c.sum()), "jnp.dot")
                     variant_of[name] = v
+                for mode in a.modes:
+                    add_backward_mode(contenders, variant_of, mode, e, w, w1, gs, int(c.sum()), a.variants)
     for v in a.variants:
-        contenders[f"ours E1 [{v}]"] = (grouped_variant(w1, one), m)
+        contenders[f"ours E1 [{v}]"] = (grouped_variant(w1, one), m, "jnp.dot")
         variant_of[f"ours E1 [{v}]"] = v
 
     def first_call(name, inputs):  # traces under the contender's variant
@@ -99,7 +140,7 @@ def main() -> None:
             os.environ.pop(gm.VARIANT_ENV, None)
 
     if a.once:
-        f, _ = contenders[a.once]
+        f = contenders[a.once][0]
         first_call(a.once, xs[:1])
         print(f"== {a.once}", flush=True)
         jax.block_until_ready(f(xs[:1]))
@@ -110,12 +151,13 @@ def main() -> None:
         first_call(nm, xs)
         print(f"# {nm}: first call {time.perf_counter() - t0:.1f} s", flush=True)
     ms = time_interleaved([contenders[nm][0] for nm in names], xs, reps=a.reps, min_sample_ms=20.0)
-    base = ms[0] / contenders["jnp.dot"][1]  # jnp.dot's ms per row
-    print(f"m {m} k {k} n {n} (bf16), ms per op, TFLOP/s on the rows in use, vs jnp.dot per row")
+    ms_of = dict(zip(names, ms))
+    print(f"m {m} k {k} n {n} (bf16), ms per op, TFLOP/s on the rows in use, vs its dense contender per row")
     for nm, t in zip(names, ms):
-        rows = contenders[nm][1]
+        rows, base_name = contenders[nm][1], contenders[nm][2]
+        base = ms_of[base_name] / contenders[base_name][1]  # the dense contender's ms per row
         tf = 2.0 * rows * k * n / (t * 1e-3) / 1e12
-        print(f"{nm:24s} {t:8.3f} ms  rows {rows:6d}  {tf:6.1f} TFLOP/s  {base * rows / t:5.2f}x", flush=True)
+        print(f"{nm:32s} {t:8.3f} ms  rows {rows:6d}  {tf:6.1f} TFLOP/s  {base * rows / t:5.2f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -133,16 +133,21 @@ def test_grouped_schedule_tile_choice():
 
 
 def test_grouped_variant_parser():
-    assert gm.variant_bits(None) == 0 and gm.variant_bits("") == 0 and gm.variant_bits("default") == 0
-    assert gm.variant_bits("dyn") == gsm.DYN
-    assert gm.variant_bits("dyn+narrow") == gsm.DYN | gsm.NARROW
-    assert gm.variant_bits("n128, dyn") == gsm.DYN | gsm.N128
-    assert gm.variant_bits("dyn+narrow+pipe") == gsm.DYN | gsm.NARROW | gsm.PIPE
-    assert gm.variant_bits("pair") == gsm.PAIR
+    split = gsm.SPLIT  # the default's bits (gm.DEFAULT_BITS)
+    assert gm.DEFAULT_BITS == split == gm.VARIANT_BITS["split"]
+    assert gm.variant_bits(None) == split and gm.variant_bits("") == split and gm.variant_bits("default") == split
+    assert gm.variant_bits("nosplit") == 0 and gm.variant_bits("split") == split
+    assert gm.variant_bits("dyn") == gsm.DYN | split
+    assert gm.variant_bits("dyn+narrow") == gsm.DYN | gsm.NARROW | split
+    assert gm.variant_bits("n128, dyn") == gsm.DYN | gsm.N128 | split
+    assert gm.variant_bits("dyn+narrow+pipe+nosplit") == gsm.DYN | gsm.NARROW | gsm.PIPE
+    assert gm.variant_bits("nosplit+pair") == gsm.PAIR
     with pytest.raises(ValueError, match="unknown variant"):
         gm.variant_bits("fast")
+    with pytest.raises(ValueError, match="unknown variant 'nodyn'"):  # only a default bit can be cleared
+        gm.variant_bits("nodyn")
     for v in gm.VARIANTS:
-        assert gm.variant_bits(v)
+        assert gm.variant_bits(v) != gm.DEFAULT_BITS  # each names a schedule other than the default
 
 
 def test_grouped_variant_env_is_read_at_trace_time(monkeypatch):

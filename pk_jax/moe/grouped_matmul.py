@@ -18,19 +18,23 @@ replicated over an axis the rows are sharded over gets its gradient summed by pk
 Kernel schedule variants (benchmarking; identical results): PK_JAX_GROUPED_VARIANT, read when a call is traced,
 names any of `dyn` (tasks claimed at run time from a device-wide counter: CTAs with cheap tiles take more),
 `narrow` (half-width MMAs for an n tail of at most half a tile), `n128` (128x128 tiles where n % 256 is 1..128 in
-the weight grad too: the forward and input grad take them there by default) and `pipe` (weight grad: 128x128
-tiles, each tile's epilogue under the next tile's MMAs), joined by "+" or ","; unset, empty or "default": the
-static schedule (kernels/grouped_gemm_kernel.cuh). The variant is part of the traced call, so a jitted function
-keeps the variant it was traced with. Measured on one H200 (2026-11-23, `bench moe --op grouped_matmul
---variants`; bits identical): dyn+narrow 1.04-1.06x the default on the k 7168 / E 64 rows but 0.68-0.95x on the n
-1408 rows the model predicted it would help most; pipe 0.82-0.95x forward+backward. The default stays static. On
-2x H200 (2026-11-27, n 1408, E 64 at G 2): 128-wide tiles 1.06 / 1.08x forward (uniform / skewed), so the forward
-and input grad take them where n % 256 is 1..128; dyn 0.91x. Variants `pair` (forward: two-CTA clusters whose
-CTAs share each B box by TMA multicast) and `w128` (128x128 tiles everywhere), one H200 (2026-11-27,
-`scripts/grouped_probe.py` and the bench rows): 0.90-1.0x and 0.85-0.93x the default (`early`, each stage released
-once its own MMAs were done, measured 0.91-1.03x and was removed). What the default loses to jnp.dot there (0.76-0.78x at E 64 with multinomial
-counts, 0.94-0.95x with 512 rows per group) goes to tiles of at most 64 rows: E 64 groups of 448 rows (a 64-row
-tile each) took 1.10x the time of 512-row groups for 12 % fewer FLOPs (docs/design-moe.md).
+the weight grad too: the forward and input grad take them there by default), `pipe` (weight grad: 128x128
+tiles, each tile's epilogue under the next tile's MMAs), `pair` (forward: two-CTA clusters whose CTAs share each B
+box by TMA multicast), `w128` (128x128 tiles everywhere) and `nosplit`, joined by "+" or ","; unset, empty or
+"default": the static schedule with `split` (kernels/grouped_gemm_kernel.cuh), DEFAULT_BITS. `split` (forward and
+input grad): a tile whose rows fit in one 64-row slice (a group's short last tile) runs on both consumer
+warpgroups, half the columns each, instead of on one while the other idles. The variant is part of the traced
+call, so a jitted function keeps the variant it was traced with.
+
+Measured (bits identical in every case): on one H200 (2026-11-23, `bench moe --op grouped_matmul --variants`)
+dyn+narrow 1.04-1.06x the default then on the k 7168 / E 64 rows but 0.68-0.95x on the n 1408 rows; pipe
+0.82-0.95x forward+backward. On 2x H200 (2026-11-27, n 1408, E 64 at G 2): 128-wide tiles 1.06 / 1.08x forward
+(uniform / skewed), so the forward and input grad take them where n % 256 is 1..128; dyn 0.91x. One H200
+(2026-11-27, `scripts/grouped_probe.py` and the bench rows): pair 0.90-1.0x, w128 0.85-0.93x (`early`, each stage
+released once its own MMAs were done, 0.91-1.03x, was removed); split 1.04-1.06x forward on the k 7168 / E 64 rows
+(m 32768 k 7168 n 2048 E 64, multinomial counts: 0.82 -> 0.85x jnp.dot), hence the default. What is left against
+jnp.dot there (0.99x with 512 rows per group): a group's last tile of 65-127 rows costs a full tile, and the static
+round robin spreads the cheaper split tiles unevenly over the CTAs (docs/design-moe.md).
 """
 
 from __future__ import annotations
@@ -56,23 +60,31 @@ FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2  # the kernel's modes
 VARIANT_ENV = "PK_JAX_GROUPED_VARIANT"
 # the kernel's Variant bits (grouped_gemm_kernel.cuh; 16, notail, is expert_ffn's)
 VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8, "pair": 32, "w128": 64, "split": 128}
+# Bits every spec gets unless it names "no<variant>": split (one H200, 2026-11-27, m 32768 k 7168 n 2048 E 64
+# with multinomial counts: 0.82 -> 0.85x jnp.dot forward; bench rows at k 7168 / E 64 1.04-1.06x; bits identical).
+DEFAULT_BITS = VARIANT_BITS["split"]
 # Variants the GPU tests run beside the default: every bit, every kernel instantiation and every variant that
 # `bench moe --variants` times (n128 is host-only: with dyn, its 128-wide tiles at n = 1408 / 1096).
 VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow", "dyn+narrow+pipe", "dyn+n128", "pair", "pair+narrow",
-            "pair+w128", "split", "split+pair", "dyn+split", "split+dyn+narrow")
+            "pair+w128", "nosplit", "nosplit+pair", "nosplit+dyn+narrow")
 
 
 def variant_bits(spec: str | None) -> int:
-    """The kernel's variant bits of a PK_JAX_GROUPED_VARIANT value ("dyn+narrow", "n128,dyn", "" ...)."""
-    bits = 0
+    """The kernel's variant bits of a PK_JAX_GROUPED_VARIANT value ("dyn+narrow", "n128,dyn", "" ...): the
+    named bits plus DEFAULT_BITS, less any default named as "no<variant>" ("nosplit": the schedule before split)."""
+    bits, cleared = DEFAULT_BITS, 0
     for name in (spec or "").replace(",", "+").split("+"):
         name = name.strip().lower()
         if name in ("", "default", "none"):
             continue
+        if name.startswith("no") and VARIANT_BITS.get(name[2:], 0) & DEFAULT_BITS:
+            cleared |= VARIANT_BITS[name[2:]]
+            continue
         if name not in VARIANT_BITS:
-            raise ValueError(f"{VARIANT_ENV}={spec!r}: unknown variant {name!r} (known: {', '.join(VARIANT_BITS)})")
+            known = ", ".join([*VARIANT_BITS, *("no" + v for v, b in VARIANT_BITS.items() if b & DEFAULT_BITS)])
+            raise ValueError(f"{VARIANT_ENV}={spec!r}: unknown variant {name!r} (known: {known})")
         bits |= VARIANT_BITS[name]
-    return bits
+    return bits & ~cleared
 
 
 def _variant() -> int:
