@@ -88,7 +88,7 @@
 #               D128; NCU_ARGS="--causal"): details page (Firecracker kinds only: nvidia-h100-x1)   ~4 min
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
-#   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS only                                 ~1 min
+#   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
 #   splitdefault split as the default: grouped GPU tests at default / nosplit / pair, the expert FFN's, then
 #               grouped_probe with the backward's GEMMs (--modes dgrad wgrad), default vs nosplit and dyn    ~5 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
@@ -374,7 +374,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                       env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/grouped_probe.py --once "$c" ${PROBE_ARGS:-}
                     stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                   done ;;
-    probe) stage probe 120 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ;;
+    probe) stage probe ${PROBE_LIMIT:-120} env CUDA_VISIBLE_DEVICES=0 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ${PROBE_ARGS:-} ;;
     splitdefault) # split as the default (PK_JAX_GROUPED_VARIANT unset): the tests at it and beside it, then the probe
              for v in default nosplit pair; do
                stage tests-$v 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \

@@ -8,7 +8,7 @@ with counts rounded to 64-row multiples (a partial tile never has more than one 
     python3 scripts/grouped_probe.py [--rows 32768 --k 7168 --n 2048 --experts 64] [--variants pair] [--once NAME]
 
 --variants: kernel schedule variants (PK_JAX_GROUPED_VARIANT, set while each contender traces) timed beside the
-default for one group and E groups with multinomial counts.
+default for one group and E groups with multinomial counts (--variant-kinds: other group-size kinds too).
 
 --modes dgrad wgrad: also the backward's two GEMMs at E groups with multinomial counts (and each variant), each
 beside jnp.dot of the same shapes: the input grad dy (m, n) x w^T (n, k) and the weight grad x^T (k, m) x dy (m, n)
@@ -93,6 +93,7 @@ def main() -> None:
     ap.add_argument("--once", default=None)
     ap.add_argument("--variants", nargs="*", default=[])
     ap.add_argument("--modes", nargs="*", default=[], choices=["dgrad", "wgrad"])
+    ap.add_argument("--variant-kinds", nargs="*", default=["uniform"], help="group-size kinds timed per variant")
     a = ap.parse_args()
     rng = np.random.default_rng(0)
     m, k, n = a.rows, a.k, a.n
@@ -121,11 +122,12 @@ def main() -> None:
             c = counts(kind, m, e, rng)
             gs = jnp.asarray(c)
             contenders[f"ours E{e} {kind}"] = (grouped(w, gs), int(c.sum()), "jnp.dot")
-            if kind == "uniform":
+            if kind in a.variant_kinds:
                 for v in a.variants:
                     name = f"ours E{e} {kind} [{v}]"
                     contenders[name] = (grouped_variant(w, gs), int(c.sum()), "jnp.dot")
                     variant_of[name] = v
+            if kind == "uniform":
                 for mode in a.modes:
                     add_backward_mode(contenders, variant_of, mode, e, w, w1, gs, int(c.sum()), a.variants)
     for v in a.variants:
