@@ -213,7 +213,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     return r;
   }
 
-  // Variant split's balanced static schedule (begin() plans this CTA's units, lcsc.cuh walks them). A split tile (a group's last
+  // Variant split's balanced static schedule (lcsc.cuh walks units when K::units_on). A split tile (a group's last
   // row tile of <= 64 rows) costs about half a full tile, so the static round robin over tasks gave some CTAs
   // more work than others (the host model: 9 % over the mean at E 64 with multinomial counts; greedy claiming
   // would balance it, but `dyn` measured 6-10 % slower even where tiles are even). Units instead: a full tile, or
@@ -221,24 +221,10 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   // round-robin round keeps the CTAs in step (B boxes shared through L2 by tasks running at once). Task (x, y) of
   // a split row tile x with y odd is "absorbed" into the unit of (x, y - 1); units keep the task list's order.
   static constexpr bool kUnits = !kWeightGradMode && !PAIR && !DYN && BN_ >= 128;
-  // This CTA's tasks in walk order, unit by unit (two entries per unit, the second -1 for a single task), written
-  // by begin() into the group table's scratch once the table is built: the roles read them from shared memory, so
-  // the walk adds no registers to the consumers' MMA loop (a walk computed in every role made ptxas serialize the
-  // wgmmas for want of registers).
-  static constexpr int kMaxCtaUnits = int(sizeof(GroupTable::scan) / (2 * sizeof(int)));
-  __device__ static int* unit_list(Shared& s) { return reinterpret_cast<int*>(s.ext.table.scan); }
-  __device__ static bool units_planned(const Globals& g) { return g.split_short && !g.task_walk; }
-  // lcsc.cuh's unit walk: this CTA's task list and its length (null: walk the tasks).
-  __device__ static const int* units_of_cta(const Globals& g, Shared& s, int& count) {
-    if (!units_planned(g)) return nullptr;
-    const int units = num_units(g, s.ext.table);
-    if (units > kMaxCtaUnits * int(gridDim.x)) return nullptr;  // every CTA decides alike: more than the list holds
-    count = 2 * cta_units(units);
-    return unit_list(s);
-  }
-  __device__ static int cta_units(int units) {
-    return units > int(blockIdx.x) ? (units - int(blockIdx.x) + int(gridDim.x) - 1) / int(gridDim.x) : 0;
-  }
+  __device__ static bool units_on(const Globals& g) { return g.split_short && !g.task_walk; }
+  struct UnitWalk {
+    int t = 0, u = -1;  // the last unit found (u) and its first task (t): a lower bound for the next
+  };
   // Row tiles before row tile x (<= the groups' tiles) that are split tiles.
   __device__ static int split_tiles_before(const Globals& g, const GroupTable& tb, int x) {
     return tb.short_before[tb.group_of_tile(x, g.num_groups)];
@@ -258,33 +244,22 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     const int absorbed = half_n * s0 + (y / 2) * (s1 - s0) + ((y & 1) ? split_tiles_before(g, tb, x) - s0 : 0);
     return t - absorbed;
   }
-  __device__ static int num_units(const Globals& g, const GroupTable& tb) {
-    return units_before(g, tb, tb.tile_start[g.num_groups] * g.tiles_n);
+  __device__ static int num_units(const Globals& g, const Shared& s) {
+    return units_before(g, s.ext.table, s.ext.table.tile_start[g.num_groups] * g.tiles_n);
   }
-  // Unit u's tasks (y: -1 for a single task). units_before rises by at most 1 per task, so from any t below unit
-  // u's first task, t += u - units_before(t) never passes it.
-  __device__ static int2 unit_tasks(const Globals& g, const GroupTable& tb, int u) {
-    int t = u;
+  // Unit u's tasks (second: -1 for a single task). Units walked in increasing order jump from the last one found:
+  // units_before rises by at most 1 per task, so t += u - units_before(t) never passes unit u's first task.
+  __device__ static int2 unit_tasks(const Globals& g, const Shared& s, int u, UnitWalk& walk) {
+    const GroupTable& tb = s.ext.table;
+    int t = walk.u >= 0 ? walk.t + (u - walk.u) : u;
     for (int d; (d = u - units_before(g, tb, t)) > 0;) t += d;
     const TileGrid grid{tb.tile_start[g.num_groups], g.tiles_n, g.group_m};
     int2 xy = grid.tile(t);
     while ((xy.y & 1) && split_tile(g, tb, xy.x)) xy = grid.tile(++t);  // absorbed: units_before(t + 1) == u still
+    walk = {t, u};
     const int first = (t / (g.group_m * g.tiles_n)) * g.group_m, rows = min(grid.tiles_m - first, g.group_m);
     const bool pair = xy.y + 1 < g.tiles_n && split_tile(g, tb, xy.x);  // y is even here
     return make_int2(t, pair ? t + rows : -1);  // (x, y + 1): the next column of the same block
-  }
-  // Every thread (after the table is built): this CTA's units u = blockIdx.x + j * gridDim.x, one per thread.
-  __device__ static void plan_units(const Globals& g, Shared& s) {
-    const GroupTable& tb = s.ext.table;
-    const int units = num_units(g, tb);
-    if (units > kMaxCtaUnits * int(gridDim.x)) return;  // units_of_cta walks the tasks then
-    int* list = unit_list(s);
-    for (int j = threadIdx.x; j < cta_units(units); j += blockDim.x) {
-      const int2 t = unit_tasks(g, tb, int(blockIdx.x) + j * int(gridDim.x));
-      list[2 * j] = t.x;
-      list[2 * j + 1] = t.y;
-    }
-    __syncthreads();
   }
 
   // Output rows of warpgroup w's 64-row slice that belong to the tile's group (0..64).
@@ -347,10 +322,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       reinterpret_cast<uint4*>(s.ext.zero_box)[i] = make_uint4(0, 0, 0, 0);
     tma::fence_proxy_async_shared();  // before the storer's TMA reads it (build() ends with a CTA barrier)
     s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode, PAIR,
-                      kUnits && units_planned(g) ? 64 : 0);
-    if constexpr (kUnits) {
-      if (units_planned(g)) plan_units(g, s);  // (the table's scratch is free once it is built)
-    }
+                      kUnits && units_on(g) ? 64 : 0);
   }
 
   // pair: each empty barrier counts the consumer warps of both CTAs (a stage is multicast into both).

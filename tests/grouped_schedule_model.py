@@ -20,7 +20,6 @@ import numpy as np
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
 DYN, NARROW, N128, PIPE, PAIR, W128, SPLIT, TASKWALK = 1, 2, 4, 8, 32, 64, 128, 256  # the kernel's Variant bits
 BM, BK = 128, 64
-MAX_CTA_UNITS = 258  # Kernel::kMaxCtaUnits: a CTA's unit list in the group table's scratch (2 ints per unit)
 SINGLE_WARPGROUP_TILE = 1.1  # a 64 x BN tile on one warpgroup, in full (two-warpgroup) tiles: cost()
 BN_OF_TILE = (256, 128)  # kBn
 EFFICIENCY = (1.0, 0.87)
@@ -223,7 +222,7 @@ class Launch:
 
     def cta_tasks(self, cta: int) -> list[int]:
         """The task indices CTA `cta` walks (static schedule; units when units_on)."""
-        if not self.units_on() or self.num_units() > MAX_CTA_UNITS * self.workers:  # (the plan must fit its list)
+        if not self.units_on():
             return list(range(cta, self.max_tasks, self.workers))
         walk, out = [0, -1], []
         for u in range(cta, self.num_units(), self.workers):

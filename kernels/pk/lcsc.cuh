@@ -82,9 +82,9 @@ struct ClusterSize : std::integral_constant<int, 1> {};
 template <class K>
 struct ClusterSize<K, std::void_t<decltype(K::kClusterSize)>> : std::integral_constant<int, K::kClusterSize> {};
 
-// K::kUnits (default false): K::units_of_cta(g, s, count) may return this CTA's own list of `count` task indices
-// (entries < 0 skipped), built by K::begin, which the static walk then follows instead of tasks i, i + workers, ...:
-// a kernel whose tasks differ in cost can deal them out in equal shares.
+// K::kUnits (default false): when K::units_on(g), the static walk is over units instead of tasks: worker i takes
+// units i, i + workers, ... below K::num_units(g, s), each one or two tasks (K::unit_tasks(g, s, u, walk): x, then
+// y unless -1), so that a kernel whose tasks differ in cost can deal them out in equal shares.
 template <class K, class = void>
 struct HasUnits : std::false_type {};
 template <class K>
@@ -123,10 +123,13 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
     }
     constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
     if constexpr (HasUnits<K>::value) {
-      int count = 0;
-      if (const int* list = K::units_of_cta(g, s, count)) {
-        for (int i = 0; i < count; ++i)
-          if (const int t = list[i]; t >= 0) body(t);
+      if (K::units_on(g)) {
+        typename K::UnitWalk walk{};
+        for (int u : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_units(g, s)}) {
+          const int2 t = K::unit_tasks(g, s, u, walk);
+          body(t.x);
+          if (t.y >= 0) body(t.y);
+        }
         return;
       }
     }
