@@ -70,7 +70,6 @@ struct Globals {
   int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
   int store_tail;        // forward / input grad: 1 stores the tail's zeros; 0 (variant `notail`) leaves those rows
   int split_short;       // variant `split`: a task of <= 64 rows runs on both warpgroups (split_task); 0 elsewhere
-  int task_walk;         // variant `taskwalk`: split's static walk over tasks instead of units (Kernel::kUnits)
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
@@ -80,8 +79,7 @@ enum Variant : int {
   kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
   kVariantTile128 = 64,  // host only: 128x128 tiles in every mode (5 stages instead of 3)
   kVariantSplit = 128,   // forward / input grad: a tile of <= 64 rows is computed by both warpgroups, half the columns each
-  kVariantTaskWalk = 256,  // with split: the static walk deals tasks, not units (Kernel::kUnits)
-  kVariantMask = 511
+  kVariantMask = 255
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
@@ -213,55 +211,6 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     return r;
   }
 
-  // Variant split's balanced static schedule (lcsc.cuh walks units when K::units_on). A split tile (a group's last
-  // row tile of <= 64 rows) costs about half a full tile, so the static round robin over tasks gave some CTAs
-  // more work than others (the host model: 9 % over the mean at E 64 with multinomial counts; greedy claiming
-  // would balance it, but `dyn` measured 6-10 % slower even where tiles are even). Units instead: a full tile, or
-  // a split row tile's n-tiles y and y + 1 (y even) together, so every unit costs about one full tile and each
-  // round-robin round keeps the CTAs in step (B boxes shared through L2 by tasks running at once). Task (x, y) of
-  // a split row tile x with y odd is "absorbed" into the unit of (x, y - 1); units keep the task list's order.
-  static constexpr bool kUnits = !kWeightGradMode && !PAIR && !DYN && BN_ >= 128;
-  __device__ static bool units_on(const Globals& g) { return g.split_short && !g.task_walk; }
-  struct UnitWalk {
-    int t = 0, u = -1;  // the last unit found (u) and its first task (t): a lower bound for the next
-  };
-  // Row tiles before row tile x (<= the groups' tiles) that are split tiles.
-  __device__ static int split_tiles_before(const Globals& g, const GroupTable& tb, int x) {
-    return tb.short_before[tb.group_of_tile(x, g.num_groups)];
-  }
-  __device__ static bool split_tile(const Globals& g, const GroupTable& tb, int x) {
-    const int e = tb.group_of_tile(x, g.num_groups);
-    return x == tb.tile_start[e + 1] - 1 && tb.short_before[e + 1] > tb.short_before[e];
-  }
-  // Units before task t (0 <= t <= tasks): t less the absorbed tasks before it (complete blocks of the TileGrid
-  // order, then the block's columns before t's, then t's column above it).
-  __device__ static int units_before(const Globals& g, const GroupTable& tb, int t) {
-    const int tiles = tb.tile_start[g.num_groups], per = g.group_m * g.tiles_n, half_n = g.tiles_n / 2;
-    if (t >= tiles * g.tiles_n) return t - half_n * tb.short_before[g.num_groups];
-    const int first = (t / per) * g.group_m, rows = min(tiles - first, g.group_m), r = t % per;
-    const int x = first + r % rows, y = r / rows;
-    const int s0 = split_tiles_before(g, tb, first), s1 = split_tiles_before(g, tb, first + rows);
-    const int absorbed = half_n * s0 + (y / 2) * (s1 - s0) + ((y & 1) ? split_tiles_before(g, tb, x) - s0 : 0);
-    return t - absorbed;
-  }
-  __device__ static int num_units(const Globals& g, const Shared& s) {
-    return units_before(g, s.ext.table, s.ext.table.tile_start[g.num_groups] * g.tiles_n);
-  }
-  // Unit u's tasks (second: -1 for a single task). Units walked in increasing order jump from the last one found:
-  // units_before rises by at most 1 per task, so t += u - units_before(t) never passes unit u's first task.
-  __device__ static int2 unit_tasks(const Globals& g, const Shared& s, int u, UnitWalk& walk) {
-    const GroupTable& tb = s.ext.table;
-    int t = walk.u >= 0 ? walk.t + (u - walk.u) : u;
-    for (int d; (d = u - units_before(g, tb, t)) > 0;) t += d;
-    const TileGrid grid{tb.tile_start[g.num_groups], g.tiles_n, g.group_m};
-    int2 xy = grid.tile(t);
-    while ((xy.y & 1) && split_tile(g, tb, xy.x)) xy = grid.tile(++t);  // absorbed: units_before(t + 1) == u still
-    walk = {t, u};
-    const int first = (t / (g.group_m * g.tiles_n)) * g.group_m, rows = min(grid.tiles_m - first, g.group_m);
-    const bool pair = xy.y + 1 < g.tiles_n && split_tile(g, tb, xy.x);  // y is even here
-    return make_int2(t, pair ? t + rows : -1);  // (x, y + 1): the next column of the same block
-  }
-
   // Output rows of warpgroup w's 64-row slice that belong to the tile's group (0..64).
   __device__ static int slice_rows(const Task& task, int w) {
     const int rows = task.row_end - (task.row0 + w * 64);
@@ -321,8 +270,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     for (int i = threadIdx.x; i < kZeroBoxBytes / 16; i += blockDim.x)
       reinterpret_cast<uint4*>(s.ext.zero_box)[i] = make_uint4(0, 0, 0, 0);
     tma::fence_proxy_async_shared();  // before the storer's TMA reads it (build() ends with a CTA barrier)
-    s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode, PAIR,
-                      kUnits && units_on(g) ? 64 : 0);
+    s.ext.table.build(g.group_sizes, g.num_groups, g.tokens, kWeightGradMode ? 0 : BM, kWeightGradMode, PAIR);
   }
 
   // pair: each empty barrier counts the consumer warps of both CTAs (a stage is multicast into both).

@@ -89,8 +89,6 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
-#   unitsab     split's unit walk (default) vs taskwalk / nosplit: grouped GPU tests at each, the expert FFN's, then
-#               grouped_probe (uniform, half448, dgrad) and the bench rows of taskwalk and nosplit beside it  ~5 min
 #   splitdefault split as the default: grouped GPU tests at default / nosplit / pair, the expert FFN's, then
 #               grouped_probe with the backward's GEMMs (--modes dgrad wgrad), default vs nosplit and dyn    ~5 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
@@ -384,16 +382,6 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              done
              stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
              stage modes-probe 240 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants nosplit dyn --reps 20 ;;
-    unitsab) # the unit walk: every GPU test of the grouped GEMM at default / taskwalk / pair, the expert FFN's, then A/B
-             for v in default taskwalk pair; do
-               stage tests-$v 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
-                 tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-             done
-             stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
-             stage units-probe 200 python3 scripts/grouped_probe.py --modes dgrad --variants taskwalk nosplit \
-               --variant-kinds uniform half448 round64 --reps 20
-             stage units-bench 200 env PK_JAX_BENCH_GROUPED_VARIANTS="taskwalk nosplit" \
-               python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-units.json" ;;
     pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;

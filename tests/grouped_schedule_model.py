@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
-DYN, NARROW, N128, PIPE, PAIR, W128, SPLIT, TASKWALK = 1, 2, 4, 8, 32, 64, 128, 256  # the kernel's Variant bits
+DYN, NARROW, N128, PIPE, PAIR, W128, SPLIT = 1, 2, 4, 8, 32, 64, 128  # the kernel's Variant bits
 BM, BK = 128, 64
 SINGLE_WARPGROUP_TILE = 1.1  # a 64 x BN tile on one warpgroup, in full (two-warpgroup) tiles: cost()
 BN_OF_TILE = (256, 128)  # kBn
@@ -54,7 +54,6 @@ class Table:
     tile_start: list[int]
     order: list[int]
     pair_start: list[int]
-    short_before: list[int]  # groups before e whose last row tile is a split tile (<= 64 rows)
 
     @staticmethod
     def build(sizes, rows: int, bm: int) -> "Table":
@@ -68,13 +67,9 @@ class Table:
         size = [start[t + 1] - start[t] for t in range(e)]
         order = sorted(range(e), key=lambda t: (-size[t], t))
         pair_start = [0]
-        short_before = [0]
         if bm > 0:  # pairs of a group's row tiles (built with the pair variant; harmless otherwise)
             pair_start += list(np.cumsum([(tile_start[t + 1] - tile_start[t] + 1) // 2 for t in range(e)]).astype(int))
-            tiles = [tile_start[t + 1] - tile_start[t] for t in range(e)]  # short_rows 64: split tiles
-            short_before += list(np.cumsum([int(n > 0 and size[t] - (n - 1) * bm <= 64)
-                                            for t, n in enumerate(tiles)]).astype(int))
-        return Table(start, tile_start, order, pair_start, short_before)
+        return Table(start, tile_start, order, pair_start)
 
     @staticmethod
     def _last_at_most(firsts, v: int, hi: int) -> int:
@@ -174,62 +169,6 @@ class Launch:
         row0 = tb.start[e] + (mine - 1 if shadow else mine) * BM
         return Task(True, e, row0, row0 if shadow else tb.start[e + 1], y * self.bn, 0, -(-self.k // BK))
 
-    # --- variant split's balanced static schedule (Kernel::kUnits / units_on, lcsc.cuh's unit walk) ---------
-    def units_on(self) -> bool:
-        return (self.mode != WEIGHT_GRAD and not self.pair and not self.variant & DYN and self.bn >= 128
-                and bool(self.variant & SPLIT) and not self.variant & TASKWALK)
-
-    def _split_tiles_before(self, x: int) -> int:
-        tb = self.table
-        return tb.short_before[tb.group_of_tile(x, len(self.sizes))]
-
-    def _split_tile(self, x: int) -> bool:
-        tb = self.table
-        e = tb.group_of_tile(x, len(self.sizes))
-        return x == tb.tile_start[e + 1] - 1 and tb.short_before[e + 1] > tb.short_before[e]
-
-    def units_before(self, t: int) -> int:
-        """Kernel::units_before: t less the absorbed tasks (split row tile, odd n tile) before it."""
-        tb, groups = self.table, len(self.sizes)
-        tiles, per, half_n = tb.tile_start[groups], self.group_m * self.tiles_n, self.tiles_n // 2
-        if t >= tiles * self.tiles_n:
-            return t - half_n * tb.short_before[groups]
-        first = (t // per) * self.group_m
-        rows, r = min(tiles - first, self.group_m), t % per
-        x, y = first + r % rows, r // rows
-        s0, s1 = self._split_tiles_before(first), self._split_tiles_before(first + rows)
-        absorbed = half_n * s0 + (y // 2) * (s1 - s0) + (self._split_tiles_before(x) - s0 if y & 1 else 0)
-        return t - absorbed
-
-    def num_units(self) -> int:
-        return self.units_before(self.table.tile_start[len(self.sizes)] * self.tiles_n)
-
-    def unit_tasks(self, u: int, walk: list[int]) -> tuple[int, int]:
-        """Kernel::unit_tasks: (first task, second task or -1); walk = [t, u] of the last unit found ([0, -1] at
-        first), updated."""
-        t = walk[0] + (u - walk[1]) if walk[1] >= 0 else u
-        while (d := u - self.units_before(t)) > 0:
-            t += d
-        tiles = self.table.tile_start[len(self.sizes)]
-        x, y = tile_of(t, tiles, self.tiles_n, self.group_m)
-        while y & 1 and self._split_tile(x):
-            t += 1
-            x, y = tile_of(t, tiles, self.tiles_n, self.group_m)
-        walk[:] = [t, u]
-        first = (t // (self.group_m * self.tiles_n)) * self.group_m
-        rows = min(tiles - first, self.group_m)
-        return t, (t + rows if y + 1 < self.tiles_n and self._split_tile(x) else -1)
-
-    def cta_tasks(self, cta: int) -> list[int]:
-        """The task indices CTA `cta` walks (static schedule; units when units_on)."""
-        if not self.units_on():
-            return list(range(cta, self.max_tasks, self.workers))
-        walk, out = [0, -1], []
-        for u in range(cta, self.num_units(), self.workers):
-            a, b = self.unit_tasks(u, walk)
-            out += [a] + ([b] if b >= 0 else [])
-        return out
-
     def zero_tiles(self) -> list[Task]:
         """Kernel::store_zero_tile of every tail tile (the storers': CTA i takes i, i + CTAs, ...) as tasks
         without k-blocks."""
@@ -288,8 +227,6 @@ class Launch:
         if self.pair:  # a cluster's two CTAs walk one list in step: a pair task lasts as its longer part
             costs = [max(costs[i], costs[i + 1]) for i in range(0, len(costs), 2)]
         if not dynamic:
-            if self.units_on():
-                return max(sum(costs[t] for t in self.cta_tasks(i)) for i in range(self.workers))
             return max(sum(costs[i::self.workers]) for i in range(self.workers))
         free = [0.0] * self.workers
         for c in costs:  # each task to the CTA that frees up first (the next to claim)

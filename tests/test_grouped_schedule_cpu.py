@@ -1,8 +1,7 @@
 """The grouped GEMM's tile schedule on the CPU (tests/grouped_schedule_model.py, a line-for-line host model
 of kernels/grouped_gemm_kernel.cuh and pk/group_table.cuh): every output element stored exactly once and
 equal to ragged_dot, for every variant (PK_JAX_GROUPED_VARIANT bits: dyn, narrow, n128, pipe, pair, split, w128) and the odd group
-sizes of the GPU tests; the task bound holds; split's unit walk deals every task once; the variant parser; the
-cost model's expected gains."""
+sizes of the GPU tests; the task bound holds; the variant parser; the cost model's expected gains."""
 
 from __future__ import annotations
 
@@ -122,54 +121,6 @@ def test_grouped_pair_tasks_share_their_b_boxes():
         assert shadows == odd * launch.tiles_n
     # the other modes ignore the bit
     assert not gsm.Launch(gsm.INPUT_GRAD, 700, 0, 360, 64, [100] * 7, gsm.PAIR).pair
-
-
-UNIT_CASES = [  # (mode, tokens, n, E, kind, sms): split's unit walk (forward / input grad, 128- and 256-wide tiles)
-    (gsm.FORWARD, 32768, 2048, 64, "multinomial", 132),
-    (gsm.FORWARD, 28672, 2048, 64, "448", 132),       # every group ends in a 64-row tile
-    (gsm.FORWARD, 4099, 1408, 13, "skewed", 132),     # 128-wide tiles, 11 n-tiles: odd
-    (gsm.FORWARD, 3000, 520, 256, "tiny", 132),      # every group one split tile (3 n-tiles: one unpaired)
-    (gsm.FORWARD, 1000, 360, 8, "empty", 7),          # empty groups own no tile
-    (gsm.FORWARD, 640, 256, 9, "short", 1),          # one CTA, tokens past the sum (a tail)
-    (gsm.INPUT_GRAD, 16384, 7168, 64, "multinomial", 132),
-    (gsm.INPUT_GRAD, 900, 200, 7, "skewed", 5),       # one n-tile: nothing to pair
-]
-
-
-@pytest.mark.parametrize("case", UNIT_CASES, ids=str)
-def test_grouped_split_units_deal_every_task_once(case):
-    """split's balanced static schedule (Kernel::unit_tasks, lcsc.cuh's unit walk): the CTAs' walks together take
-    every task exactly once; each unit is one full tile or a split row tile's n-tiles y, y + 1 (y even), and the
-    units, in order, are the task list without those y + 1 (brute force beside the jumping search)."""
-    mode, tokens, n, e, kind, sms = case
-    rng = np.random.default_rng(11)
-    if kind == "multinomial":
-        sizes = [int(c) for c in rng.multinomial(tokens, np.full(e, 1 / e))]
-    elif kind == "448":
-        sizes = [448] * e
-    else:
-        sizes = sizes_of(kind, tokens, e, rng)
-    launch = gsm.Launch(mode, tokens, 0, n, 7168, sizes, gsm.SPLIT, sms=sms)  # k: the cost model's MMA share
-    assert launch.units_on() and not gsm.Launch(mode, tokens, 0, n, 7168, sizes, 0, sms=sms).units_on()
-    tasks = launch.tasks()
-    valid = [t for t in range(launch.max_tasks) if tasks[t].valid]
-    walked = sorted(t for c in range(launch.workers) for t in launch.cta_tasks(c))
-    assert walked == valid
-    split = [launch.split(tasks[t]) for t in range(launch.max_tasks)]
-    col = {t: (tasks[t].col0 // launch.bn) for t in valid}
-    firsts = [t for t in valid if not (split[t] and col[t] % 2)]  # brute force: the units' first tasks
-    assert launch.num_units() == len(firsts)
-    for u in rng.choice(len(firsts), size=min(40, len(firsts)), replace=False):
-        a, b = launch.unit_tasks(int(u), [0, -1])  # a fresh walk: the search from 0
-        assert a == firsts[u]
-        if split[a] and col[a] + 1 < launch.tiles_n:
-            assert b >= 0 and split[b] and tasks[b].row0 == tasks[a].row0 and col[b] == col[a] + 1
-        else:
-            assert b == -1
-    if kind in ("multinomial", "448") and mode == gsm.FORWARD:  # the balance it exists for (host cost model)
-        static_tasks = max(sum(launch.cost(tasks[t]) for t in range(c, launch.max_tasks, launch.workers))
-                           for c in range(launch.workers))
-        assert launch.makespan() < 0.96 * static_tasks
 
 
 def test_grouped_schedule_tile_choice():

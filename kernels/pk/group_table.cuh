@@ -17,14 +17,10 @@ struct GroupTable {
                                    // form pair i); pair_start[E] = the groups' pairs (the tail has none)
   int order[kMaxGroups];           // groups 0..E-1 by descending size (ties: lower index first)
   long long scan[kMaxGroups + 2];  // scratch
-  // With short_rows > 0 (and bm > 0): groups 0..e-1 whose last row tile holds 1..short_rows rows (the grouped GEMM's
-  // split tiles), e = 0..E. int16: the grouped kernels' shared memory has ~1 KB to spare (grouped_gemm.cu stages_for).
-  int16_t short_before[kMaxGroups + 1];
 
   // Every thread of the CTA (blockDim.x >= E + 2); ends with __syncthreads. bm = 0: no row tiles;
-  // sort: fill `order`; pairs (with bm > 0): fill `pair_start`; short_rows (with bm > 0): fill `short_before`.
-  __device__ void build(const int32_t* sizes, int num_groups, int rows, int bm, bool sort, bool pairs = false,
-                        int short_rows = 0) {
+  // sort: fill `order`; pairs (with bm > 0): fill `pair_start`.
+  __device__ void build(const int32_t* sizes, int num_groups, int rows, int bm, bool sort, bool pairs = false) {
     const int t = threadIdx.x, e_count = num_groups;
     if (t < e_count) scan[t] = sizes[t] > 0 ? sizes[t] : 0;  // negative sizes count as empty
     __syncthreads();
@@ -48,18 +44,6 @@ struct GroupTable {
         inclusive_scan(e_count);
         if (t < e_count) pair_start[t + 1] = int(scan[t]);
         if (t == 0) pair_start[0] = 0;
-      }
-      if (short_rows > 0) {
-        __syncthreads();
-        if (t < e_count) {
-          const int size = start[t + 1] - start[t], tiles = tile_start[t + 1] - tile_start[t];
-          const int last = size - (tiles - 1) * bm;  // rows of the group's last tile (tiles > 0)
-          scan[t] = (tiles > 0 && last <= short_rows) ? 1 : 0;
-        }
-        __syncthreads();
-        inclusive_scan(e_count);
-        if (t < e_count) short_before[t + 1] = int16_t(scan[t]);
-        if (t == 0) short_before[0] = 0;
       }
     }
     if (sort && t < e_count) {

@@ -82,14 +82,6 @@ struct ClusterSize : std::integral_constant<int, 1> {};
 template <class K>
 struct ClusterSize<K, std::void_t<decltype(K::kClusterSize)>> : std::integral_constant<int, K::kClusterSize> {};
 
-// K::kUnits (default false): when K::units_on(g), the static walk is over units instead of tasks: worker i takes
-// units i, i + workers, ... below K::num_units(g, s), each one or two tasks (K::unit_tasks(g, s, u, walk): x, then
-// y unless -1), so that a kernel whose tasks differ in cost can deal them out in equal shares.
-template <class K, class = void>
-struct HasUnits : std::false_type {};
-template <class K>
-struct HasUnits<K, std::void_t<decltype(K::kUnits)>> : std::integral_constant<bool, K::kUnits> {};
-
 constexpr int kQueueDepth = 4;
 // Only kernels that claim tasks at run time instantiate (and so allocate) the queue.
 template <class K>
@@ -122,17 +114,6 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
       }
     }
     constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
-    if constexpr (HasUnits<K>::value) {
-      if (K::units_on(g)) {
-        typename K::UnitWalk walk{};
-        for (int u : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_units(g, s)}) {
-          const int2 t = K::unit_tasks(g, s, u, walk);
-          body(t.x);
-          if (t.y >= 0) body(t.y);
-        }
-        return;
-      }
-    }
     for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
   };
   const int warpgroup = threadIdx.x / 128;
