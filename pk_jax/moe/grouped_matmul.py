@@ -32,9 +32,11 @@ dyn+narrow 1.04-1.06x the default then on the k 7168 / E 64 rows but 0.68-0.95x 
 (uniform / skewed), so the forward and input grad take them where n % 256 is 1..128; dyn 0.91x. One H200
 (2026-11-27, `scripts/grouped_probe.py` and the bench rows): pair 0.90-1.0x, w128 0.85-0.93x (`early`, each stage
 released once its own MMAs were done, 0.91-1.03x, was removed); split 1.04-1.06x forward on the k 7168 / E 64 rows
-(m 32768 k 7168 n 2048 E 64, multinomial counts: 0.82 -> 0.85x jnp.dot), hence the default. What is left against
-jnp.dot there (0.99x with 512 rows per group): a group's last tile of 65-127 rows costs a full tile, and the static
-round robin spreads the cheaper split tiles unevenly over the CTAs (docs/design-moe.md).
+(m 32768 k 7168 n 2048 E 64, multinomial counts: 2-9 % faster in three runs, 0.81-0.85x jnp.dot), hence the
+default. What is left against jnp.dot there (0.99x with 512 rows per group): a group's last tile of 65-127 rows
+costs a full tile, and the static round robin spreads the cheaper split tiles unevenly over the CTAs; a walk
+that balanced them but ran a split row tile's n-tiles back to back on one CTA was 1.3x slower (B streamed out of
+step through L2; docs/design-moe.md).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ VARIANT_ENV = "PK_JAX_GROUPED_VARIANT"
 # the kernel's Variant bits (grouped_gemm_kernel.cuh; 16, notail, is expert_ffn's)
 VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8, "pair": 32, "w128": 64, "split": 128}
 # Bits every spec gets unless it names "no<variant>": split (one H200, 2026-11-27, m 32768 k 7168 n 2048 E 64
-# with multinomial counts: 0.82 -> 0.85x jnp.dot forward; bench rows at k 7168 / E 64 1.04-1.06x; bits identical).
+# with multinomial counts: forward 2-9 % faster in three runs; bench rows at k 7168 / E 64 1.04-1.06x; bits identical).
 DEFAULT_BITS = VARIANT_BITS["split"]
 # Variants the GPU tests run beside the default: every bit, every kernel instantiation and every variant that
 # `bench moe --variants` times (n128 is host-only: with dyn, its 128-wide tiles at n = 1408 / 1096).
