@@ -89,6 +89,8 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
+#   wgradab     the weight grad's variants (WGRAD_VARIANTS, default "pipe w128"): grouped GPU tests under each, then
+#               grouped_probe --modes dgrad wgrad and the bench rows of each beside the default          ~5 min
 #   splitdefault split as the default: grouped GPU tests at default / nosplit / pair, the expert FFN's, then
 #               grouped_probe with the backward's GEMMs (--modes dgrad wgrad), default vs nosplit and dyn    ~5 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
@@ -382,6 +384,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              done
              stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
              stage modes-probe 240 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants nosplit dyn --reps 20 ;;
+    wgradab) for v in ${WGRAD_VARIANTS:-pipe w128}; do
+               stage tests-${v//+/_} 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
+                 tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+             done
+             stage wgrad-probe 200 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants ${WGRAD_VARIANTS:-pipe w128} \
+               --reps 20
+             stage wgrad-bench 200 env PK_JAX_BENCH_GROUPED_VARIANTS="${WGRAD_VARIANTS:-pipe w128}" \
+               python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-wgrad.json" ;;
     pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;
