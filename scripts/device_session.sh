@@ -90,7 +90,7 @@
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
 #   ncustalls   (nvidia-h100-x1 only) Nsight Compute's stall reasons (WarpStateStats) of grouped_probe contenders
-#               NCU_CONTENDERS ("|"-separated; default: E 1 static, E 1 dyn, the E 64 weight grad)        ~5 min
+#               NCU_CONTENDERS ("|"-separated; default: E 1 static, E 1 dyn, the E 64 weight grad); NCU_SECTIONS ~5 min
 #   wgradab     the weight grad's variants (WGRAD_VARIANTS, default "pipe w128"): grouped GPU tests under each, then
 #               grouped_probe --modes dgrad wgrad and the bench rows of each beside the default          ~5 min
 #   splitdefault split as the default: grouped GPU tests at default / nosplit / pair, the expert FFN's, then
@@ -383,8 +383,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                for c in "${cs[@]}"; do  # the second launch of the contender alone; few sections: few replay passes
                  tag=$(echo "$c" | tr ' .[]' '____')
                  stage ncu-$tag 150 "$NCU" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
-                   -k 'regex:grouped' --launch-skip 1 -c 1 --section SpeedOfLight --section WarpStateStats \
-                   --section SchedulerStats env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+                   -k 'regex:grouped' --launch-skip 1 -c 1 ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats \
+                   --section SchedulerStats} env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
                    python3 scripts/grouped_probe.py --once "$c" --variants dyn --modes wgrad
                  stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
                done ;;
