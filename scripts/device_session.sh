@@ -387,6 +387,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --section SchedulerStats} env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
                    python3 scripts/grouped_probe.py --once "$c" --variants dyn --modes wgrad
                  stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
+                 if [ -n "${NCU_SECTIONS:-}" ]; then  # with SourceCounters: the most sampled instructions
+                   "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
+                   stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv"
+                 fi
                done ;;
     probe) stage probe ${PROBE_LIMIT:-120} env CUDA_VISIBLE_DEVICES=0 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ${PROBE_ARGS:-} ;;
     splitdefault) # split as the default (PK_JAX_GROUPED_VARIANT unset): the tests at it and beside it, then the probe
