@@ -91,8 +91,8 @@
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
 #   ncustalls   (nvidia-h100-x1 only) Nsight Compute's stall reasons (WarpStateStats) of grouped_probe contenders
 #               NCU_CONTENDERS ("|"-separated; default: E 1 static, E 1 dyn, the E 64 weight grad); NCU_SECTIONS ~5 min
-#   wgradab     the weight grad's variants (WGRAD_VARIANTS, default "pipe w128"): grouped GPU tests under each, then
-#               grouped_probe --modes dgrad wgrad and the bench rows of each beside the default          ~5 min
+#   wgradab     the weight grad's variants (WGRAD_VARIANTS, default "pipe w128"): pairab's stages with the probe's
+#               --modes dgrad wgrad (GPU tests under each and the default, probe, bench rows)              ~5 min
 #   splitdefault split as the default: grouped GPU tests at default / nosplit / pair, the expert FFN's, then
 #               grouped_probe with the backward's GEMMs (--modes dgrad wgrad), default vs nosplit and dyn    ~5 min
 #   pairab      grouped forward variants PAIR_VARIANTS (default "pair w128 pair+w128"): GPU tests of each and the
@@ -167,16 +167,42 @@ FLOOR_BYTES="4096 16384 65536 131072 262144 524288 1048576 2097152 4194304 83886
 
 # Grouped forward variants $1 (space-separated PK_JAX_GROUPED_VARIANT values): the GPU tests of each (bounded) and the
 # default's, grouped_probe (default vs each, same turns), then bench moe grouped_matmul rows (same turns).
+# ($PROBE_ARGS: more grouped_probe arguments, e.g. "--modes dgrad wgrad --reps 20".)
 variant_ab() {
+  variant_tests "$1"
+  stage default-tests 120 env PK_JAX_GROUPED_VARIANT=default timeout 110 python3 -m pytest \
+    tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
+  stage variants-probe 120 python3 scripts/grouped_probe.py --variants $1 ${PROBE_ARGS:-}
+  stage variants-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS="$1" \
+    python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-variants.json"
+}
+
+# The grouped GEMM's GPU tests under each variant of $1 (bounded waits; logs tests-<variant>).
+variant_tests() {
   for v in $1; do
     stage tests-${v//+/_} 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
       tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
   done
-  stage default-tests 120 env PK_JAX_GROUPED_VARIANT=default timeout 110 python3 -m pytest \
-    tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-  stage variants-probe 120 python3 scripts/grouped_probe.py --variants $1
-  stage variants-bench ${PAIR_BENCH_LIMIT:-200} env PK_JAX_BENCH_GROUPED_VARIANTS="$1" \
-    python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-variants.json"
+}
+
+# (nvidia-h100-x1 only: counters elsewhere refused) Nsight Compute on grouped_probe contenders $1 ("|"-separated):
+# the second launch of each alone (--once), sections $2 (few: few replay passes), probe arguments $3; the details
+# page, and with SourceCounters the most sampled instructions (scripts/ncu_top_stalls.py).
+ncu_contenders() {
+  local ncu c tag cs
+  ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  IFS='|' read -ra cs <<< "$1"
+  for c in "${cs[@]}"; do
+    tag=$(echo "$c" | tr ' .[]' '____')
+    stage ncu-$tag 150 "$ncu" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
+      -k 'regex:grouped' --launch-skip 1 -c 1 $2 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
+      python3 scripts/grouped_probe.py --once "$c" $3
+    stage ncu-$tag-details 60 "$ncu" -i "$OUT/grouped-$tag.ncu-rep" --page details
+    if [[ "$2" == *SourceCounters* ]]; then
+      "$ncu" -i "$OUT/grouped-$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
+      stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv"
+    fi
+  done
 }
 
 # The kernels merging into ring attention's states (1 GPU): first look at every forward variant, then the tests.
@@ -369,45 +395,17 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     groupedprobe) # where the grouped forward loses to jnp.dot: one group / even / multinomial / 64-row counts, then
                   # Nsight Compute on E 64 uniform (nvidia-h100-x1 only: counters elsewhere refused)
                   stage groupedprobe 150 python3 scripts/grouped_probe.py ${PROBE_ARGS:-}
-                  NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-                  for c in "ours E64 uniform"; do  # one launch after the compile run's; 3 sections: few replay passes
-                    tag=$(echo "$c" | tr ' .' '__')
-                    stage ncu-$tag 120 "$NCU" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
-                      -k 'regex:grouped' --launch-skip 1 -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
-                      --section ComputeWorkloadAnalysis \
-                      env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/grouped_probe.py --once "$c" ${PROBE_ARGS:-}
-                    stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
-                  done ;;
-    ncustalls) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-               IFS='|' read -ra cs <<< "${NCU_CONTENDERS:-ours E1|ours E1 [dyn]|ours wgrad E64 uniform}"
-               for c in "${cs[@]}"; do  # the second launch of the contender alone; few sections: few replay passes
-                 tag=$(echo "$c" | tr ' .[]' '____')
-                 stage ncu-$tag 150 "$NCU" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
-                   -k 'regex:grouped' --launch-skip 1 -c 1 ${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats \
-                   --section SchedulerStats} env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-                   python3 scripts/grouped_probe.py --once "$c" --variants dyn --modes wgrad
-                 stage ncu-$tag-details 60 "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page details
-                 if [ -n "${NCU_SECTIONS:-}" ]; then  # with SourceCounters: the most sampled instructions
-                   "$NCU" -i "$OUT/grouped-$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
-                   stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv"
-                 fi
-               done ;;
+                  ncu_contenders "ours E64 uniform" "--section SpeedOfLight --section MemoryWorkloadAnalysis \
+                    --section ComputeWorkloadAnalysis" "${PROBE_ARGS:-}" ;;
+    ncustalls) ncu_contenders "${NCU_CONTENDERS:-ours E1|ours E1 [dyn]|ours wgrad E64 uniform}" \
+                 "${NCU_SECTIONS:---section SpeedOfLight --section WarpStateStats --section SchedulerStats}" \
+                 "--variants dyn --modes wgrad" ;;
     probe) stage probe ${PROBE_LIMIT:-120} env CUDA_VISIBLE_DEVICES=0 python3 scripts/grouped_probe.py --variants ${PAIR_VARIANTS:-pair} ${PROBE_ARGS:-} ;;
     splitdefault) # split as the default (PK_JAX_GROUPED_VARIANT unset): the tests at it and beside it, then the probe
-             for v in default nosplit pair; do
-               stage tests-$v 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
-                 tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-             done
+             variant_tests "default nosplit pair"
              stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
              stage modes-probe 240 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants nosplit dyn --reps 20 ;;
-    wgradab) for v in ${WGRAD_VARIANTS:-pipe w128}; do
-               stage tests-${v//+/_} 120 env PK_JAX_GROUPED_VARIANT=$v PK_JAX_TIMEOUT_MS=5000 timeout 110 python3 -m pytest \
-                 tests/gpu/test_grouped_matmul_gpu.py -m gpu -x -q -rs
-             done
-             stage wgrad-probe 200 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants ${WGRAD_VARIANTS:-pipe w128} \
-               --reps 20
-             stage wgrad-bench 200 env PK_JAX_BENCH_GROUPED_VARIANTS="${WGRAD_VARIANTS:-pipe w128}" \
-               python3 -m pk_jax.bench moe --op grouped_matmul --variants --out "$OUT/$day-moe-grouped-wgrad.json" ;;
+    wgradab) PROBE_ARGS="--modes dgrad wgrad --reps 20" variant_ab "${WGRAD_VARIANTS:-pipe w128}" ;;
     pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \
               bash scripts/stage_ar_pipelined.sh ;;

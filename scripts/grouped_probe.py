@@ -50,15 +50,15 @@ def counts(kind: str, rows: int, e: int, rng: np.random.Generator) -> np.ndarray
     return c.astype(np.int32)
 
 
-def add_backward_mode(contenders: dict, variant_of: dict, mode: str, e: int, w, w1, gs, rows: int,
+def add_backward_mode(contenders: dict, variant_of: dict, mode: str, e: int, w, w1, gs, rows: int, m: int,
                       variants: list[str]) -> None:
-    """The backward GEMM `mode` ("dgrad" or "wgrad") at E groups `gs` (ours, per variant) and its dense
-    contender. Their inputs come from the rotated x (m, k): dy is x's first n columns (m, n)."""
+    """The backward GEMM `mode` ("dgrad" or "wgrad") at E groups `gs` (ours on `rows` rows, per variant) and its
+    dense contender (m rows). Their inputs come from the rotated x (m, k): dy is x's first n columns (m, n)."""
     n = w.shape[2]
     dense = f"jnp.dot {mode}"
     if mode == "dgrad":  # dx = dy w^T: (m, n) x (n, k)
         f_dense = jax.jit(lambda xs, w: [jnp.dot(x[:, :n], w[0].T) for x in xs])
-        contenders.setdefault(dense, (lambda xs: f_dense(xs, w1), xs_rows(contenders), dense))
+        contenders.setdefault(dense, (lambda xs: f_dense(xs, w1), m, dense))
 
         def ours_jit():  # its own jit per contender: the variant is fixed when it traces
             f = jax.jit(lambda xs, w, gs: [gm._input_grad(x[:, :n], w, gs, x.dtype, gm.TILE_ROWS, True, gm._variant())
@@ -66,7 +66,7 @@ def add_backward_mode(contenders: dict, variant_of: dict, mode: str, e: int, w, 
             return lambda xs: f(xs, w, gs)
     else:  # dw[e] = x_e^T dy_e: (k, m_e) x (m_e, n)
         f_dense = jax.jit(lambda xs: [jnp.dot(x.T, x[:, :n]) for x in xs])
-        contenders.setdefault(dense, (f_dense, xs_rows(contenders), dense))
+        contenders.setdefault(dense, (f_dense, m, dense))
 
         def ours_jit():
             f = jax.jit(lambda xs, gs: [gm._weight_grad(x, x[:, :n], gs, w.dtype, gm.TILE_ROWS, True, gm._variant())
@@ -77,10 +77,6 @@ def add_backward_mode(contenders: dict, variant_of: dict, mode: str, e: int, w, 
         name = f"ours {mode} E{e} uniform [{v}]"
         contenders[name] = (ours_jit(), rows, dense)
         variant_of[name] = v
-
-
-def xs_rows(contenders: dict) -> int:
-    return contenders["jnp.dot"][1]
 
 
 def main() -> None:
@@ -129,7 +125,7 @@ def main() -> None:
                     variant_of[name] = v
             if kind == "uniform":
                 for mode in a.modes:
-                    add_backward_mode(contenders, variant_of, mode, e, w, w1, gs, int(c.sum()), a.variants)
+                    add_backward_mode(contenders, variant_of, mode, e, w, w1, gs, int(c.sum()), m, a.variants)
     for v in a.variants:
         contenders[f"ours E1 [{v}]"] = (grouped_variant(w1, one), m, "jnp.dot")
         variant_of[f"ours E1 [{v}]"] = v
