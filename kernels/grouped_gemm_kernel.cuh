@@ -136,6 +136,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   static_assert(!PIPE || (MODE == kWeightGrad && BN_ == 128), "pipe: weight grad, 128x128 tiles (two accumulators)");
   static_assert(!PAIR || (MODE == kForward && !DYN && !PIPE), "pair: the forward's static schedule");
   static constexpr int kClusterSize = PAIR ? 2 : 1;  // lcsc.cuh launches clusters of this size
+  static constexpr bool kCounterAlways = DYN;  // lcsc.cuh compiles the claiming walk alone (no spills at 128x256)
   // Variant pipe: the previous task's accumulator and task, written out under the next task's first MMAs.
   // (prev is left uninitialized: registers the wgmma accumulator may share no non-wgmma definition with,
   // or ptxas serializes the wgmmas.)

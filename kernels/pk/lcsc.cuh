@@ -82,6 +82,14 @@ struct ClusterSize : std::integral_constant<int, 1> {};
 template <class K>
 struct ClusterSize<K, std::void_t<decltype(K::kClusterSize)>> : std::integral_constant<int, K::kClusterSize> {};
 
+// K::kCounterAlways (default false): K::task_counter(g) is never null, so only the claiming walk is compiled. (The
+// static walk beside it cost the grouped GEMM's 128x256 dyn consumers 520 bytes of spill stores and 2,936 of
+// spill loads: ptxas allocates both copies of the consumer's loop together.)
+template <class K, class = void>
+struct CounterAlways : std::false_type {};
+template <class K>
+struct CounterAlways<K, std::void_t<decltype(K::kCounterAlways)>> : std::bool_constant<K::kCounterAlways> {};
+
 constexpr int kQueueDepth = 4;
 // Only kernels that claim tasks at run time instantiate (and so allocate) the queue.
 template <class K>
@@ -105,7 +113,8 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
   // One walk over this CTA's tasks for each role; `claims` marks the loader (the one that claims).
   auto each_task = [&](bool claims, bool whole_warp, auto&& body) {
     if constexpr (K::kTaskCounter) {
-      if (uint32_t* counter = K::task_counter(g)) {  // null: this launch keeps the static order
+      uint32_t* counter = K::task_counter(g);
+      if (CounterAlways<K>::value || counter) {  // null: this launch keeps the static order
         TaskQueue<kQueueDepth>& queue = task_queue<K>();
         RingPos<kQueueDepth> pos;
         for (int t; (t = claims ? queue.claim(pos, counter, K::num_tasks(g)) : queue.take(pos, whole_warp)) >= 0;)
@@ -113,8 +122,10 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
         return;
       }
     }
-    constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
-    for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
+    if constexpr (!CounterAlways<K>::value) {
+      constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
+      for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
+    }
   };
   const int warpgroup = threadIdx.x / 128;
   if (warpgroup == 0) {
