@@ -71,6 +71,7 @@ void run(const Problem& p, int sms, cudaStream_t stream) {
   g.narrow_tail = (p.variant & kVariantNarrow) ? 1 : 0;
   g.store_tail = (p.variant & kVariantNoTail) ? 0 : 1;
   g.split_short = (p.variant & kVariantSplit) ? 1 : 0;
+  g.k_slices = (p.variant & kVariantKSlice) ? 1 : 0;
   const cudaError_t err = lcsc::launch<K>(g, sms, stream);
   if (err != cudaSuccess) throw std::runtime_error(std::string("pk_jax grouped_matmul launch: ") + cudaGetErrorString(err));
 }
@@ -131,7 +132,7 @@ const char* unsupported(const Problem& p) {
   if (p.n % 8) return "n must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.mode == kWeightGrad ? p.m % 8 : p.k % 8) return "k must be a multiple of 8 (TMA rows of 16 bytes)";
   if (p.tokens < 0 || p.m < 0 || p.n < 0 || p.k < 0) return "negative sizes";
-  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail, 32: pair, 64: w128, 128: split)";
+  if (p.variant & ~kVariantMask) return "unknown variant bits (1: dyn, 2: narrow, 4: n128, 8: pipe, 16: notail, 32: pair, 64: w128, 128: split, 256: kslice)";
   if (p.k2 < 0 || (p.k2 > 0 && (p.mode == kWeightGrad || p.k == 0 || p.k2 % 8 || !p.a2 || !p.b2)))
     return "a second product needs the forward or input grad, a first one (k > 0), both operands and k2 % 8 == 0";
   return "";

@@ -70,6 +70,7 @@ struct Globals {
   int narrow_tail;       // variant `narrow`: tiles with <= BN/2 valid columns run half-width MMAs
   int store_tail;        // forward / input grad: 1 stores the tail's zeros; 0 (variant `notail`) leaves those rows
   int split_short;       // variant `split`: a task of <= 64 rows runs on both warpgroups (split_task); 0 elsewhere
+  int k_slices;          // variant `kslice` (weight grad): a group's last k-block runs only its 16-row slices in use
 };
 
 // Variant bits (Problem::variant, the custom call's `variant` attribute).
@@ -79,7 +80,9 @@ enum Variant : int {
   kVariantPair = 32,    // forward: two-CTA clusters sharing B (other modes ignore it; it wins over dyn)
   kVariantTile128 = 64,  // host only: 128x128 tiles in every mode (5 stages instead of 3)
   kVariantSplit = 128,   // forward / input grad: a tile of <= 64 rows is computed by both warpgroups, half the columns each
-  kVariantMask = 255
+  kVariantKSlice = 256,  // weight grad: the last k-block's MMAs stop at the group's last 16-row slice (mask_stage
+                         // zeros only inside that slice, and not at all when the group ends on a slice boundary)
+  kVariantMask = 511
 };
 
 // Variant `dyn`: per kernel instantiation (slot), the next task to claim and the CTAs done. Zero at module
@@ -333,32 +336,33 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   }
 
   // Zero k-rows [valid, 64) of one 64-row x 128-byte box (a k-row is one whole swizzled 128-byte row).
-  __device__ static void zero_k_rows(T* box, int valid, int thread) {
+  __device__ static void zero_k_rows(T* box, int valid, int end, int thread) {
     uint4* p = reinterpret_cast<uint4*>(box);
-    for (int c = valid * 8 + thread; c < 64 * 8; c += 128) p[c] = make_uint4(0, 0, 0, 0);
+    for (int c = valid * 8 + thread; c < end * 8; c += 128) p[c] = make_uint4(0, 0, 0, 0);
   }
 
-  // Weight grad, last k-block of a group: the consumers zero the k-rows past the group's end in both
-  // operands (the next group's rows; rows past `tokens` are already TMA zeros), then all of them sync
-  // before any MMA reads the stage. Warpgroup w zeros its own A box and B boxes w, w + WGS, ...
-  __device__ static void mask_stage(Stage& in, int warpgroup, int valid) {
+  // Weight grad, last k-block of a group: the consumers zero the k-rows [valid, end) in both operands (the next
+  // group's rows; rows past `tokens` are already TMA zeros; rows from `end` on are read by no MMA), then all of
+  // them sync before any MMA reads the stage. Warpgroup w zeros its own A box and B boxes w, w + WGS, ...
+  __device__ static void mask_stage(Stage& in, int warpgroup, int valid, int end = BK) {
     const int thread = threadIdx.x % 128;
-    zero_k_rows(in.a + warpgroup * BK * kBoxCols, valid, thread);
+    zero_k_rows(in.a + warpgroup * BK * kBoxCols, valid, end, thread);
 #pragma unroll
-    for (int j = warpgroup; j < BN / kBoxCols; j += WGS) zero_k_rows(in.b + j * BK * kBoxCols, valid, thread);
+    for (int j = warpgroup; j < BN / kBoxCols; j += WGS) zero_k_rows(in.b + j * BK * kBoxCols, valid, end, thread);
     tma::fence_proxy_async_shared();  // generic-proxy zeros before the async-proxy (wgmma) reads
     asm volatile("bar.sync 1, %0;" ::"n"(128 * WGS) : "memory");  // every consumer thread's zeros are in
   }
 
   // Base::mma_stage at wgmma width N (<= BN): acc holds N columns of the tile from column b_col (a multiple of
   // 64), rows of A slice a_slice (64-row slices).
-  template <int N>
+  // SLICES < BK / 16: only the first SLICES 16-row k-slices (variant kslice: a group's last k-block).
+  template <int N, int SLICES = BK / 16>
   __device__ static void mma_stage_n(const Stage& in, int a_slice, int b_col, float (&acc)[N / 2], bool accumulate) {
     const T* a_wg = in.a + a_slice * 64 * BK;
     // B_NK: one K-major box, n-row r at r * BK; otherwise N-major boxes of 64 columns
     const T* b0 = B_NK ? in.b + b_col * BK : in.b + (b_col / kBoxCols) * BK * kBoxCols;
 #pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
+    for (int kk = 0; kk < SLICES; ++kk) {
       const uint64_t da = A_KM ? wgmma::desc_sw128(a_wg + kk * 16 * kBoxCols, BK * kBoxCols * sizeof(T), 1024)
                                : wgmma::desc_sw128(a_wg + kk * 16, 16, 1024);
       const uint64_t db = B_NK ? wgmma::desc_sw128(b0 + kk * 16, 16, 1024)
@@ -369,10 +373,12 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
   // MMAs are issued (variant pipe: the previous task's epilogue, under them).
-  // a_slice (default: the warpgroup's own) and b_col pick the operands' part (mma_stage_n).
+  // a_slice (default: the warpgroup's own) and b_col pick the operands' part (mma_stage_n); the last k-block runs
+  // its first last_slices 16-row slices.
   template <int N, class Prepare, class AfterFirst>
   __device__ static void mma_blocks_n(Shared& s, ConsumerState& st, int n, float (&acc)[N / 2], Prepare&& prepare,
-                                      AfterFirst&& after_first, int a_slice = -1, int b_col = 0) {
+                                      AfterFirst&& after_first, int a_slice = -1, int b_col = 0,
+                                      int last_slices = BK / 16) {
     if (a_slice < 0) a_slice = st.warpgroup;
     const int lane = threadIdx.x % 32;
     int prev = -1;
@@ -380,9 +386,27 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       st.pos.wait_full(s.ring);
       Stage& in = s.stage[st.pos.stage];
       prepare(in, kb);
-      wgmma::fence();
-      mma_stage_n<N>(in, a_slice, b_col, acc, kb != 0);
-      wgmma::commit();
+      // A shorter last k-block takes a path of its own, fence to commit: a data-dependent exit between wgmmas
+      // makes ptxas serialize every wgmma of the kernel (C7520, "WG.AR in divergent path").
+      const int slices = kb == n - 1 ? last_slices : BK / 16;
+      static_assert(BK / 16 == 4, "the slice counts below");
+      if (slices == 1) {
+        wgmma::fence();
+        mma_stage_n<N, 1>(in, a_slice, b_col, acc, kb != 0);
+        wgmma::commit();
+      } else if (slices == 2) {
+        wgmma::fence();
+        mma_stage_n<N, 2>(in, a_slice, b_col, acc, kb != 0);
+        wgmma::commit();
+      } else if (slices == 3) {
+        wgmma::fence();
+        mma_stage_n<N, 3>(in, a_slice, b_col, acc, kb != 0);
+        wgmma::commit();
+      } else {
+        wgmma::fence();
+        mma_stage_n<N>(in, a_slice, b_col, acc, kb != 0);
+        wgmma::commit();
+      }
       if (kb == 0) after_first();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
       if (prev >= 0 && lane == 0) release(s, prev);
@@ -402,17 +426,27 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 
   // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
   // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
+  // Weight grad: the 16-row k-slices of the task's last k-block its MMAs read (variant kslice: those holding the
+  // group's rows; else all BK / 16, rows past the group zeroed).
+  __device__ static int last_slices(const Globals& g, const Task& task) {
+    if (!kWeightGradMode || !g.k_slices || task.k_last >= BK) return BK / 16;
+    return (task.k_last + 15) / 16;
+  }
+
+  // Weight grad, before the last k-block's MMAs: zero the rows past the group that they read.
+  __device__ static void mask_last(Stage& in, const ConsumerState& st, const Task& task, int slices, int kb) {
+    if (kb == task.k_blocks - 1 && task.k_last < 16 * slices) mask_stage(in, st.warpgroup, task.k_last, 16 * slices);
+  }
+
   __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow,
-                                  bool split = false) {
+                                  bool split = false, int slices = BK / 16) {
     if (task.k_blocks == 0) {
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i) acc[i] = 0.f;
       return;
     }
     auto prepare = [&](Stage& in, int kb) {
-      if constexpr (kWeightGradMode) {
-        if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
-      }
+      if constexpr (kWeightGradMode) mask_last(in, st, task, slices, kb);
     };
     if constexpr (BN >= 128) {
       if (split) {  // the first slice's rows, this warpgroup's half of the columns
@@ -428,6 +462,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       }
     }
     if constexpr (PAIR) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {});  // releases to both CTAs
+    else if constexpr (kWeightGradMode) mma_blocks_n<BN>(s, st, task.k_blocks, acc, prepare, [] {}, -1, 0, slices);
     else Base::mma_blocks(s, st, task.k_blocks, acc, prepare);
   }
 
@@ -491,9 +526,9 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) st.prev[i] = 0.f;
       } else {
-        mma_blocks_n<BN>(s, st, task.k_blocks, acc, [&](Stage& in, int kb) {
-          if (kb == task.k_blocks - 1 && task.k_last < BK) mask_stage(in, st.warpgroup, task.k_last);
-        }, flush);
+        const int slices = last_slices(g, task);
+        mma_blocks_n<BN>(s, st, task.k_blocks, acc, [&](Stage& in, int kb) { mask_last(in, st, task, slices, kb); },
+                         flush, -1, 0, slices);
 #pragma unroll
         for (int i = 0; i < BN / 2; ++i) st.prev[i] = acc[i];
       }
@@ -504,7 +539,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       // the task is split over both warpgroups.
       const bool split = split_task(g, task);
       if (!kWeightGradMode && !split && slice_rows(task, st.warpgroup) == 0) skip_task(s, st, task);
-      else mma_task(s, st, task, acc, narrow_task(g, task), split);
+      else mma_task(s, st, task, acc, narrow_task(g, task), split, last_slices(g, task));
       output(g, s, st, task, acc);
     }
   }
