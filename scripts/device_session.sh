@@ -89,6 +89,7 @@
 #   groupedprobe scripts/grouped_probe.py (grouped forward vs jnp.dot: one group, even, multinomial, 64-row counts),
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
+#   defaulttests the grouped GEMM's GPU tests and the expert FFN's at the default schedule (after a default change) ~2 min
 #   ncustalls   (nvidia-h100-x1 only) Nsight Compute's stall reasons (WarpStateStats) of grouped_probe contenders
 #               NCU_CONTENDERS ("|"-separated; default: E 1 static, E 1 dyn, the E 64 weight grad); NCU_SECTIONS ~5 min
 #   wgradab     the weight grad's variants (WGRAD_VARIANTS, default "pipe w128"): pairab's stages with the probe's
@@ -405,6 +406,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              variant_tests "default nosplit pair"
              stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
              stage modes-probe 240 python3 scripts/grouped_probe.py --modes dgrad wgrad --variants nosplit dyn --reps 20 ;;
+    defaulttests) variant_tests default
+                  stage ffn-tests 120 timeout 110 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs ;;
     wgradab) PROBE_ARGS="--modes dgrad wgrad --reps 20" variant_ab "${WGRAD_VARIANTS:-pipe w128}" ;;
     pairab) variant_ab "${PAIR_VARIANTS:-pair w128 pair+w128}" ;;
     arpipe) stage arpipe $((${ARPIPE_DEADLINE:-420} + 20)) env OUT="$OUT" DEADLINE=${ARPIPE_DEADLINE:-420} \

@@ -18,7 +18,7 @@ import math
 import numpy as np
 
 FORWARD, INPUT_GRAD, WEIGHT_GRAD = 0, 1, 2
-DYN, NARROW, N128, PIPE, PAIR, W128, SPLIT = 1, 2, 4, 8, 32, 64, 128  # the kernel's Variant bits
+DYN, NARROW, N128, PIPE, PAIR, W128, SPLIT, KSLICE = 1, 2, 4, 8, 32, 64, 128, 256  # the kernel's Variant bits
 BM, BK = 128, 64
 SINGLE_WARPGROUP_TILE = 1.1  # a 64 x BN tile on one warpgroup, in full (two-warpgroup) tiles: cost()
 BN_OF_TILE = (256, 128)  # kBn

@@ -133,15 +133,16 @@ def test_grouped_schedule_tile_choice():
 
 
 def test_grouped_variant_parser():
-    split = gsm.SPLIT  # the default's bits (gm.DEFAULT_BITS)
-    assert gm.DEFAULT_BITS == split == gm.VARIANT_BITS["split"]
-    assert gm.variant_bits(None) == split and gm.variant_bits("") == split and gm.variant_bits("default") == split
-    assert gm.variant_bits("nosplit") == 0 and gm.variant_bits("split") == split
-    assert gm.variant_bits("dyn") == gsm.DYN | split
-    assert gm.variant_bits("dyn+narrow") == gsm.DYN | gsm.NARROW | split
-    assert gm.variant_bits("n128, dyn") == gsm.DYN | gsm.N128 | split
-    assert gm.variant_bits("dyn+narrow+pipe+nosplit") == gsm.DYN | gsm.NARROW | gsm.PIPE
-    assert gm.variant_bits("nosplit+pair") == gsm.PAIR
+    default = gsm.SPLIT | gsm.KSLICE  # the default's bits (gm.DEFAULT_BITS)
+    assert gm.DEFAULT_BITS == default == gm.VARIANT_BITS["split"] | gm.VARIANT_BITS["kslice"]
+    assert gm.variant_bits(None) == default and gm.variant_bits("") == default and gm.variant_bits("default") == default
+    assert gm.variant_bits("nosplit") == gsm.KSLICE and gm.variant_bits("split") == default
+    assert gm.variant_bits("nosplit+nokslice") == 0 and gm.variant_bits("nokslice") == gsm.SPLIT
+    assert gm.variant_bits("dyn") == gsm.DYN | default
+    assert gm.variant_bits("dyn+narrow") == gsm.DYN | gsm.NARROW | default
+    assert gm.variant_bits("n128, dyn") == gsm.DYN | gsm.N128 | default
+    assert gm.variant_bits("dyn+narrow+pipe+nosplit") == gsm.DYN | gsm.NARROW | gsm.PIPE | gsm.KSLICE
+    assert gm.variant_bits("nosplit+pair") == gsm.PAIR | gsm.KSLICE
     with pytest.raises(ValueError, match="unknown variant"):
         gm.variant_bits("fast")
     with pytest.raises(ValueError, match="unknown variant 'nodyn'"):  # only a default bit can be cleared

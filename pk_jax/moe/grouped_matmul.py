@@ -63,13 +63,14 @@ VARIANT_ENV = "PK_JAX_GROUPED_VARIANT"
 # the kernel's Variant bits (grouped_gemm_kernel.cuh; 16, notail, is expert_ffn's)
 VARIANT_BITS = {"dyn": 1, "narrow": 2, "n128": 4, "pipe": 8, "pair": 32, "w128": 64, "split": 128, "kslice": 256}
 # Bits every spec gets unless it names "no<variant>": split (one H200, 2026-11-27, m 32768 k 7168 n 2048 E 64
-# with multinomial counts: forward 2-9 % faster in three runs; bench rows at k 7168 / E 64 1.04-1.06x; bits identical).
-DEFAULT_BITS = VARIANT_BITS["split"]
+# with multinomial counts: forward 2-9 % faster in three runs; bench rows at k 7168 / E 64 1.04-1.06x; bits identical)
+# and kslice (one H200, same shape: weight grad 2.004 -> 1.920 ms, fwd+bwd bench rows 0.6-1.0 % faster; bits identical).
+DEFAULT_BITS = VARIANT_BITS["split"] | VARIANT_BITS["kslice"]
 # Variants the GPU tests run beside the default: every bit, every kernel instantiation and every variant that
 # `bench moe --variants` times (n128 is host-only: with dyn, its 128-wide tiles at n = 1408 / 1096).
 VARIANTS = ("dyn", "narrow", "pipe", "dyn+narrow", "dyn+narrow+pipe", "dyn+n128", "pair", "pair+narrow",
-            "pair+w128", "nosplit", "nosplit+pair", "nosplit+dyn+narrow", "kslice",
-            "kslice+dyn+narrow+pipe")
+            "pair+w128", "nosplit", "nosplit+pair", "nosplit+dyn+narrow", "nokslice",
+            "nokslice+dyn+narrow+pipe")
 
 
 def variant_bits(spec: str | None) -> int:
