@@ -20,11 +20,12 @@ names any of `dyn` (tasks claimed at run time from a device-wide counter: CTAs w
 `narrow` (half-width MMAs for an n tail of at most half a tile), `n128` (128x128 tiles where n % 256 is 1..128 in
 the weight grad too: the forward and input grad take them there by default), `pipe` (weight grad: 128x128
 tiles, each tile's epilogue under the next tile's MMAs), `pair` (forward: two-CTA clusters whose CTAs share each B
-box by TMA multicast), `w128` (128x128 tiles everywhere) and `nosplit`, joined by "+" or ","; unset, empty or
-"default": the static schedule with `split` (kernels/grouped_gemm_kernel.cuh), DEFAULT_BITS. `split` (forward and
-input grad): a tile whose rows fit in one 64-row slice (a group's short last tile) runs on both consumer
-warpgroups, half the columns each, instead of on one while the other idles. The variant is part of the traced
-call, so a jitted function keeps the variant it was traced with.
+box by TMA multicast), `w128` (128x128 tiles everywhere), `nosplit` and `nokslice`, joined by "+" or ","; unset,
+empty or "default": the static schedule with `split` and `kslice` (kernels/grouped_gemm_kernel.cuh), DEFAULT_BITS.
+`split` (forward and input grad): a tile whose rows fit in one 64-row slice (a group's short last tile) runs on both
+consumer warpgroups, half the columns each, instead of on one while the other idles. `kslice` (weight grad): a
+group's last k-block runs only the 16-row k-slices that hold its rows, and zeros rows past the group only inside
+the last of them. The variant is part of the traced call, so a jitted function keeps the variant it was traced with.
 
 Measured (bits identical in every case): on one H200 (2026-11-23, `bench moe --op grouped_matmul --variants`)
 dyn+narrow 1.04-1.06x the default then on the k 7168 / E 64 rows but 0.68-0.95x on the n 1408 rows; pipe
@@ -36,7 +37,8 @@ released once its own MMAs were done, 0.91-1.03x, was removed); split 1.04-1.06x
 default. What is left against jnp.dot there (0.99x with 512 rows per group): a group's last tile of 65-127 rows
 costs a full tile, and the static round robin spreads the cheaper split tiles unevenly over the CTAs; a walk
 that balanced them but ran a split row tile's n-tiles back to back on one CTA was 1.3x slower (B streamed out of
-step through L2; docs/design-moe.md).
+step through L2; docs/design-moe.md). One H200 (2026-11-27): kslice takes the weight grad at E 64 from 2.004 to
+1.920 ms (0.83x -> 0.87x jnp.dot), hence the default.
 """
 
 from __future__ import annotations
