@@ -335,7 +335,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     }
   }
 
-  // Zero k-rows [valid, 64) of one 64-row x 128-byte box (a k-row is one whole swizzled 128-byte row).
+  // Zero k-rows [valid, end) of one 64-row x 128-byte box (a k-row is one whole swizzled 128-byte row).
   __device__ static void zero_k_rows(T* box, int valid, int end, int thread) {
     uint4* p = reinterpret_cast<uint4*>(box);
     for (int c = valid * 8 + thread; c < end * 8; c += 128) p[c] = make_uint4(0, 0, 0, 0);
@@ -371,6 +371,15 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     }
   }
 
+  // One stage's MMAs as one committed group.
+  template <int N, int SLICES>
+  __device__ __forceinline__ static void issue_stage(const Stage& in, int a_slice, int b_col, float (&acc)[N / 2],
+                                                     bool accumulate) {
+    wgmma::fence();
+    mma_stage_n<N, SLICES>(in, a_slice, b_col, acc, accumulate);
+    wgmma::commit();
+  }
+
   // Base::mma_blocks at wgmma width N (the same ring protocol); after_first() runs once the first k-block's
   // MMAs are issued (variant pipe: the previous task's epilogue, under them).
   // a_slice (default: the warpgroup's own) and b_col pick the operands' part (mma_stage_n); the last k-block runs
@@ -390,23 +399,10 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
       // makes ptxas serialize every wgmma of the kernel (C7520, "WG.AR in divergent path").
       const int slices = kb == n - 1 ? last_slices : BK / 16;
       static_assert(BK / 16 == 4, "the slice counts below");
-      if (slices == 1) {
-        wgmma::fence();
-        mma_stage_n<N, 1>(in, a_slice, b_col, acc, kb != 0);
-        wgmma::commit();
-      } else if (slices == 2) {
-        wgmma::fence();
-        mma_stage_n<N, 2>(in, a_slice, b_col, acc, kb != 0);
-        wgmma::commit();
-      } else if (slices == 3) {
-        wgmma::fence();
-        mma_stage_n<N, 3>(in, a_slice, b_col, acc, kb != 0);
-        wgmma::commit();
-      } else {
-        wgmma::fence();
-        mma_stage_n<N>(in, a_slice, b_col, acc, kb != 0);
-        wgmma::commit();
-      }
+      if (slices == 1) issue_stage<N, 1>(in, a_slice, b_col, acc, kb != 0);
+      else if (slices == 2) issue_stage<N, 2>(in, a_slice, b_col, acc, kb != 0);
+      else if (slices == 3) issue_stage<N, 3>(in, a_slice, b_col, acc, kb != 0);
+      else issue_stage<N, 4>(in, a_slice, b_col, acc, kb != 0);
       if (kb == 0) after_first();
       wgmma::wait<1>();  // the previous k-block's MMAs are done: hand its stage back
       if (prev >= 0 && lane == 0) release(s, prev);
@@ -424,8 +420,6 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     else return g.narrow_tail && g.n - task.col0 <= BN / 2;
   }
 
-  // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
-  // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
   // Weight grad: the 16-row k-slices of the task's last k-block its MMAs read (variant kslice: those holding the
   // group's rows; else all BK / 16, rows past the group zeroed).
   __device__ static int last_slices(const Globals& g, const Task& task) {
@@ -438,6 +432,8 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
     if (kb == task.k_blocks - 1 && task.k_last < 16 * slices) mask_stage(in, st.warpgroup, task.k_last, 16 * slices);
   }
 
+  // The warpgroup's 64 x BN accumulator of a task (zeros without k-blocks). narrow: only the first BN/2
+  // columns are computed (m64n(BN/2) wgmmas); the rest are zeros (past n: never stored).
   __device__ static void mma_task(Shared& s, ConsumerState& st, const Task& task, float (&acc)[BN / 2], bool narrow,
                                   bool split = false, int slices = BK / 16) {
     if (task.k_blocks == 0) {
