@@ -1,5 +1,5 @@
 // Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128 x variant (base, dqfirst,
-// l2order_dqfirst, dqred: attention_bwd_kernel.cuh), each with its DEBUG build.
+// l2order_dqfirst: attention_bwd_kernel.cuh), each with its DEBUG build.
 #include "attention_bwd.cuh"
 
 #include <cstdlib>
@@ -17,19 +17,18 @@ namespace {
 
 constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
 
-// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (none in dqred, variant 3; at most 4).
-template <int D, int VARIANT>
+// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (at most 4).
+template <int D>
 constexpr int stages_for() {
   constexpr size_t stage = size_t(2) * 64 * D * 2 + 1024;                     // Q and dO tiles, lse2 / delta
-  constexpr size_t dq_slots = VARIANT >= 3 ? 1024 : 2 * 64 * 64 * 4;
-  constexpr size_t fixed = size_t(2) * 128 * D * 2 + 2 * 128 * 64 * 2 + dq_slots + 2048;  // K, V, dS, dQ
+  constexpr size_t fixed = size_t(2) * 128 * D * 2 + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4 + 2048;  // K, V, dS, dQ
   constexpr size_t n = (kSmemLimit - 1024 - fixed) / stage;
   return n > 4 ? 4 : int(n);
 }
 
 // DEBUG: the variant whose mbarrier waits time out, report and trap (attention_bwd_kernel.cuh).
 template <typename T, int D, bool DEBUG = false, int VARIANT = 0>
-using KernelOf = Kernel<T, D, stages_for<D, VARIANT>(), DEBUG, VARIANT>;
+using KernelOf = Kernel<T, D, stages_for<D>(), DEBUG, VARIANT>;
 
 // The debug variant's wait limit in ns when $PK_JAX_ATTENTION_BWD_DEBUG is set to anything but "" or "0"
 // ($PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), else 0: the default kernel. Read at every launch.
@@ -58,8 +57,6 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   if (g.dq_direct) {
     g.dq_state = make_tensor_map_bthd(p.dq_state, ElemType::kF32, p.batch, p.dq_state_rows, p.heads, D, 64);
     g.dq_row0 = p.dq_row0;
-    g.dq_state_ptr = static_cast<float*>(p.dq_state);
-    g.dq_state_rows = p.dq_state_rows;
   }
   g.k = make_tensor_map_bthd(p.k, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
   g.v = make_tensor_map_bthd(p.v, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
@@ -94,9 +91,8 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
     case 0: run_variant<T, D, 0>(p, compute_sms, stream); return;
     case 1: run_variant<T, D, 1>(p, compute_sms, stream); return;
     case 2: run_variant<T, D, 2>(p, compute_sms, stream); return;
-    case 3: run_variant<T, D, 3>(p, compute_sms, stream); return;
     default:
-      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..3");
+      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..2");
   }
 }
 
@@ -112,8 +108,7 @@ template <typename T>
 cudaError_t configure_type() {
   cudaError_t e = configure_variant<T, 0>();
   if (e == cudaSuccess) e = configure_variant<T, 1>();
-  if (e == cudaSuccess) e = configure_variant<T, 2>();
-  return e == cudaSuccess ? configure_variant<T, 3>() : e;
+  return e == cudaSuccess ? configure_variant<T, 2>() : e;
 }
 
 }  // namespace

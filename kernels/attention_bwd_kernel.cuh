@@ -55,8 +55,6 @@ struct Globals {
   const float* lse2;          // (B, N, tq_pad) float32: LSE * log2(e), +inf for padding and rows that see nothing
   const float* delta;         // (B, N, tq_pad) float32: rowsum(dO * O) - dLSE, 0 for padding
   float* dq_acc;              // (B, N, tq_pad, D) float32, zeroed; 64 x 64 chunks in accumulator order
-  float* dq_state_ptr;        // dq_direct: the state the map `dq_state` describes, (B, dq_state_rows, N, D)
-  int dq_state_rows;
   // In place (ring attention): the call's query i is row q_row0 + i of the q / dout maps (the member's whole
   // arrays; 0 for arrays of the call's own rows), and with dq_direct the storer adds dQ (scaled) straight into
   // rows dq_row0 + i of dq_state by TMA tensor reduce instead of into dq_acc (no zeroing, no conversion pass).
@@ -87,12 +85,6 @@ struct Globals {
 //               at B4 S16k N16). Per block pair and CTA that is 32 KiB of Q / dO loads and a 32 KiB reduce:
 //               ~2.5 TB/s of HBM traffic at our ~350 TFLOP/s, which this order keeps in L2. (The order
 //               without dqfirst made ptxas spill 20 bytes in the D = 128 consumer; with it, none.)
-//   3 dqred:    l2order_dqfirst + each consumer adds its dQ chunk into global memory straight from its registers
-//               (red.global.add.v4.f32 into dq_acc's chunk layout; with dq_direct .v2 into the state's rows), no
-//               dQ slots. A block pair moves ~370 KiB through shared memory against ~2,560 cycles of MMA (session
-//               23: shared memory 66 % busy, tensor pipe 58 %); the slot write and the storer's bulk read of it
-//               were 64 KiB of that, and the 32 KiB of slots become a third Q / dO stage at D = 128. The L2
-//               reductions are the same bytes as the bulk reduce-add's.
 // Every variant computes each dK / dV element with the same operations in the same order (bit-identical
 // dK and dV; dQ's reduce order varies between runs in all of them).
 struct Work {
@@ -125,10 +117,9 @@ struct Kernel {
   static constexpr int D = D_, STAGES = STAGES_;
   static constexpr bool DEBUG = DEBUG_;
   static constexpr int VARIANT = VARIANT_;
-  static_assert(VARIANT >= 0 && VARIANT <= 3, "backward variant 0..3");
+  static_assert(VARIANT >= 0 && VARIANT <= 2, "backward variant 0..2");
   static constexpr bool kDqFirst = VARIANT >= 1;           // dQ before dK, its chunk stored under dK
   static constexpr bool kKeyBlocksFastest = VARIANT >= 2;  // l2order: FA3's task order
-  static constexpr bool kDqRed = VARIANT >= 3;             // dQ added from registers: no slots, no storer work
   static constexpr int WGS = 2, BN = 64 * WGS, BM = 64;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr bool kDqShared = D == 128;            // dQ column halves over all keys (else own keys)
@@ -176,8 +167,7 @@ struct Kernel {
     alignas(1024) T v[BN * D];
     Stage stage[STAGES];
     alignas(1024) T ds[kDsBufs][BN * BM];  // dSᵀ: BN key rows x BM query columns, one swizzled box
-    // Each warpgroup's dQ chunk, accumulator order (a placeholder under kDqRed, which has no slots).
-    alignas(1024) float dq[kDqRed ? 1 : WGS][kDqRed ? 4 : kChunk];
+    alignas(1024) float dq[WGS][kChunk];   // each warpgroup's dQ chunk, accumulator order
     Ring<STAGES> ring;  // full: Q, dO, lse2, delta landed; empty: every consumer warp is done with them
     Handoff kv_slot;    // full: K and V landed; empty: both consumers' last block pair is done
     Handoff dq_slot[WGS];
@@ -405,8 +395,8 @@ struct Kernel {
       wait(g, s, &s.kv_slot.full, st.kv_phase, "kv_slot.full", -1);
       st.kv_phase ^= 1;
       for (int it = 0; it < w.iters; ++it) {
-        const int m = w.m_begin + it % w.m_count, head = w.kv_head * w.group + it / w.m_count;
-        block_pair(g, s, st, w, head, m, key_row, lane, dk, dv);
+        const int m = w.m_begin + it % w.m_count;
+        block_pair(g, s, st, w, m, key_row, lane, dk, dv);
       }
       if (lane == 0) tma::mbar_arrive(&s.kv_slot.empty);  // this warp's last read of K and V is done
     }
@@ -442,7 +432,7 @@ struct Kernel {
   // One (query block m, key block) pair of one head: dV and dK accumulate, the dQ chunk goes to the
   // storer. Both score-shaped products are waited for before the elementwise work, and P and dS are
   // packed before dV += Pᵀ dO is issued: fewer live registers (D = 128 holds dK and dV: 128 of them).
-  __device__ static void block_pair(const Globals& g, Shared& s, ConsumerState& st, const Work& w, int head, int m,
+  __device__ static void block_pair(const Globals& g, Shared& s, ConsumerState& st, const Work& w, int m,
                                     int key_row, int lane, float (&dk)[D / 2], float (&dv)[D / 2]) {
     const int wg = st.warpgroup;
     const Stage& in = s.stage[st.pos.stage];
@@ -490,8 +480,7 @@ struct Kernel {
       wgmma::wait<1>();         // dV and dQ are done (groups retire in order); dK may still run
       wgmma::fence_operands(dq);
       wgmma::fence_operands(dv);
-      if constexpr (kDqRed) add_dq_chunk(g, w, wg, head, m, dq);
-      else store_dq_chunk(g, s, st, dq);
+      store_dq_chunk(g, s, st, dq);
       wgmma::wait<0>();  // dK is done: the stage (Q for dK) may be released
       wgmma::fence_operands(dk);
       if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
@@ -534,33 +523,6 @@ struct Kernel {
     st.dq_phase ^= 1;
   }
 
-  // kDqRed: the warpgroup's dQ chunk added from registers. Without dq_direct into dq_acc's chunk layout (thread t's
-  // float4 c at c * 128 + t, as store_dq_chunk puts it in the slot, so the conversion pass is unchanged); with it,
-  // times scale, into the state's rows dq_row0 + m BM + r of this call (rows past tq skipped), one float2 per
-  // register pair. The L2 applies the adds in a run-dependent order, as the bulk reduce's.
-  __device__ __forceinline__ static void add_dq_chunk(const Globals& g, const Work& w, int wg, int head, int m,
-                                                      const float (&dq)[32]) {
-    const int t = threadIdx.x % 128;
-    if (!g.dq_direct) {
-      float* chunk = g.dq_acc + row_index(g, w, head, m) * D + (kDqShared ? wg * kChunk : 0);
-#pragma unroll
-      for (int c = 0; c < 8; ++c)
-        asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(chunk + 4 * (c * 128 + t)),
-                     "f"(dq[4 * c]), "f"(dq[4 * c + 1]), "f"(dq[4 * c + 2]), "f"(dq[4 * c + 3]) : "memory");
-      return;
-    }
-    const int lane = t % 32, row0 = m * BM + 16 * (t / 32) + lane / 4, col0 = kDqShared ? wg * 64 : 0;
-#pragma unroll
-    for (int i = 0; i < 32; i += 2) {
-      const int row = row0 + 8 * row_half(i);
-      if (row >= g.tq) continue;
-      float* at = g.dq_state_ptr +
-                  ((size_t(w.batch) * g.dq_state_rows + g.dq_row0 + row) * g.heads + head) * D + col0 + col_of(i, lane);
-      asm volatile("red.global.add.v2.f32 [%0], {%1, %2};" ::"l"(at), "f"(dq[i] * g.scale), "f"(dq[i + 1] * g.scale)
-                   : "memory");
-    }
-  }
-
   // dq_direct: the warpgroup's 64 x 64 dQ chunk, times scale, as two TMA boxes of 64 rows x 32 floats (128-byte
   // rows, 128-byte swizzle: 16-byte unit u of row r at unit u ^ (r % 8)), the layout the storer's tensor reduce
   // reads. Register i of thread t holds row 16 (t / 32) + 8 ((i / 2) % 2) + (t % 32) / 4, column col_of(i):
@@ -598,7 +560,6 @@ struct Kernel {
 
   // Adds every dQ chunk into the float32 buffer (TMA bulk reduce), in the consumers' order.
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
-    if constexpr (kDqRed) return;  // the consumers add dQ themselves
     const Work w = work_of(g, task);
     note(s.progress.storer_task, task);
     const int head0 = w.kv_head * w.group;

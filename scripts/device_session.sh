@@ -19,7 +19,6 @@
 #   grouped     grouped_matmul GPU tests, then its bench rows (vs ragged_dot_mgpu, jnp.dot)  ~2 min
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
-#   dqred       the backward variant dqred: first look, variant tests, in-place dQ tests, fwd+bwd rows vs the default ~6 min
 #   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
@@ -274,18 +273,6 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped-${pre##*/}.json"
                done
                set -- $AB_PREBUILT; cp "$1"/_pk_jax_ext*.so pk_jax/ ;;
-    dqred) # the backward variant dqred (dQ added from registers, a third Q / dO stage at D 128): its first look (debug
-           # waits), every variant test, the ring's in-place dQ tests under it, then fwd+bwd rows beside the default
-           stage dqred-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 timeout 80 python3 -m pytest \
-             tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs -k "bwd_first_look and dqred"
-           if grep -q " passed" "$OUT/dqred-first.log" && ! grep -qE "failed|rror" "$OUT/dqred-first.log"; then
-             stage dqred-tests 150 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs -k dqred
-             stage dqred-acc 150 env PK_JAX_ATTENTION_BWD_VARIANT=dqred python3 -m pytest \
-               tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs
-             stage dqred-bench ${DQRED_LIMIT:-240} python3 -m pk_jax.bench attention --bwd-variants dqred \
-               --cases ${DQRED_CASES:-fwd_bwd fwd_bwd_causal fwd_bwd_gqa fwd_bwd_causal_gqa} --seqs ${DQRED_SEQS:-4096 16384} \
-               --head-dims ${DQRED_DIMS:-128} --reps 10 --out "$OUT/$day-attention-dqred.json"
-           fi ;;
     attnbwd) export PK_JAX_ATTENTION_BWD=kernel
              stage attnbwd-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 stdbuf -oL -eL python3 -m pytest -s -x -v -m gpu \
                tests/gpu/test_attention_bwd_gpu.py -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"  # debug: waits time out and name the barrier

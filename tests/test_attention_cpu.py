@@ -155,13 +155,12 @@ def test_bwd_variant_var_and_bench_selection(monkeypatch):
         bwd_variant()
     assert bwd_extra_kernels(None) == bwd_extra_kernels(False) == []
     others = ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
-    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == others == ["bwd_base", "bwd_dqfirst", "bwd_dqred"]
+    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == others == ["bwd_base", "bwd_dqfirst"]
     assert bwd_extra_kernels(["dqfirst"]) == ["bwd_dqfirst"]
     with pytest.raises(ValueError, match="unknown backward variants"):
         bwd_extra_kernels(["fa3"])
     assert bits_expected("bwd_dqfirst") and bits_expected("bwd_l2order_dqfirst")
-    assert len({_label(n) for n in ["bwd_dqfirst", "bwd_l2order_dqfirst", "bwd_dqred", "l2order", "fa3n160",
-                                     "fa3n176"]}) == 6
+    assert len({_label(n) for n in ["bwd_dqfirst", "bwd_l2order_dqfirst", "l2order", "fa3n160", "fa3n176"]}) == 5
 
 
 @pytest.mark.parametrize("shape", [(4, 16, 16, 16384, 16384), (2, 8, 2, 1000, 77), (1, 3, 1, 64, 5000)])
