@@ -12,9 +12,9 @@ GPUs the base kernel's second consumer schedule (pk_jax.attention.SCHEDULES: "pi
 against base's 0.73-0.95x on 2026-11-23) and the forward variants other than the default
 (pk_jax.attention.FWD_VARIANTS / DEFAULT_FWD_VARIANT: fa3n160) timed in the same turns as the default and cuDNN
 (forward cases): extra.<name>_ms /
-<name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, and <name>_same_bits (the variant's output
-equals the default's bit for bit: required of pk_jax.attention.FWD_VARIANTS_SAME_BITS only; fa3n160's and
-fa3n176's other key blocks change the last bits, so for it the flag is informative and <name>_check, the error against
+<name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, <name>_bits_differ_in (the outputs whose bits
+differ from the default's) and <name>_same_bits (none does: required of pk_jax.attention.FWD_VARIANTS_SAME_BITS
+only; fa3n160's and fa3n176's other key blocks change the last bits, so for it the flag is informative and <name>_check, the error against
 cuDNN, is the test). --fwd-variants: the default shapes with the forward
 variants only (no pipelined): the short comparison, e.g. `--fwd-variants --cases fwd fwd_causal fwd_gqa
 --seqs 4096 16384 --head-dims 128` (6 rows, ~1-2 min on one H200); `--fwd-variants fa3n160 fa3n176 --cases ...`
@@ -144,12 +144,20 @@ def bwd_extra_kernels(bwd_variants: bool | list[str] | None) -> list[str]:
     return ["bwd_" + v for v in names]
 
 
-def _same_bits(a, b) -> bool:
-    """Forward rows: the outputs' bits. fwd_bwd rows ((out, dq, dk, dv)): out, dk and dv (dQ is summed by
-    reduce-adds in a run-dependent order)."""
+def _bits_differ_in(a, b) -> list[str]:
+    """The outputs whose bits differ. Forward rows: ["out"] or []. fwd_bwd rows ((out, dq, dk, dv)): among out, dk
+    and dv (dQ is summed by reduce-adds in a run-dependent order)."""
     if isinstance(a, (tuple, list)):
-        return all(bool(jnp.array_equal(x, y)) for i, (x, y) in enumerate(zip(a, b)) if i != 1)
-    return bool(jnp.array_equal(a, b))
+        return [name for name, x, y in zip(("out", "dq", "dk", "dv"), a, b)
+                if name != "dq" and not bool(jnp.array_equal(x, y))]
+    return [] if bool(jnp.array_equal(a, b)) else ["out"]
+
+
+def _bits_note(differ: list[str], expected: bool) -> str:
+    """The row line's note on a variant's bits: nothing when they equal the default's."""
+    if not differ:
+        return ""
+    return f" BITS DIFFER ({', '.join(differ)})" if expected else " (other bits, as expected)"
 
 
 def bits_expected(name: str) -> bool:
@@ -221,7 +229,7 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
             err = rel(got, want)
             other_out = [fn(triples)[0] for fn in others]
             other_err = [rel(o, want) for o in other_out]
-            same_bits = [_same_bits(o, got) for o in other_out]
+            differ_in = [_bits_differ_in(o, got) for o in other_out]
             del got, other_out
             times = timing.time_interleaved([ours, base] + others, triples, reps=reps)
             ours_ms, base_ms = times[:2]
@@ -243,19 +251,20 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
                       "baseline_tflops": round(flops / base_ms / 1e9, 1), "rel_err_vs_baseline": float(f"{err:.2e}"),
                       "calls_per_measure": count, "reps": reps, "check": "ok" if err < 2e-2 else "MISMATCH"},
         })
-        for name, ms, e_, same in zip(names, other_ms, other_err, same_bits):
+        for name, ms, e_, differ in zip(names, other_ms, other_err, differ_in):
             rows[-1]["extra"].update({
                 f"{name}_ms": round(ms, 5), f"{name}_ratio": round(base_ms / ms, 4),
                 f"{name}_tflops": round(flops / ms / 1e9, 1), f"{name}_rel_err": float(f"{e_:.2e}"),
-                f"{name}_same_bits": same, f"{name}_bits_expected": bits_expected(name),
+                f"{name}_same_bits": not differ, f"{name}_bits_differ_in": differ,
+                f"{name}_bits_expected": bits_expected(name),
                 f"{name}_check": "ok" if e_ < 2e-2 else "MISMATCH"})
         results.add_partial(rows[-1])  # before its line: a run killed once the line is out keeps the row
         print(f"  attention {str([b, s, n, d]):<22} {case:<15} ours {ours_ms:8.3f} ms {flops / ours_ms / 1e9:6.0f} TF/s  "
               f"{base_name} {base_ms:8.3f} ms {flops / base_ms / 1e9:6.0f} TF/s  x{ratio:5.3f}  rel_err {err:.1e}"
               + "".join(f"  {name} {flops / ms / 1e9:4.0f} TF/s x{base_ms / ms:5.3f}"
-                        f"{'' if same else (' BITS DIFFER' if bits_expected(name) else ' (other bits, as expected)')}"
+                        f"{_bits_note(differ, bits_expected(name))}"
                         f"{'' if e_ < 2e-2 else ' MISMATCH'}"
-                        for name, ms, e_, same in zip(names, other_ms, other_err, same_bits)),
+                        for name, ms, e_, differ in zip(names, other_ms, other_err, differ_in)),
               flush=True)
         bar.step(f"{case} {b}x{s}x{n}x{d}")
         del triples
