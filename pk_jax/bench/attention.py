@@ -14,8 +14,8 @@ against base's 0.73-0.95x on 2026-11-23) and the forward variants other than the
 (forward cases): extra.<name>_ms /
 <name>_ratio / <name>_tflops / <name>_rel_err / <name>_check, <name>_bits_differ_in (the outputs whose bits
 differ from the default's) and <name>_same_bits (none does: required of pk_jax.attention.FWD_VARIANTS_SAME_BITS
-only; fa3n160's and fa3n176's other key blocks change the last bits, so for it the flag is informative and <name>_check, the error against
-cuDNN, is the test). --fwd-variants: the default shapes with the forward
+only; fa3n160's and fa3n176's other key blocks change the last bits, so for it the flag is informative and
+<name>_check, the error against cuDNN, is the test). --fwd-variants: the default shapes with the forward
 variants only (no pipelined): the short comparison, e.g. `--fwd-variants --cases fwd fwd_causal fwd_gqa
 --seqs 4096 16384 --head-dims 128` (6 rows, ~1-2 min on one H200); `--fwd-variants fa3n160 fa3n176 --cases ...`
 times only the named variants beside the default. --bwd-variants [NAME...]: the fwd_bwd* rows also time the
