@@ -19,6 +19,7 @@
 #   grouped     grouped_matmul GPU tests, then its bench rows (vs ragged_dot_mgpu, jnp.dot)  ~2 min
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
+#   bwdstalls   (nvidia-h100-x1) Nsight Compute stall sampling of the attention backward, ours and cuDNN's  ~5 min
 #   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
@@ -382,6 +383,19 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  done ;;
     ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
+    bwdstalls) # (nvidia-h100-x1: counters) where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128,
+               # the second launch of each alone): warp-state totals and the most sampled SASS instructions
+               NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+               for who in ours cudnn; do
+                 if [ $who = ours ]; then kern='regex:attention_bwd::Kernel'; else kern='regex:bprop'; fi
+                 stage ncu-bwd-$who 240 "$NCU" --clock-control none -f -o /tmp/bwd-$who --kernel-name-base demangled \
+                   -k "$kern" --launch-skip 1 -c 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
+                   env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ${who}_bwd \
+                   --batch 4 --seq 8192 ${NCU_ARGS:-}
+                 stage ncu-bwd-$who-details 60 "$NCU" -i /tmp/bwd-$who.ncu-rep --page details
+                 "$NCU" -i /tmp/bwd-$who.ncu-rep --page source --csv --print-source sass > /tmp/src-bwd-$who.csv 2>&1
+                 stage ncu-bwd-$who-stalls 30 python3 scripts/ncu_top_stalls.py /tmp/src-bwd-$who.csv 30
+               done ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
              # Our kernels' base names are lcsc's `kernel`: match the demangled names (template arguments name the role).
              # Session 23 caught no cuDNN kernel with 'flash_bprop' and -c 2 (both launches were ours): match more names,
