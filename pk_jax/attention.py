@@ -69,6 +69,13 @@ FWD_VARIANTS_SAME_BITS = ("base", "l2order", "pingpong", "fa3")  # the variants 
 # against base 0.864, l2order 0.896, pingpong 0.932; in a later run fa3n160 0.916 against fa3 0.894 (5 of 6
 # rows faster, up to +5.6% causal) and fa3n176 0.846. fa3n160 passed the float32-reference tests (bf16).
 DEFAULT_FWD_VARIANT = "fa3n160"
+# Unless $PK_JAX_ATTENTION_FWD_VARIANT is set, a call whose key length 160-key blocks pad badly takes fa3 (128-key
+# blocks) instead (default_fwd_variant). Model: a call costs ceil(Tk / BKV) x (BKV + FWD_BLOCK_FIXED_KEYS) key-times,
+# the fixed part (turn barriers, row max / sum shuffles, the O rescale per block) fitted to fa3n160's ~2.5 % lead at
+# Tk 4096 (session 11). One H200 (2026-11-27, session 29, same turns): at Tk 1024 fa3 0.87 / 0.90 / 0.87x cuDNN
+# (D 128: fwd / causal / GQA) against fa3n160's 0.80 / 0.80 / 0.81, and 0.84 / 0.82 / 0.84x against 0.75 / 0.71 /
+# 0.75 at D 64.
+FWD_BLOCK_FIXED_KEYS = 31
 # The backward kernel's variant (read when a program is lowered, like the forward's; kernels/attention_bwd_kernel.cuh):
 #   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
@@ -134,10 +141,20 @@ def _schedule() -> str:
     return choice_setting(SCHEDULE_VAR, "in_turn", SCHEDULES, owner="pk_jax.attention")
 
 
-def fwd_variant() -> str:
+def default_fwd_variant(tk: int) -> str:
+    """The forward variant a call over tk keys takes by default: DEFAULT_FWD_VARIANT (fa3n160), or fa3 where 128-key
+    blocks cover the keys in less modeled time (Tk 1024: 8 blocks of 128 against 7 of 160, the last 60 % padding)."""
+    def cost(block_keys: int) -> int:
+        return -(-tk // block_keys) * (block_keys + FWD_BLOCK_FIXED_KEYS)
+    return "fa3" if DEFAULT_FWD_VARIANT == "fa3n160" and cost(128) < cost(160) else DEFAULT_FWD_VARIANT
+
+
+def fwd_variant(tk: int | None = None) -> str:
     """The forward variant the next lowering takes ($PK_JAX_ATTENTION_FWD_VARIANT, read when a program is
-    lowered, like the schedule: a jitted function keeps the variant it was compiled with)."""
-    return choice_setting(FWD_VARIANT_VAR, DEFAULT_FWD_VARIANT, FWD_VARIANTS, owner="pk_jax.attention")
+    lowered, like the schedule: a jitted function keeps the variant it was compiled with). Unset or empty:
+    default_fwd_variant(tk) for a call over tk keys, DEFAULT_FWD_VARIANT when tk is not given."""
+    default = DEFAULT_FWD_VARIANT if tk is None else default_fwd_variant(tk)
+    return choice_setting(FWD_VARIANT_VAR, default, FWD_VARIANTS, owner="pk_jax.attention")
 
 
 def bwd_variant() -> str:
@@ -147,7 +164,7 @@ def bwd_variant() -> str:
 
 
 def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
-    variant = FWD_VARIANTS.index(fwd_variant())
+    variant = FWD_VARIANTS.index(fwd_variant(ctx.avals_in[1].shape[1]))
     return jax.ffi.ffi_lowering("pk_attention")(ctx, q, k, v, offsets, scale=np.float32(scale),
                                                  causal=np.int32(causal), with_lse=np.int32(with_lse),
                                                  pipelined=np.int32(variant == 0 and _schedule() == "pipelined"),

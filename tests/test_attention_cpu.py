@@ -108,6 +108,38 @@ def test_fwd_variant_var_is_checked(monkeypatch):
         fwd_variant()
 
 
+@pytest.mark.parametrize("tk,want", [(1024, "fa3"), (1000, "fa3"), (512, "fa3"), (128, "fa3"), (2048, "fa3n160"),
+                                     (4096, "fa3n160"), (640, "fa3n160"), (160, "fa3n160"), (65536, "fa3n160")])
+def test_default_fwd_variant_by_key_length(tk, want, monkeypatch):
+    """Unset, the variant follows the key length: fa3 (128-key blocks) where 160-key blocks pad badly (1024: 8 blocks
+    of 128 against 7 of 160, 60 % of the last one padding), fa3n160 elsewhere; a set variable wins at every length."""
+    from pk_jax.attention import FWD_VARIANT_VAR, default_fwd_variant, fwd_variant
+
+    monkeypatch.delenv(FWD_VARIANT_VAR, raising=False)
+    assert default_fwd_variant(tk) == fwd_variant(tk) == want
+    monkeypatch.setenv(FWD_VARIANT_VAR, "fa3n176")
+    assert fwd_variant(tk) == "fa3n176"
+
+
+def test_lowering_takes_the_variant_of_its_key_length(monkeypatch):
+    """The GPU lowering passes default_fwd_variant(Tk) as the kernel's variant attribute (checked on the lowering's
+    own text with a stand-in for jax.ffi.ffi_lowering, so it runs without a GPU)."""
+    import importlib
+
+    attention = importlib.import_module("pk_jax.attention")  # the package re-exports the function of that name
+    seen = []
+    monkeypatch.setattr(attention.jax.ffi, "ffi_lowering", lambda name: lambda ctx, *a, **kw: seen.append(kw) or [])
+    monkeypatch.delenv(attention.FWD_VARIANT_VAR, raising=False)
+
+    class Ctx:  # what _cuda_lowering reads of the lowering context
+        def __init__(self, tk):
+            self.avals_in = [None, jax.core.ShapedArray((1, tk, 1, 64), jnp.bfloat16)]
+
+    for tk, want in ((1024, "fa3"), (4096, "fa3n160")):
+        attention._cuda_lowering(Ctx(tk), None, None, None, None, scale=1.0, causal=False, with_lse=True)
+        assert int(seen[-1]["variant"]) == attention.FWD_VARIANTS.index(want)
+
+
 def test_fwd_variants_bits_and_bench_selection():
     """fa3n160 / fa3n176 (160- / 176-key blocks) are variants whose bits may differ; the others must give base's bits. The
     bench times every variant for --fwd-variants, only the named ones for --fwd-variants NAME..., and its
