@@ -153,7 +153,7 @@ def test_fwd_variants_bits_and_bench_selection():
     others = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     assert extra_kernels(False, True) == extra_kernels(False, []) == others
     assert extra_kernels(False, False) == extra_kernels(False, None) == []
-    assert extra_kernels(False, ["fa3n176", "fa3n160"]) == [v for v in ("fa3n160", "fa3n176") if v != DEFAULT_FWD_VARIANT]
+    assert extra_kernels(False, ["fa3n176", "fa3n160"]) == ["fa3n160", "fa3n176"]  # named: the default's too
     assert extra_kernels(True, False) == ["pipelined"] + others
     with pytest.raises(ValueError, match="unknown forward variants"):
         extra_kernels(False, ["fa4"])

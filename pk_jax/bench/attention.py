@@ -95,15 +95,16 @@ def _compiled_with_schedule(fn, triples, kernel: str, ahead=None):
 def _lowered_with_schedule(fn, triples, kernel: str):
     """_runner(fn) lowered now (triples: arrays or ShapeDtypeStructs), with the kernel version `kernel` chosen by the
     variables read at lowering:
-    "default" = DEFAULT_FWD_VARIANT; "pipelined" = the base variant's second consumer schedule; a forward
-    variant's name (FWD_VARIANTS) that variant; "bwd_<name>" the default forward with backward variant <name>
-    (BWD_VARIANTS). The backward variant is DEFAULT_BWD_VARIANT unless named."""
-    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: DEFAULT_FWD_VARIANT if kernel == "default" else kernel,
+    "default" = what a user gets (the variable empty: pk_jax.attention.default_fwd_variant of the key length);
+    "pipelined" = the base variant's second consumer schedule; a forward variant's name (FWD_VARIANTS) that variant,
+    at every length; "bwd_<name>" the default forward with backward variant <name> (BWD_VARIANTS). The backward
+    variant is DEFAULT_BWD_VARIANT unless named."""
+    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: "" if kernel == "default" else kernel,
            BWD_VARIANT_VAR: DEFAULT_BWD_VARIANT}
     if kernel == "pipelined":
         env.update({SCHEDULE_VAR: "pipelined", FWD_VARIANT_VAR: "base"})
     elif kernel.startswith("bwd_"):
-        env.update({FWD_VARIANT_VAR: DEFAULT_FWD_VARIANT, BWD_VARIANT_VAR: kernel[len("bwd_"):]})
+        env.update({FWD_VARIANT_VAR: "", BWD_VARIANT_VAR: kernel[len("bwd_"):]})
     old = {var: os.environ.get(var) for var in env}
     os.environ.update(env)
     try:
@@ -118,13 +119,14 @@ def _lowered_with_schedule(fn, triples, kernel: str):
 
 def extra_kernels(full: bool, fwd_variants: bool | list[str]) -> list[str]:
     """The kernel versions timed beside the default on GPUs (forward cases only). fwd_variants: True (or an
-    empty list) for every forward variant, a list of names for those only."""
+    empty list) for every forward variant but DEFAULT_FWD_VARIANT, a list of names for those only (the default's
+    name included: forced, it runs at lengths where the default takes another variant)."""
     new = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     if isinstance(fwd_variants, (list, tuple)) and fwd_variants:
         unknown = sorted(set(fwd_variants) - set(FWD_VARIANTS))
         if unknown:
             raise ValueError(f"pk_jax.bench attention: unknown forward variants {unknown}; pick from {FWD_VARIANTS}")
-        new = [v for v in new if v in fwd_variants]
+        new = [v for v in FWD_VARIANTS if v in fwd_variants]
     elif isinstance(fwd_variants, (list, tuple)):
         fwd_variants = True
     return (["pipelined"] + new) if full else (new if fwd_variants else [])
