@@ -274,8 +274,7 @@ def run(quick: bool, reps: int, full: bool = False, cases: list[str] | None = No
 
 
 def _extra_names(rows: list[dict]) -> list[str]:
-    names = (["pipelined"] + [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
-             + ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT])
+    names = ["pipelined"] + list(FWD_VARIANTS) + ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
     return [n for n in names if any(f"{n}_ratio" in r["extra"] for r in rows)]
 
 
