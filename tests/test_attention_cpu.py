@@ -122,8 +122,8 @@ def test_default_fwd_variant_by_key_length(tk, want, monkeypatch):
 
 
 def test_lowering_takes_the_variant_of_its_key_length(monkeypatch):
-    """The GPU lowering passes default_fwd_variant(Tk) as the kernel's variant attribute (checked on the lowering's
-    own text with a stand-in for jax.ffi.ffi_lowering, so it runs without a GPU)."""
+    """The GPU lowering passes default_fwd_variant(Tk) as the kernel's variant attribute (a stand-in for
+    jax.ffi.ffi_lowering records the attributes, so it runs without a GPU)."""
     import importlib
 
     attention = importlib.import_module("pk_jax.attention")  # the package re-exports the function of that name
