@@ -344,7 +344,7 @@ struct Kernel : gemm::Kernel<T, T, WGS_, BN_, STAGES_, Ext<counter_slot<T, BN_, 
   // Weight grad, last k-block of a group: the consumers zero the k-rows [valid, end) in both operands (the next
   // group's rows; rows past `tokens` are already TMA zeros; rows from `end` on are read by no MMA), then all of
   // them sync before any MMA reads the stage. Warpgroup w zeros its own A box and B boxes w, w + WGS, ...
-  __device__ static void mask_stage(Stage& in, int warpgroup, int valid, int end = BK) {
+  __device__ static void mask_stage(Stage& in, int warpgroup, int valid, int end) {
     const int thread = threadIdx.x % 128;
     zero_k_rows(in.a + warpgroup * BK * kBoxCols, valid, end, thread);
 #pragma unroll

@@ -1,6 +1,6 @@
 """Registers and spills of every kernel in one CUDA source, from ptxas -v (no cuobjdump on the dev machines).
 
-Usage: python scripts/ptxas_report.py grouped_gemm [--build build/lead] [--all]
+Usage: python scripts/ptxas_report.py grouped_gemm [--build build/lead] [--all]   (or kernels/grouped_gemm.cu)
 Recompiles kernels/<name>.cu with the build's own nvcc command (ninja -t commands) plus -Xptxas -v into a
 temporary object, then prints each kernel (demangled, shortened) that spills or whose wgmmas ptxas serialized;
 --all prints every kernel. Exit status 1 when any kernel spills. Takes as long as that file's build (~1.5 min for
@@ -41,12 +41,13 @@ def compile_command(build: Path, name: str, obj: str) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("name", help="kernels/<name>.cu, e.g. grouped_gemm")
+    ap.add_argument("name", help="kernels/<name>.cu, e.g. grouped_gemm (a path to the file works too)")
     ap.add_argument("--build", type=Path, default=Path("build/lead"), help="the CMake (ninja) build directory")
     ap.add_argument("--all", action="store_true", help="print every kernel, not only those that spill")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = compile_command(a.build.resolve(), a.name, str(Path(tmp) / "k.o"))
+        name = Path(a.name).name.removesuffix(".cu")  # grouped_gemm, grouped_gemm.cu, kernels/grouped_gemm.cu
+        cmd = compile_command(a.build.resolve(), name, str(Path(tmp) / "k.o"))
         log = subprocess.run(cmd, cwd=a.build, capture_output=True, text=True)
     if log.returncode:
         sys.exit(log.stderr[-4000:])
