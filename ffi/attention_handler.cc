@@ -3,7 +3,7 @@
 // results o (B, Tq, N, D) in the input dtype and lse (B, N, Tq) float32 (written only when
 // `with_lse` is 1; otherwise XLA still allocates it, as a (1,1,1) placeholder); `pipelined` picks the
 // consumer schedule of variant 0 and `variant` the forward variant (0 default, 1 l2order, 2 pingpong,
-// 3 fa3, 4 fa3n160, 5 fa3n176: kernels/attention_kernel.cuh; pk_jax/attention.py sets both when it lowers). Stateless per call
+// 3 fa3, 4 fa3n160, 5 fa3n176, 6 fa3w3: kernels/attention_kernel.cuh; pk_jax/attention.py sets both when it lowers). Stateless per call
 // (tensor maps rebuilt each time), so it can be captured into command buffers. `pk_attention_accumulate`
 // (below): the same kernel writing or merging a block into ring attention's float32 state in place.
 #include <cuda_runtime.h>
@@ -36,9 +36,9 @@ ffi::Error problem_of(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi:
   for (int i = 0; i < 4; ++i)
     if (dv[i] != dk[i]) return ffi::Error::InvalidArgument("pk_jax attention: v " + dims_str(dv) + " must match k " + dims_str(dk));
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention: causal must be 0 or 1");
-  if (variant < 0 || variant > 5)
+  if (variant < 0 || variant > 6)
     return ffi::Error::InvalidArgument(
-        "pk_jax attention: variant must be 0..5 (default, l2order, pingpong, fa3, fa3n160, fa3n176)");
+        "pk_jax attention: variant must be 0..6 (default, l2order, pingpong, fa3, fa3n160, fa3n176, fa3w3)");
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention: offsets must be int32[2] (q_offset, kv_offset)");
   if (!pk::to_elem_type(q.element_type(), p.type) || p.type == pk::ElemType::kF32 ||

@@ -1,6 +1,6 @@
 // Instantiations of the attention forward kernel: bf16 / f16 x head_dim 64 / 128 x in turn / pipelined, and
-// the forward variants l2order / pingpong / fa3 / fa3n160 / fa3n176 (attention_kernel.cuh), with bf16 DEBUG
-// builds of the four that change the barrier protocol.
+// the forward variants l2order / pingpong / fa3 / fa3n160 / fa3n176 / fa3w3 (attention_kernel.cuh), with bf16 DEBUG
+// builds of the five that change the barrier protocol.
 #include "attention.cuh"
 
 #include <cstdlib>
@@ -41,9 +41,19 @@ constexpr int stages_wide() {
   return n > 4 ? 4 : int(n);
 }
 
+// fa3w3 at D = 64: a 192-row Q tile and three output slots.
+template <int D>
+constexpr int stages_w3() {
+  constexpr size_t stage = size_t(2) * 128 * D * 2;
+  constexpr size_t fixed = size_t(192) * D * 2 * 2 + 4096;
+  constexpr size_t n = (kSmemLimit - fixed) / stage;
+  return n > 4 ? 4 : int(n);
+}
+
 template <int D, int VARIANT>
 constexpr int stages_of() {
-  if constexpr (VARIANT == kFwdFa3N160) return stages_wide<D, 160, true>();
+  if constexpr (VARIANT == kFwdFa3W3 && D == 64) return stages_w3<D>();
+  else if constexpr (VARIANT == kFwdFa3N160) return stages_wide<D, 160, true>();
   else if constexpr (VARIANT == kFwdFa3N176) return stages_wide<D, 176, false>();
   else return stages_for<D>();
 }
@@ -114,11 +124,13 @@ cudaError_t configure_dim() {
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N176>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3W3>>();
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdPingpong, true>>();
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3, true>>();
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160, true>>();
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N176, true>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3W3, true>>();
   }
   return e;
 }
@@ -157,8 +169,12 @@ void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
       if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3N176, kHasDebug>(p, compute_sms, stream, timeout_ns);
       else run<T, D, false, kFwdFa3N176>(p, compute_sms, stream);
       return;
+    case kFwdFa3W3:
+      if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3W3, kHasDebug>(p, compute_sms, stream, timeout_ns);
+      else run<T, D, false, kFwdFa3W3>(p, compute_sms, stream);
+      return;
     default:
-      throw std::invalid_argument("pk_jax attention: forward variant " + std::to_string(p.variant) + " is not 0..5");
+      throw std::invalid_argument("pk_jax attention: forward variant " + std::to_string(p.variant) + " is not 0..6");
   }
 }
 

@@ -39,6 +39,10 @@
 //               K/V reads), so smem is Q 32 KiB + 2 stages x 88 KiB = 208 KiB and the consumers never wait on
 //               the storer (which has nothing to do). Registers: S 88 + P 44 + O 64 = 196 live per consumer
 //               thread (FA3: the same 196 under 240).
+//   6 fa3w3:    (D = 64) fa3 with three consumer warpgroups on 192-row query tiles (FA3's D = 64 tile): the
+//               turns pass around the three (1 -> 2 -> 0 -> 1 ...), so two warpgroups' GEMMs can run under one's
+//               softmax, which at D = 64 is as long as its two GEMMs (the MUFU's 16 exponentials per clock).
+//               Registers: 32 producer / 160 consumer (S 64 + P 32 + O 32 live). At D = 128 it is fa3.
 // Variants 0-3 compute every output element with the same operations in the same order as variant 0
 // (bit-identical outputs); variants 4 and 5 sum other blocks (other running maxima): their outputs differ
 // from the others' in the last bits (checked against the float32 reference). DEBUG_ (variants 2-5): every
@@ -82,7 +86,9 @@ struct Globals {
   unsigned long long debug_timeout_ns;  // DEBUG variants: the mbarrier wait limit (unused otherwise)
 };
 
-enum FwdVariant : int { kFwdDefault = 0, kFwdL2Order = 1, kFwdPingpong = 2, kFwdFa3 = 3, kFwdFa3N160 = 4, kFwdFa3N176 = 5 };
+enum FwdVariant : int {
+  kFwdDefault = 0, kFwdL2Order = 1, kFwdPingpong = 2, kFwdFa3 = 3, kFwdFa3N160 = 4, kFwdFa3N176 = 5, kFwdFa3W3 = 6
+};
 
 // What one task covers: the query tile, its (batch, head) and the key blocks it visits.
 struct Work {
@@ -116,15 +122,17 @@ struct Kernel {
   static constexpr bool kPingpong = VARIANT >= kFwdPingpong;      // warp-scheduler barriers between the consumers
   static constexpr bool kFa3Mainloop = VARIANT >= kFwdFa3;         // blocks_fa3 (fa3, fa3n160, fa3n176)
   static constexpr bool kDirectO = VARIANT == kFwdFa3N176;          // O from registers to global, no O slots
-  static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3N176, "forward variant 0..5");
+  static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3W3, "forward variant 0..6");
   static_assert(!DEBUG || kPingpong, "the DEBUG build is for the variants that change the barrier protocol");
-  static constexpr int WGS = 2, BM = 64 * WGS;
+  static constexpr int WGS = VARIANT == kFwdFa3W3 && D == 64 ? 3 : 2, BM = 64 * WGS;
   static constexpr int BKV = VARIANT == kFwdFa3N160 ? 160 : VARIANT == kFwdFa3N176 ? 176 : 128;  // keys per block
   static_assert(BKV % 16 == 0 && BKV <= 256, "key block: whole wgmma k-steps, one TMA box of rows");
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;  // S (BKV/2) + O (D/2) + P (BKV/4) fp32/16-bit registers and the row state
+  // S (BKV/2) + O (D/2) + P (BKV/4) fp32/16-bit registers and the row state; three consumers share the 64K
+  // registers of 512 threads (128 x 32 + 384 x 160 = 65536).
+  static constexpr int kProducerRegs = WGS == 3 ? 32 : 40;
+  static constexpr int kConsumerRegs = WGS == 3 ? 160 : 232;
   static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
   static constexpr bool kTaskCounter = false;
   static constexpr bool kHasPusher = false;
@@ -431,9 +439,9 @@ struct Kernel {
     st.q_phase ^= 1;
     const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
     if constexpr (kPingpong) {
-      if (!st.turns_started) {  // once per kernel: grant consumer 0 its first turn
+      if (!st.turns_started) {  // once per kernel: the last consumer grants itself the first turn
         st.turns_started = true;
-        if (st.warpgroup == 1) turn_pass(1);
+        if (st.warpgroup == WGS - 1) turn_pass(WGS - 1);
       }
       if constexpr (kFa3Mainloop)
         blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
@@ -523,17 +531,18 @@ struct Kernel {
     st.pos = cur;
   }
 
-  // Warp-scheduler turns (FlashAttention-3's NamedBarrier WarpSchedulerWG1/WG2): consumer w waits on named
-  // barrier 1 + w (256 threads: its own 128 plus the other consumer's 128 arrivals) before issuing its
-  // GEMMs and passes the turn with an arrival on the other's barrier right after. Consumer 1 grants
-  // consumer 0's first turn once per kernel; both take one turn per key block, so their turn counts match
-  // (the last arrival on barrier 1 is left pending at exit, as in FA3).
+  // Warp-scheduler turns (FlashAttention-3's NamedBarrier WarpSchedulerWG1/WG2/WG3): consumer w waits on named
+  // barrier 1 + w (256 threads: its own 128 plus the previous consumer's 128 arrivals) before issuing its
+  // GEMMs and passes the turn with an arrival on the next one's barrier (next_wg: w + 1, the last to 0) right
+  // after. The last consumer grants itself the first turn once per kernel; all take one turn per key block, so
+  // their turn counts match (the last pass is left pending at exit, as in FA3).
   __device__ __forceinline__ static void turn_wait(int warpgroup) {
     asm volatile("bar.sync %0, 256;" ::"r"(1 + warpgroup) : "memory");
   }
   __device__ __forceinline__ static void turn_pass(int other_warpgroup) {
     asm volatile("bar.arrive %0, 256;" ::"r"(1 + other_warpgroup) : "memory");
   }
+  __device__ __forceinline__ static int next_wg(int warpgroup) { return warpgroup + 1 == WGS ? 0 : warpgroup + 1; }
 
   // Variant pingpong: per block, one turn issues [P V of kb - 1, Q Kᵀ of kb] (block 0's turn: Q Kᵀ only);
   // then wait, release K of kb and V of kb - 1, softmax of kb (the other consumer's turn runs meanwhile),
@@ -550,7 +559,7 @@ struct Kernel {
     turn_wait(st.warpgroup);
     wgmma::fence();
     issue_qk(q_wg, s.stage[prev.stage], sc);
-    turn_pass(1 - st.warpgroup);
+    turn_pass(next_wg(st.warpgroup));
     wgmma::wait<0>();
     wgmma::fence_operands(sc);
     if (lane == 0) tma::mbar_arrive(&s.ring.empty[prev.stage]);
@@ -568,7 +577,7 @@ struct Kernel {
       issue_pv(s.stage[prev.stage], pa, o);
       wgmma::fence();
       issue_qk(q_wg, s.stage[cur.stage], sc);
-      turn_pass(1 - st.warpgroup);
+      turn_pass(next_wg(st.warpgroup));
       wgmma::wait<0>();
       wgmma::fence_operands(sc);
       wgmma::fence_operands(o);
@@ -605,7 +614,7 @@ struct Kernel {
     turn_wait(st.warpgroup);
     wgmma::fence();
     issue_qk(q_wg, s.stage[cur.stage], sc);
-    turn_pass(1 - st.warpgroup);
+    turn_pass(next_wg(st.warpgroup));
     wgmma::wait<0>();
     wgmma::fence_operands(sc);
     if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
@@ -622,7 +631,7 @@ struct Kernel {
       issue_qk(q_wg, s.stage[next.stage], sc);
       wgmma::fence();  // O and P are loop-carried: keep ptxas from injecting its own wait (C7519)
       issue_pv(s.stage[cur.stage], pa, o);
-      turn_pass(1 - st.warpgroup);
+      turn_pass(next_wg(st.warpgroup));
       wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
       wgmma::fence_operands(sc);
       if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);

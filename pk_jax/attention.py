@@ -57,14 +57,16 @@ SCHEDULES = ("in_turn", "pipelined")
 #   fa3n160:  fa3 with 160-key blocks instead of 128 (as wide as our smem holds two stages beside the O
 #             slots): each block's barriers / softmax reductions / O rescale over 25% more MMA work;
 #   fa3n176:  fa3 with FA3's D = 128 key block, 176 keys (+37.5%), the room taken from the O slots: the
-#             consumers store O to global memory from registers.
-# base..fa3 give bit-identical outputs (FWD_VARIANTS_SAME_BITS); fa3n160 / fa3n176 accumulate over other key
+#             consumers store O to global memory from registers;
+#   fa3w3:    (D 64; fa3 at D 128) fa3 with three consumer warpgroups on 192-row query tiles (FA3's D 64 tile), the
+#             turns passed around the three, so two warpgroups' GEMMs run under one's softmax.
+# base..fa3 and fa3w3 give bit-identical outputs (FWD_VARIANTS_SAME_BITS); fa3n160 / fa3n176 accumulate over other key
 # blocks, so their last bits differ (they are checked against the float32 reference instead).
-# PK_JAX_ATTENTION_FWD_DEBUG=1 (read at each launch) runs pingpong / fa3 / fa3n160 / fa3n176 (bf16) with
+# PK_JAX_ATTENTION_FWD_DEBUG=1 (read at each launch) runs pingpong / fa3 / fa3n160 / fa3n176 / fa3w3 (bf16) with
 # bounded barrier waits that print and trap instead of hanging.
 FWD_VARIANT_VAR = "PK_JAX_ATTENTION_FWD_VARIANT"
-FWD_VARIANTS = ("base", "l2order", "pingpong", "fa3", "fa3n160", "fa3n176")  # index = the handler's `variant` attribute
-FWD_VARIANTS_SAME_BITS = ("base", "l2order", "pingpong", "fa3")  # the variants that give base's bits exactly
+FWD_VARIANTS = ("base", "l2order", "pingpong", "fa3", "fa3n160", "fa3n176", "fa3w3")  # index = the handler's `variant`
+FWD_VARIANTS_SAME_BITS = ("base", "l2order", "pingpong", "fa3", "fa3w3")  # the variants that give base's bits exactly
 # One H200 (2026-11-23, bench attention --fwd-variants, D 128, S 4096 / 16384, geomean vs cuDNN): fa3 0.944
 # against base 0.864, l2order 0.896, pingpong 0.932; in a later run fa3n160 0.916 against fa3 0.894 (5 of 6
 # rows faster, up to +5.6% causal) and fa3n176 0.846. fa3n160 passed the float32-reference tests (bf16).

@@ -20,6 +20,8 @@
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
 #   bwdstalls   (nvidia-h100-x1) Nsight Compute stall sampling of the attention backward, ours and cuDNN's  ~5 min
+#   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
+#               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
 #   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
@@ -274,6 +276,15 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped-${pre##*/}.json"
                done
                set -- $AB_PREBUILT; cp "$1"/_pk_jax_ext*.so pk_jax/ ;;
+    fwdvariant) : "${FWD_NAME:?set FWD_NAME to a forward variant (pk_jax.attention.FWD_VARIANTS)}"
+           stage "$FWD_NAME-first" 90 env PK_JAX_ATTENTION_FWD_DEBUG=1 timeout 80 python3 -m pytest tests/gpu/test_attention_gpu.py \
+             -m gpu -q -x -rs -k "first_look and $FWD_NAME"
+           if grep -q " passed" "$OUT/$FWD_NAME-first.log" && ! grep -qE "failed|rror" "$OUT/$FWD_NAME-first.log"; then
+             stage "$FWD_NAME-tests" 200 python3 -m pytest tests/gpu/test_attention_gpu.py -m gpu -q -x -rs -k "$FWD_NAME"
+             stage "$FWD_NAME-bench" ${FWD_LIMIT:-240} python3 -m pk_jax.bench attention --fwd-variants "$FWD_NAME" ${FWD_OTHERS:-} \
+               --cases ${FWD_CASES:-fwd fwd_causal fwd_gqa fwd_causal_gqa} --seqs ${FWD_SEQS:-1024 2048 4096} \
+               --head-dims ${FWD_DIMS:-64} --reps 10 --out "$OUT/$day-attention-$FWD_NAME.json"
+           fi ;;
     attnbwd) export PK_JAX_ATTENTION_BWD=kernel
              stage attnbwd-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 stdbuf -oL -eL python3 -m pytest -s -x -v -m gpu \
                tests/gpu/test_attention_bwd_gpu.py -k "B2-Tq256-N4-Tk256-K4-D64-full-off0_0-bf16"  # debug: waits time out and name the barrier

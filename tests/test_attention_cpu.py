@@ -149,7 +149,7 @@ def test_fwd_variants_bits_and_bench_selection():
 
     assert FWD_VARIANTS.index("fa3n160") == 4 and FWD_VARIANTS.index("fa3n176") == 5
     assert "fa3n160" not in FWD_VARIANTS_SAME_BITS and "fa3n176" not in FWD_VARIANTS_SAME_BITS
-    assert set(FWD_VARIANTS_SAME_BITS) == {"base", "l2order", "pingpong", "fa3"}
+    assert set(FWD_VARIANTS_SAME_BITS) == {"base", "l2order", "pingpong", "fa3", "fa3w3"}
     others = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     assert extra_kernels(False, True) == extra_kernels(False, []) == others
     assert extra_kernels(False, False) == extra_kernels(False, None) == []
