@@ -112,13 +112,16 @@ def test_fwd_variant_var_is_checked(monkeypatch):
                                      (4096, "fa3n160"), (640, "fa3n160"), (160, "fa3n160"), (65536, "fa3n160")])
 def test_default_fwd_variant_by_key_length(tk, want, monkeypatch):
     """Unset, the variant follows the key length: fa3 (128-key blocks) where 160-key blocks pad badly (1024: 8 blocks
-    of 128 against 7 of 160, 60 % of the last one padding), fa3n160 elsewhere; a set variable wins at every length."""
+    of 128 against 7 of 160, 60 % of the last one padding), fa3n160 elsewhere; at head_dim 64 without a causal mask
+    fa3w3 at every length; a set variable wins everywhere."""
     from pk_jax.attention import FWD_VARIANT_VAR, default_fwd_variant, fwd_variant
 
     monkeypatch.delenv(FWD_VARIANT_VAR, raising=False)
     assert default_fwd_variant(tk) == fwd_variant(tk) == want
+    assert default_fwd_variant(tk, 128, False) == default_fwd_variant(tk, 64, True) == want
+    assert default_fwd_variant(tk, 64, False) == fwd_variant(tk, 64) == "fa3w3"  # D 64 without a causal mask
     monkeypatch.setenv(FWD_VARIANT_VAR, "fa3n176")
-    assert fwd_variant(tk) == "fa3n176"
+    assert fwd_variant(tk) == fwd_variant(tk, 64) == "fa3n176"
 
 
 def test_lowering_takes_the_variant_of_its_key_length(monkeypatch):
@@ -132,11 +135,12 @@ def test_lowering_takes_the_variant_of_its_key_length(monkeypatch):
     monkeypatch.delenv(attention.FWD_VARIANT_VAR, raising=False)
 
     class Ctx:  # what _cuda_lowering reads of the lowering context
-        def __init__(self, tk):
-            self.avals_in = [None, jax.core.ShapedArray((1, tk, 1, 64), jnp.bfloat16)]
+        def __init__(self, tk, d):
+            self.avals_in = [None, jax.core.ShapedArray((1, tk, 1, d), jnp.bfloat16)]
 
-    for tk, want in ((1024, "fa3"), (4096, "fa3n160")):
-        attention._cuda_lowering(Ctx(tk), None, None, None, None, scale=1.0, causal=False, with_lse=True)
+    for tk, d, causal, want in ((1024, 128, False, "fa3"), (4096, 128, False, "fa3n160"), (4096, 64, True, "fa3n160"),
+                                (1024, 64, False, "fa3w3")):
+        attention._cuda_lowering(Ctx(tk, d), None, None, None, None, scale=1.0, causal=causal, with_lse=True)
         assert int(seen[-1]["variant"]) == attention.FWD_VARIANTS.index(want)
 
 
@@ -149,7 +153,7 @@ def test_fwd_variants_bits_and_bench_selection():
 
     assert FWD_VARIANTS.index("fa3n160") == 4 and FWD_VARIANTS.index("fa3n176") == 5
     assert "fa3n160" not in FWD_VARIANTS_SAME_BITS and "fa3n176" not in FWD_VARIANTS_SAME_BITS
-    assert set(FWD_VARIANTS_SAME_BITS) == {"base", "l2order", "pingpong", "fa3", "fa3w3"}
+    assert set(FWD_VARIANTS_SAME_BITS) == {"base", "l2order", "pingpong", "fa3"}
     others = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
     assert extra_kernels(False, True) == extra_kernels(False, []) == others
     assert extra_kernels(False, False) == extra_kernels(False, None) == []

@@ -113,7 +113,8 @@ def _cuda_lowering(ctx, *args, row_start, merge, scale, causal, reserve_sms):
     return jax.ffi.ffi_lowering("pk_attention_accumulate", operand_output_aliases={4: 0, 5: 1})(
         ctx, *args, scale=np.float32(scale), causal=np.int32(causal), mode=np.int32(2 if merge else 1),
         row_start=np.int64(row_start), reserve_sms=np.int32(reserve_sms),
-        variant=np.int32(FWD_VARIANTS.index(fwd_variant(tk=ctx.avals_in[1].shape[1]))))  # args: q, k, v, ...
+        variant=np.int32(FWD_VARIANTS.index(fwd_variant(ctx.avals_in[1].shape[1], ctx.avals_in[1].shape[3],
+                                                        bool(causal)))))  # args: q, k, v, ...
 
 
 def _folding_batcher(primitive, reference_fn, n_out: int):
