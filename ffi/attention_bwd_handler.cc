@@ -5,7 +5,7 @@
 // in the input dtype, and dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk order: the
 // kernel's scratch, which a second kernel turns into dq when `convert_dq` is 1; with 0 dq is left unwritten
 // and pk_jax/attention.py converts dq_acc with XLA, the A/B baseline); `variant` the backward variant
-// (0 base, 1 dqfirst, 2 l2order_dqfirst: kernels/attention_bwd_kernel.cuh). Stateless per call (tensor
+// (0 base, 1 dqfirst, 2 l2order_dqfirst, 3 w3: kernels/attention_bwd_kernel.cuh). Stateless per call (tensor
 // maps rebuilt, dq_acc zeroed on the stream each time), so it can be captured into command buffers.
 // `pk_attention_bwd_accumulate` (below): the same, with dQ added into ring attention's float32 dQ state in place.
 #include <cuda_runtime.h>
@@ -93,9 +93,9 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
   if (offsets.element_type() != ffi::DataType::S32 || offsets.element_count() != 2)
     return ffi::Error::InvalidArgument("pk_jax attention backward: offsets must be int32[2] (q_offset, kv_offset)");
   if (causal != 0 && causal != 1) return ffi::Error::InvalidArgument("pk_jax attention backward: causal must be 0 or 1");
-  if (variant < 0 || variant > 2)
+  if (variant < 0 || variant > 3)
     return ffi::Error::InvalidArgument(
-        "pk_jax attention backward: variant must be 0..2 (base, dqfirst, l2order_dqfirst)");
+        "pk_jax attention backward: variant must be 0..3 (base, dqfirst, l2order_dqfirst, w3)");
   pk::attention_bwd::Problem p{};
   const auto t = q.element_type();
   if (!pk::to_elem_type(t, p.type) || p.type == pk::ElemType::kF32 || k.element_type() != t ||

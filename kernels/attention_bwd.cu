@@ -1,5 +1,5 @@
 // Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128 x variant (base, dqfirst,
-// l2order_dqfirst: attention_bwd_kernel.cuh), each with its DEBUG build.
+// l2order_dqfirst, w3: attention_bwd_kernel.cuh), each with its DEBUG build.
 #include "attention_bwd.cuh"
 
 #include <cstdlib>
@@ -17,18 +17,19 @@ namespace {
 
 constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
 
-// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (at most 4).
-template <int D>
+// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (at most 4); w3 at D 64: 192 keys, 3 slots.
+template <int D, int VARIANT>
 constexpr int stages_for() {
-  constexpr size_t stage = size_t(2) * 64 * D * 2 + 1024;                     // Q and dO tiles, lse2 / delta
-  constexpr size_t fixed = size_t(2) * 128 * D * 2 + 2 * 128 * 64 * 2 + 2 * 64 * 64 * 4 + 2048;  // K, V, dS, dQ
+  constexpr size_t wgs = VARIANT == 3 && D == 64 ? 3 : 2, keys = 64 * wgs;
+  constexpr size_t stage = size_t(2) * 64 * D * 2 + 1024;  // Q and dO tiles, lse2 / delta
+  constexpr size_t fixed = 2 * keys * D * 2 + 2 * keys * 64 * 2 + wgs * 64 * 64 * 4 + 2048;  // K, V, dS, dQ
   constexpr size_t n = (kSmemLimit - 1024 - fixed) / stage;
   return n > 4 ? 4 : int(n);
 }
 
 // DEBUG: the variant whose mbarrier waits time out, report and trap (attention_bwd_kernel.cuh).
 template <typename T, int D, bool DEBUG = false, int VARIANT = 0>
-using KernelOf = Kernel<T, D, stages_for<D>(), DEBUG, VARIANT>;
+using KernelOf = Kernel<T, D, stages_for<D, VARIANT>(), DEBUG, VARIANT>;
 
 // The debug variant's wait limit in ns when $PK_JAX_ATTENTION_BWD_DEBUG is set to anything but "" or "0"
 // ($PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), else 0: the default kernel. Read at every launch.
@@ -91,8 +92,9 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
     case 0: run_variant<T, D, 0>(p, compute_sms, stream); return;
     case 1: run_variant<T, D, 1>(p, compute_sms, stream); return;
     case 2: run_variant<T, D, 2>(p, compute_sms, stream); return;
+    case 3: run_variant<T, D, 3>(p, compute_sms, stream); return;
     default:
-      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..2");
+      throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..3");
   }
 }
 
@@ -108,7 +110,8 @@ template <typename T>
 cudaError_t configure_type() {
   cudaError_t e = configure_variant<T, 0>();
   if (e == cudaSuccess) e = configure_variant<T, 1>();
-  return e == cudaSuccess ? configure_variant<T, 2>() : e;
+  if (e == cudaSuccess) e = configure_variant<T, 2>();
+  return e == cudaSuccess ? configure_variant<T, 3>() : e;
 }
 
 }  // namespace

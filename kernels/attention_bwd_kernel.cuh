@@ -85,6 +85,10 @@ struct Globals {
 //               at B4 S16k N16). Per block pair and CTA that is 32 KiB of Q / dO loads and a 32 KiB reduce:
 //               ~2.5 TB/s of HBM traffic at our ~350 TFLOP/s, which this order keeps in L2. (The order
 //               without dqfirst made ptxas spill 20 bytes in the D = 128 consumer; with it, none.)
+//   3 w3:       (D = 64; l2order_dqfirst at D = 128) l2order_dqfirst with three consumer warpgroups on 192-key
+//               blocks: at D = 64 each warpgroup's block pairs are independent (its own dSᵀ, its own dQ chunk),
+//               so a third one's GEMMs can run under the others' elementwise work (an exponential and the dS
+//               math per score, as long as the GEMMs at D = 64). Registers: 32 producer / 160 consumer.
 // Every variant computes each dK / dV element with the same operations in the same order (bit-identical
 // dK and dV; dQ's reduce order varies between runs in all of them).
 struct Work {
@@ -117,10 +121,10 @@ struct Kernel {
   static constexpr int D = D_, STAGES = STAGES_;
   static constexpr bool DEBUG = DEBUG_;
   static constexpr int VARIANT = VARIANT_;
-  static_assert(VARIANT >= 0 && VARIANT <= 2, "backward variant 0..2");
+  static_assert(VARIANT >= 0 && VARIANT <= 3, "backward variant 0..3");
   static constexpr bool kDqFirst = VARIANT >= 1;           // dQ before dK, its chunk stored under dK
   static constexpr bool kKeyBlocksFastest = VARIANT >= 2;  // l2order: FA3's task order
-  static constexpr int WGS = 2, BN = 64 * WGS, BM = 64;
+  static constexpr int WGS = VARIANT == 3 && D == 64 ? 3 : 2, BN = 64 * WGS, BM = 64;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr bool kDqShared = D == 128;            // dQ column halves over all keys (else own keys)
   // dSᵀ is double-buffered: a warp rewrites buffer b two block pairs later, after a named barrier that
@@ -133,8 +137,8 @@ struct Kernel {
   // GEMM). (48 / 232 asked for 65536: the second consumer warpgroup's setmaxnreg.inc waited forever,
   // the hang of the first GPU run; lcsc.cuh now checks the sum at compile time.) The D = 128 consumer
   // (dK and dV: 128 accumulators) needs all of 232; the loader fits 40 with its loops kept rolled.
-  static constexpr int kProducerRegs = 40;
-  static constexpr int kConsumerRegs = 232;
+  static constexpr int kProducerRegs = WGS == 3 ? 32 : 40;    // three consumers: 128 x 32 + 384 x 160 = 65536
+  static constexpr int kConsumerRegs = WGS == 3 ? 160 : 232;
   static constexpr bool kHasCommunicator = false;
   static constexpr bool kTaskCounter = VARIANT_ >= 2;
   static constexpr bool kHasPusher = false;
@@ -403,6 +407,12 @@ struct Kernel {
     store_dkv(g, w, key_row, lane, dk, dv);
   }
 
+  // Three consumers (160 registers): a compiler barrier every 8 columns keeps ptxas from loading all 32 lse2 / delta
+  // values of a block pair ahead (32 registers beside Sᵀ, dPᵀ, dK and dV), which made it serialize the wgmmas.
+  __device__ __forceinline__ static void limit_hoisting(int i) {
+    if (i % 8 == 6) asm volatile("" ::: "memory");
+  }
+
   // Pᵀ = exp2(Sᵀ scale log2e - lse2) in place. MASKED (a block the causal diagonal or the key sequence's end
   // crosses) zeroes the pairs a query cannot see; most blocks need no mask, and skip its compare and select.
   template <bool MASKED>
@@ -426,6 +436,7 @@ struct Kernel {
       const float p1 = fast_exp2(fmaf(sc[i + 1], g.scale_log2, -lse2.y));
       sc[i] = MASKED && col < first[row_half(i)] ? 0.f : p0;
       sc[i + 1] = MASKED && col + 1 < first[row_half(i)] ? 0.f : p1;
+      if constexpr (WGS == 3) limit_hoisting(i);
     }
   }
 
@@ -453,6 +464,7 @@ struct Kernel {
       const float2 delta = *reinterpret_cast<const float2*>(&in.delta[col_of(i, lane)]);
       dp[i] = sc[i] * (dp[i] - delta.x);
       dp[i + 1] = sc[i + 1] * (dp[i + 1] - delta.y);
+      if constexpr (WGS == 3) limit_hoisting(i);
     }
     uint32_t pa[BM / 16][4];
     to_a_fragments(sc, pa);
@@ -464,7 +476,16 @@ struct Kernel {
     to_a_fragments(dp, dsa);
     wgmma::fence();
     issue_rs(pa, in.dout, dv);                     // dV += Pᵀ dO
-    if constexpr (!kDqFirst) issue_rs(dsa, in.q, dk);  // dK += dSᵀ Q
+    if constexpr (!kDqFirst || WGS == 3) issue_rs(dsa, in.q, dk);  // dK += dSᵀ Q
+    if constexpr (WGS == 3) {
+      // 160 registers: P and dS (the RS operands) retire before dQ's accumulators are allocated; the other two
+      // warpgroups keep the tensor cores busy meanwhile.
+      wgmma::wait<0>();
+      wgmma::fence_operands(dv);
+      wgmma::fence_operands(dk);
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+      st.pos.advance();
+    }
     float dq[32];
     note(s.progress.consumer_step[wg], kStepDsBarrier);
     if constexpr (kDqShared) {
@@ -472,10 +493,17 @@ struct Kernel {
       issue_dq<BN>(ds, s.k, 0, wg, dq);
     } else {
       named_sync(1 + wg, 128);  // the warpgroup's four warps' dSᵀ rows are in
-      issue_dq<64>(ds, s.k, wg * 64, 0, dq);
+      // Three consumers: dQ accumulates in Sᵀ's registers (dead once P is packed); a separate array made ptxas
+      // serialize the wgmmas for want of registers at 160.
+      if constexpr (WGS == 3) issue_dq<64>(ds, s.k, wg * 64, 0, sc);
+      else issue_dq<64>(ds, s.k, wg * 64, 0, dq);
     }
     st.ds_buf ^= 1;
-    if constexpr (kDqFirst) {
+    if constexpr (WGS == 3) {
+      wgmma::wait<0>();
+      wgmma::fence_operands(sc);
+      store_dq_chunk(g, s, st, sc);
+    } else if constexpr (kDqFirst) {
       issue_rs(dsa, in.q, dk);  // dK += dSᵀ Q: runs while the dQ chunk goes to the slot
       wgmma::wait<1>();         // dV and dQ are done (groups retire in order); dK may still run
       wgmma::fence_operands(dq);

@@ -86,12 +86,13 @@ FWD_BLOCK_FIXED_KEYS = 31
 # The backward kernel's variant (read when a program is lowered, like the forward's; kernels/attention_bwd_kernel.cuh):
 #   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
-#                     one head's Q / dO reads and dQ reduce-adds in L2 instead of ~66 heads' in HBM.
+#                     one head's Q / dO reads and dQ reduce-adds in L2 instead of ~66 heads' in HBM;
+#   w3:               (D 64; l2order_dqfirst at D 128) l2order_dqfirst with three consumer warpgroups on 192-key blocks.
 # All give base's dK / dV bits (dQ's reduce order varies between runs in every variant). One H200
 # (2026-11-23, bench attention --bwd-variants, fwd+bwd vs cuDNN, geomean of 6 rows): base 0.791, dqfirst
 # 0.850, l2order_dqfirst 0.898 (0.836-0.936 per row), same dK / dV bits as base in every row.
 BWD_VARIANT_VAR = "PK_JAX_ATTENTION_BWD_VARIANT"
-BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst")  # index = the bwd handler's `variant` attribute
+BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst", "w3")  # index = the bwd handler's `variant` attribute
 DEFAULT_BWD_VARIANT = "l2order_dqfirst"
 DQ_CONVERT_VAR = "PK_JAX_ATTENTION_DQ_CONVERT"  # "kernel" (default) or "xla": see dq_convert()
 DQ_CONVERTS = ("kernel", "xla")

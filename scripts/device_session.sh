@@ -22,6 +22,8 @@
 #   bwdstalls   (nvidia-h100-x1) Nsight Compute stall sampling of the attention backward, ours and cuDNN's  ~5 min
 #   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
 #               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
+#   bwdvariant  the backward variant BWD_NAME: its first look (under 80 s), its variant tests, the ring's in-place
+#               dQ tests under it, then fwd+bwd rows beside the default (BWD_CASES / BWD_SEQS / BWD_DIMS)   ~6 min
 #   attnbwd     the attention backward kernel (opt-in): its first test alone under 90 s (a hang costs
 #               only that), then every backward test, then the fwd_bwd bench rows            ~5 min
 #   fdshare     2 and 4 ranks sharing the GPU, XLA's memory shared by POSIX fd (no staging)  ~1 min
@@ -284,6 +286,17 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              stage "$FWD_NAME-bench" ${FWD_LIMIT:-240} python3 -m pk_jax.bench attention --fwd-variants "$FWD_NAME" ${FWD_OTHERS:-} \
                --cases ${FWD_CASES:-fwd fwd_causal fwd_gqa fwd_causal_gqa} --seqs ${FWD_SEQS:-1024 2048 4096} \
                --head-dims ${FWD_DIMS:-64} --reps 10 --out "$OUT/$day-attention-$FWD_NAME.json"
+           fi ;;
+    bwdvariant) : "${BWD_NAME:?set BWD_NAME to a backward variant (pk_jax.attention.BWD_VARIANTS)}"
+           stage "$BWD_NAME-first" 90 timeout 80 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs \
+             -k "bwd_first_look and $BWD_NAME"
+           if grep -q " passed" "$OUT/$BWD_NAME-first.log" && ! grep -qE "failed|rror" "$OUT/$BWD_NAME-first.log"; then
+             stage "$BWD_NAME-tests" 150 python3 -m pytest tests/gpu/test_attention_bwd_gpu.py -m gpu -q -x -rs -k "$BWD_NAME"
+             stage "$BWD_NAME-acc" 150 env PK_JAX_ATTENTION_BWD_VARIANT="$BWD_NAME" python3 -m pytest \
+               tests/gpu/test_attention_accumulate_gpu.py -m gpu -q -rs
+             stage "$BWD_NAME-bench" ${BWD_LIMIT:-240} python3 -m pk_jax.bench attention --bwd-variants "$BWD_NAME" \
+               --cases ${BWD_CASES:-fwd_bwd fwd_bwd_causal fwd_bwd_gqa fwd_bwd_causal_gqa} --seqs ${BWD_SEQS:-4096 16384} \
+               --head-dims ${BWD_DIMS:-128} --reps 10 --out "$OUT/$day-attention-$BWD_NAME.json"
            fi ;;
     attnbwd) export PK_JAX_ATTENTION_BWD=kernel
              stage attnbwd-first 90 env PK_JAX_ATTENTION_BWD_DEBUG=1 stdbuf -oL -eL python3 -m pytest -s -x -v -m gpu \

@@ -191,7 +191,7 @@ def test_bwd_variant_var_and_bench_selection(monkeypatch):
         bwd_variant()
     assert bwd_extra_kernels(None) == bwd_extra_kernels(False) == []
     others = ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
-    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == others == ["bwd_base", "bwd_dqfirst"]
+    assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == others == ["bwd_base", "bwd_dqfirst", "bwd_w3"]
     assert bwd_extra_kernels(["dqfirst"]) == ["bwd_dqfirst"]
     with pytest.raises(ValueError, match="unknown backward variants"):
         bwd_extra_kernels(["fa3"])
