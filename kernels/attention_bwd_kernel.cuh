@@ -407,12 +407,6 @@ struct Kernel {
     store_dkv(g, w, key_row, lane, dk, dv);
   }
 
-  // Three consumers (160 registers): a compiler barrier every 8 columns keeps ptxas from loading all 32 lse2 / delta
-  // values of a block pair ahead (32 registers beside Sᵀ, dPᵀ, dK and dV), which made it serialize the wgmmas.
-  __device__ __forceinline__ static void limit_hoisting(int i) {
-    if (i % 8 == 6) asm volatile("" ::: "memory");
-  }
-
   // Pᵀ = exp2(Sᵀ scale log2e - lse2) in place. MASKED (a block the causal diagonal or the key sequence's end
   // crosses) zeroes the pairs a query cannot see; most blocks need no mask, and skip its compare and select.
   template <bool MASKED>
@@ -436,7 +430,6 @@ struct Kernel {
       const float p1 = fast_exp2(fmaf(sc[i + 1], g.scale_log2, -lse2.y));
       sc[i] = MASKED && col < first[row_half(i)] ? 0.f : p0;
       sc[i + 1] = MASKED && col + 1 < first[row_half(i)] ? 0.f : p1;
-      if constexpr (WGS == 3) limit_hoisting(i);
     }
   }
 
@@ -464,7 +457,6 @@ struct Kernel {
       const float2 delta = *reinterpret_cast<const float2*>(&in.delta[col_of(i, lane)]);
       dp[i] = sc[i] * (dp[i] - delta.x);
       dp[i + 1] = sc[i + 1] * (dp[i + 1] - delta.y);
-      if constexpr (WGS == 3) limit_hoisting(i);
     }
     uint32_t pa[BM / 16][4];
     to_a_fragments(sc, pa);

@@ -88,6 +88,9 @@ FWD_BLOCK_FIXED_KEYS = 31
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
 #                     one head's Q / dO reads and dQ reduce-adds in L2 instead of ~66 heads' in HBM;
 #   w3:               (D 64; l2order_dqfirst at D 128) l2order_dqfirst with three consumer warpgroups on 192-key blocks.
+#                     One H100 (2026-11-28, D 64 fwd+bwd vs cuDNN, same turns): geomean 0.895 against 0.908 over 12
+#                     rows; faster causal at S >= 4096 (0.92 against 0.87-0.88), slower at S 1024 (192-key blocks pad
+#                     1024 keys to 1152) and non-causal S 4096: opt-in.
 # All give base's dK / dV bits (dQ's reduce order varies between runs in every variant). One H200
 # (2026-11-23, bench attention --bwd-variants, fwd+bwd vs cuDNN, geomean of 6 rows): base 0.791, dqfirst
 # 0.850, l2order_dqfirst 0.898 (0.836-0.936 per row), same dK / dV bits as base in every row.
