@@ -443,6 +443,12 @@ struct Kernel {
         st.turns_started = true;
         if (st.warpgroup == WGS - 1) turn_pass(WGS - 1);
       }
+      if (WGS == 3 && w.q0 + st.warpgroup * 64 >= g.tq) {  // every row of this warpgroup lies past the sequence
+        blocks_idle(g, s, st, w);
+        if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);
+        hand_empty_slot(g, s, st);
+        return;
+      }
       if constexpr (kFa3Mainloop)
         blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
       else
@@ -652,6 +658,34 @@ struct Kernel {
     if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
     cur.advance();
     st.pos = cur;
+  }
+
+  // fa3w3, a warpgroup whose 64 rows all lie past the query sequence (the last 192-row tile of Tq = 1024: two of its
+  // three): no GEMMs and no softmax, only its part of the protocol, so the tile costs what its live rows do. Per key
+  // block it takes and passes its turn (the others' turns follow it) and releases K and V once they have landed (an
+  // earlier release would count toward the stage's previous use).
+  __device__ static void blocks_idle(const Globals& g, Shared& s, ConsumerState& st, const Work& w) {
+    const int lane = threadIdx.x % 32;
+    for (int kb = 0; kb < w.kv_blocks; ++kb) {
+      wait_cons(g, s, &s.ring.full[st.pos.stage], st.pos.phase, "k_full", st.pos.stage);
+      wait_cons(g, s, &s.v_full[st.pos.stage], st.pos.phase, "v_full", st.pos.stage);
+      turn_wait(st.warpgroup);
+      turn_pass(next_wg(st.warpgroup));
+      if (lane == 0) {
+        tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+        tma::mbar_arrive(&s.v_empty[st.pos.stage]);
+      }
+      st.pos.advance();
+    }
+  }
+
+  // An idle warpgroup's output slot: handed to the storer unwritten (its TMA store clips every row past Tq).
+  __device__ static void hand_empty_slot(const Globals& g, Shared& s, ConsumerState& st) {
+    if (g.acc_mode != 0) return;  // the consumers accumulate rows themselves: no slots
+    Handoff& slot = s.o_slot[st.warpgroup];
+    wait_cons(g, s, &slot.empty, st.o_phase ^ 1, "o_slot.empty", st.warpgroup);
+    tma::mbar_arrive(&slot.full);
+    st.o_phase ^= 1;
   }
 
   // O /= l, the LSE rows (natural log) to global memory, and O to this warpgroup's output slot.
