@@ -398,9 +398,13 @@ struct Kernel {
       note(s.progress.consumer_step[wg], kStepKv);
       wait(g, s, &s.kv_slot.full, st.kv_phase, "kv_slot.full", -1);
       st.kv_phase ^= 1;
-      for (int it = 0; it < w.iters; ++it) {
-        const int m = w.m_begin + it % w.m_count;
-        block_pair(g, s, st, w, m, key_row, lane, dk, dv);
+      if (idle_keys(g, w, wg)) {
+        for (int it = 0; it < w.iters; ++it) idle_pair(g, s, st);
+      } else {
+        for (int it = 0; it < w.iters; ++it) {
+          const int m = w.m_begin + it % w.m_count;
+          block_pair(g, s, st, w, m, key_row, lane, dk, dv);
+        }
       }
       if (lane == 0) tma::mbar_arrive(&s.kv_slot.empty);  // this warp's last read of K and V is done
     }
@@ -522,6 +526,23 @@ struct Kernel {
     }
   }
 
+  // w3: whether all 64 keys of warpgroup wg lie past the key sequence (the last 192-key block of Tk 4096: two of its
+  // three warpgroups). Such a warpgroup computes nothing (idle_pair) and the storer adds nothing of its slot.
+  __device__ static bool idle_keys(const Globals& g, const Work& w, int wg) { return WGS == 3 && w.n0 + wg * 64 >= g.tk; }
+
+  // An idle warpgroup's block pair: only its part of the protocol. The stage is released once it has landed (an
+  // earlier release would count toward the stage's previous use), and the dQ slot is handed over unwritten.
+  __device__ static void idle_pair(const Globals& g, Shared& s, ConsumerState& st) {
+    const int wg = st.warpgroup, lane = threadIdx.x % 32;
+    wait(g, s, &s.ring.full[st.pos.stage], st.pos.phase, "ring.full", st.pos.stage);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[st.pos.stage]);
+    st.pos.advance();
+    Handoff& slot = s.dq_slot[wg];
+    wait(g, s, &slot.empty, st.dq_phase ^ 1, "dq_slot.empty", wg);
+    tma::mbar_arrive(&slot.full);
+    st.dq_phase ^= 1;
+  }
+
   // The dQ chunk to this warpgroup's slot (once the storer has read the previous one), one float4 per thread
   // and register quad, then handed to the storer.
   __device__ __forceinline__ static void store_dq_chunk(const Globals& g, Shared& s, ConsumerState& st,
@@ -588,6 +609,7 @@ struct Kernel {
       for (int m = 0; m < w.m_count; ++m, block += BM * D) {
         for (int wg = 0; wg < WGS; ++wg) {
           wait(g, s, &s.dq_slot[wg].full, st.dq_phase, "dq_slot.full", wg);
+          if (idle_keys(g, w, wg)) continue;  // handed over unwritten
           if (g.dq_direct) {  // two 32-column boxes into the state's rows (clipped at its end)
             const int row = g.dq_row0 + (w.m_begin + m) * BM, col = kDqShared ? wg * 64 : 0;
             for (int j = 0; j < 2; ++j)
