@@ -87,10 +87,13 @@ FWD_BLOCK_FIXED_KEYS = 31
 #   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
 #                     one head's Q / dO reads and dQ reduce-adds in L2 instead of ~66 heads' in HBM;
-#   w3:               (D 64; l2order_dqfirst at D 128) l2order_dqfirst with three consumer warpgroups on 192-key blocks.
-#                     One H100 (2026-11-28, D 64 fwd+bwd vs cuDNN, same turns): geomean 0.895 against 0.908 over 12
-#                     rows; faster causal at S >= 4096 (0.92 against 0.87-0.88), slower at S 1024 (192-key blocks pad
-#                     1024 keys to 1152) and non-causal S 4096: opt-in.
+#   w3:               (D 64; l2order_dqfirst at D 128) l2order_dqfirst with three consumer warpgroups on 192-key blocks
+#                     (a warpgroup whose keys all lie past Tk idles). Session 30, D 64 fwd+bwd x cuDNN, same turns
+#                     (two H100 runs, then one H200 run with the idle skip): causal S 4096 0.924 / 0.929 / 0.897
+#                     against the default's 0.87 / 0.88 / 0.87; S 16384 non-causal 0.915 / 0.930 / 0.912 against
+#                     0.90 / 0.89 / 0.89 and causal 0.916 / 0.911 / 0.911 against 0.88 / 0.86 / 0.88; but S 1024
+#                     0.83-0.99 against 0.90-1.02 and non-causal S 4096 0.85-0.88 against 0.88-0.90. So it is the
+#                     default at D 64 for causal calls from Tk 4096 and all calls from Tk 16384 (default_bwd_variant).
 # All give base's dK / dV bits (dQ's reduce order varies between runs in every variant). One H200
 # (2026-11-23, bench attention --bwd-variants, fwd+bwd vs cuDNN, geomean of 6 rows): base 0.791, dqfirst
 # 0.850, l2order_dqfirst 0.898 (0.836-0.936 per row), same dK / dV bits as base in every row.
@@ -171,10 +174,17 @@ def fwd_variant(tk: int | None = None, head_dim: int | None = None, causal: bool
     return choice_setting(FWD_VARIANT_VAR, default, FWD_VARIANTS, owner="pk_jax.attention")
 
 
-def bwd_variant() -> str:
+def default_bwd_variant(tk: int, head_dim: int, causal: bool) -> str:
+    """The backward variant a call over tk keys takes by default: w3 at head_dim 64 where its 192-key blocks waste
+    little (causal from Tk 4096, any mask from Tk 16384: the note at BWD_VARIANTS), else DEFAULT_BWD_VARIANT."""
+    return "w3" if head_dim == 64 and tk >= (4096 if causal else 16384) else DEFAULT_BWD_VARIANT
+
+
+def bwd_variant(tk: int | None = None, head_dim: int | None = None, causal: bool = False) -> str:
     """The backward variant the next lowering takes ($PK_JAX_ATTENTION_BWD_VARIANT, read when a program is
-    lowered; unset or empty: DEFAULT_BWD_VARIANT)."""
-    return choice_setting(BWD_VARIANT_VAR, DEFAULT_BWD_VARIANT, BWD_VARIANTS, owner="pk_jax.attention")
+    lowered; unset or empty: default_bwd_variant for a call over tk keys, DEFAULT_BWD_VARIANT when tk is not given)."""
+    default = DEFAULT_BWD_VARIANT if tk is None else default_bwd_variant(tk, head_dim, causal)
+    return choice_setting(BWD_VARIANT_VAR, default, BWD_VARIANTS, owner="pk_jax.attention")
 
 
 def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
@@ -275,7 +285,7 @@ def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reser
     grads = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
              jax.ShapeDtypeStruct(scratch, jnp.float32))
     attrs = dict(scale=np.float32(scale), causal=np.int32(causal), reserve_sms=np.int32(reserve_sms),
-                 variant=np.int32(BWD_VARIANTS.index(bwd_variant())))
+                 variant=np.int32(BWD_VARIANTS.index(bwd_variant(k.shape[1], d, bool(causal)))))
     if dq_into is not None and (in_kernel or in_place):
         dq, dk, dv, _ = jax.ffi.ffi_call("pk_attention_bwd_accumulate", (jax.ShapeDtypeStruct(dq_into.shape, jnp.float32),
                                                                          *grads), input_output_aliases={7: 0})(

@@ -193,10 +193,24 @@ def test_bwd_variant_var_and_bench_selection(monkeypatch):
     others = ["bwd_" + v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
     assert bwd_extra_kernels(True) == bwd_extra_kernels([]) == others == ["bwd_base", "bwd_dqfirst", "bwd_w3"]
     assert bwd_extra_kernels(["dqfirst"]) == ["bwd_dqfirst"]
+    assert bwd_extra_kernels(["w3", DEFAULT_BWD_VARIANT]) == ["bwd_l2order_dqfirst", "bwd_w3"]  # named: the default too
     with pytest.raises(ValueError, match="unknown backward variants"):
         bwd_extra_kernels(["fa3"])
     assert bits_expected("bwd_dqfirst") and bits_expected("bwd_l2order_dqfirst")
     assert len({_label(n) for n in ["bwd_dqfirst", "bwd_l2order_dqfirst", "l2order", "fa3n160", "fa3n176"]}) == 5
+
+
+@pytest.mark.parametrize("tk,d,causal,want", [(4096, 64, True, "w3"), (16384, 64, False, "w3"), (4096, 64, False, None),
+                                             (2048, 64, True, None), (16384, 128, True, None), (65536, 128, False, None)])
+def test_default_bwd_variant_by_shape(tk, d, causal, want, monkeypatch):
+    """Unset, the backward takes w3 at head_dim 64 where its 192-key blocks waste little (causal from Tk 4096, any mask
+    from Tk 16384), DEFAULT_BWD_VARIANT elsewhere; a set variable wins everywhere."""
+    from pk_jax.attention import BWD_VARIANT_VAR, DEFAULT_BWD_VARIANT, bwd_variant, default_bwd_variant
+
+    monkeypatch.delenv(BWD_VARIANT_VAR, raising=False)
+    assert default_bwd_variant(tk, d, causal) == bwd_variant(tk, d, causal) == (want or DEFAULT_BWD_VARIANT)
+    monkeypatch.setenv(BWD_VARIANT_VAR, "base")
+    assert bwd_variant(tk, d, causal) == "base"
 
 
 @pytest.mark.parametrize("shape", [(4, 16, 16, 16384, 16384), (2, 8, 2, 1000, 77), (1, 3, 1, 64, 5000)])

@@ -95,12 +95,11 @@ def _compiled_with_schedule(fn, triples, kernel: str, ahead=None):
 def _lowered_with_schedule(fn, triples, kernel: str):
     """_runner(fn) lowered now (triples: arrays or ShapeDtypeStructs), with the kernel version `kernel` chosen by the
     variables read at lowering:
-    "default" = what a user gets (the variable empty: pk_jax.attention.default_fwd_variant of the key length);
-    "pipelined" = the base variant's second consumer schedule; a forward variant's name (FWD_VARIANTS) that variant,
-    at every length; "bwd_<name>" the default forward with backward variant <name> (BWD_VARIANTS). The backward
-    variant is DEFAULT_BWD_VARIANT unless named."""
-    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: "" if kernel == "default" else kernel,
-           BWD_VARIANT_VAR: DEFAULT_BWD_VARIANT}
+    "default" = what a user gets (both variables empty: pk_jax.attention.default_fwd_variant and default_bwd_variant
+    of the shape); "pipelined" = the base variant's second consumer schedule; a forward variant's name (FWD_VARIANTS)
+    that variant, at every length; "bwd_<name>" the default forward with backward variant <name> (BWD_VARIANTS). The
+    backward variant is the shape's default unless named."""
+    env = {SCHEDULE_VAR: "in_turn", FWD_VARIANT_VAR: "" if kernel == "default" else kernel, BWD_VARIANT_VAR: ""}
     if kernel == "pipelined":
         env.update({SCHEDULE_VAR: "pipelined", FWD_VARIANT_VAR: "base"})
     elif kernel.startswith("bwd_"):
@@ -134,7 +133,8 @@ def extra_kernels(full: bool, fwd_variants: bool | list[str]) -> list[str]:
 
 def bwd_extra_kernels(bwd_variants: bool | list[str] | None) -> list[str]:
     """The backward variants timed beside the default on the fwd_bwd* rows (as "bwd_<name>"): None / False for
-    none, True or [] for every non-default one, a list of names for those."""
+    none, True or [] for every one but DEFAULT_BWD_VARIANT, a list of names for those (DEFAULT_BWD_VARIANT's too:
+    some shapes default to another, pk_jax.attention.default_bwd_variant)."""
     if bwd_variants is None or bwd_variants is False:
         return []
     names = [v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
@@ -142,7 +142,7 @@ def bwd_extra_kernels(bwd_variants: bool | list[str] | None) -> list[str]:
         unknown = sorted(set(bwd_variants) - set(BWD_VARIANTS))
         if unknown:
             raise ValueError(f"pk_jax.bench attention: unknown backward variants {unknown}; pick from {BWD_VARIANTS}")
-        names = [v for v in names if v in bwd_variants]
+        names = [v for v in BWD_VARIANTS if v in bwd_variants]
     return ["bwd_" + v for v in names]
 
 
