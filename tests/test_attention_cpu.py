@@ -213,6 +213,31 @@ def test_default_bwd_variant_by_shape(tk, d, causal, want, monkeypatch):
     assert bwd_variant(tk, d, causal) == "base"
 
 
+def test_backward_call_takes_the_variant_of_its_shape(monkeypatch):
+    """The backward's custom call passes default_bwd_variant(Tk, D, causal) as its variant attribute (a stand-in for
+    jax.ffi.ffi_call records the attributes, so it runs without a GPU)."""
+    import importlib
+
+    attention = importlib.import_module("pk_jax.attention")
+    seen = []
+
+    def fake_ffi_call(name, shapes, **_):
+        def call(*args, **attrs):
+            seen.append(attrs)
+            return [jnp.zeros(x.shape, x.dtype) for x in shapes]
+        return call
+
+    monkeypatch.setattr(attention.jax.ffi, "ffi_call", fake_ffi_call)
+    monkeypatch.delenv(attention.BWD_VARIANT_VAR, raising=False)
+    for tk, d, causal, want in ((4096, 64, True, "w3"), (4096, 64, False, "l2order_dqfirst"),
+                                (4096, 128, True, "l2order_dqfirst")):
+        q = jnp.zeros((1, 8, 1, d), jnp.bfloat16)
+        k = jnp.zeros((1, tk, 1, d), jnp.bfloat16)
+        lse = jnp.zeros((1, 1, 8), jnp.float32)
+        attention._kernel_bwd_call(q, k, k, q, lse, lse, jnp.zeros((2,), jnp.int32), scale=1.0, causal=causal)
+        assert int(seen[-1]["variant"]) == attention.BWD_VARIANTS.index(want)
+
+
 @pytest.mark.parametrize("shape", [(4, 16, 16, 16384, 16384), (2, 8, 2, 1000, 77), (1, 3, 1, 64, 5000)])
 def test_bwd_l2order_task_order_covers_every_block_once(shape):
     """kernels/attention_bwd_kernel.cuh work_of, variant l2order_dqfirst's order in Python: every (key block, batch, kv head)
