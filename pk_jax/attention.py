@@ -80,9 +80,9 @@ DEFAULT_FWD_VARIANT = "fa3n160"
 # 0.75 at D 64.
 FWD_BLOCK_FIXED_KEYS = 31
 # fa3w3 (three consumer warpgroups, 192-row tiles) by default at D 64 without a causal mask. One H100 (2026-11-28,
-# session 30, bench attention --fwd-variants fa3w3 fa3, same turns, x cuDNN): S 4096 fwd 0.976 / GQA 0.940 against
-# fa3's 0.845 / 0.852; S 1024 0.871 / 0.875 against 0.844 / 0.846. Causal keeps fa3 / fa3n160: 192-row tiles
-# visit more masked key blocks (S 1024: 0.70 against 0.80).
+# session 30, bench attention --fwd-variants fa3, same turns, x cuDNN): fwd / GQA 0.92 / 0.94 at S 1024, 0.99 / 1.00
+# at S 4096, 1.03 / 1.01 at S 16384, against fa3's 0.84-0.90. Causal keeps fa3 / fa3n160: 192-row tiles visit more
+# masked key blocks (S 1024: 0.70 against 0.80).
 # The backward kernel's variant (read when a program is lowered, like the forward's; kernels/attention_bwd_kernel.cuh):
 #   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
