@@ -17,7 +17,8 @@ namespace {
 
 constexpr size_t kSmemLimit = 227 * 1024;  // per-block dynamic shared memory on sm_90
 
-// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (at most 4); w3 at D 64: 192 keys, 3 slots.
+// As many Q/dO stages as fit beside K, V, the dSᵀ buffers and the dQ slots (at most 4); w3 at D 64: 192 keys and
+// three dQ slots.
 template <int D, int VARIANT>
 constexpr int stages_for() {
   constexpr size_t wgs = VARIANT == 3 && D == 64 ? 3 : 2, keys = 64 * wgs;

@@ -528,7 +528,9 @@ struct Kernel {
 
   // w3: whether all 64 keys of warpgroup wg lie past the key sequence (the last 192-key block of Tk 4096: two of its
   // three warpgroups). Such a warpgroup computes nothing (idle_pair) and the storer adds nothing of its slot.
-  __device__ static bool idle_keys(const Globals& g, const Work& w, int wg) { return WGS == 3 && w.n0 + wg * 64 >= g.tk; }
+  __device__ static bool idle_keys(const Globals& g, const Work& w, int wg) {
+    return WGS == 3 && w.n0 + wg * 64 >= g.tk;
+  }
 
   // An idle warpgroup's block pair: only its part of the protocol. The stage is released once it has landed (an
   // earlier release would count toward the stage's previous use), and the dQ slot is handed over unwritten.

@@ -40,12 +40,14 @@
 //               the storer (which has nothing to do). Registers: S 88 + P 44 + O 64 = 196 live per consumer
 //               thread (FA3: the same 196 under 240).
 //   6 fa3w3:    (D = 64) fa3 with three consumer warpgroups on 192-row query tiles (FA3's D = 64 tile): the
-//               turns pass around the three (1 -> 2 -> 0 -> 1 ...), so two warpgroups' GEMMs can run under one's
-//               softmax, which at D = 64 is as long as its two GEMMs (the MUFU's 16 exponentials per clock).
-//               Registers: 32 producer / 160 consumer (S 64 + P 32 + O 32 live). At D = 128 it is fa3.
+//               turns pass around the three (2 first, then 0 -> 1 -> 2 -> 0), so two warpgroups' GEMMs can run
+//               under one's softmax, which at D = 64 is as long as its two GEMMs (the MUFU: 16 exp2 per clock).
+//               Registers: 32 producer / 160 consumer (S 64 + P 32 + O 32 live). A warpgroup whose rows all lie
+//               past Tq only takes its turns and releases its stages (blocks_idle). At D = 128 it is fa3.
 // Variants 0-3 compute every output element with the same operations in the same order as variant 0
-// (bit-identical outputs); variants 4 and 5 sum other blocks (other running maxima): their outputs differ
-// from the others' in the last bits (checked against the float32 reference). DEBUG_ (variants 2-5): every
+// (bit-identical outputs); variants 4 and 5 sum other blocks (other running maxima), and 6 visits key blocks
+// that a causal mask hides from some of its rows: their outputs differ from the others' in the last bits
+// (checked against the float32 reference). DEBUG_ (variants 2-6): every
 // mbarrier wait is bounded (Globals::debug_timeout_ns), prints the barrier and traps, so a protocol hang
 // becomes a launch error (host: PK_JAX_ATTENTION_FWD_DEBUG=1); the named-barrier turns are not bounded, but
 // a stuck turn stops the consumers' releases, and the loader's bounded waits (and, but in fa3n176, the
@@ -120,7 +122,7 @@ struct Kernel {
   static constexpr bool kSections = VARIANT >= kFwdL2Order;     // the L2-section task order
   static constexpr bool kSplitRelease = VARIANT >= kFwdPingpong;  // K and V stages released separately
   static constexpr bool kPingpong = VARIANT >= kFwdPingpong;      // warp-scheduler barriers between the consumers
-  static constexpr bool kFa3Mainloop = VARIANT >= kFwdFa3;         // blocks_fa3 (fa3, fa3n160, fa3n176)
+  static constexpr bool kFa3Mainloop = VARIANT >= kFwdFa3;         // blocks_fa3 (fa3, fa3n160, fa3n176, fa3w3)
   static constexpr bool kDirectO = VARIANT == kFwdFa3N176;          // O from registers to global, no O slots
   static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3W3, "forward variant 0..6");
   static_assert(!DEBUG || kPingpong, "the DEBUG build is for the variants that change the barrier protocol");
