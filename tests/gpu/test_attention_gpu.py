@@ -48,7 +48,8 @@ CASES = [
 ]
 
 
-# The base kernel's two schedules, then the forward variants (pk_jax.attention.FWD_VARIANTS; fa3 is the default).
+# The base kernel's two schedules, then the forward variants (pk_jax.attention.FWD_VARIANTS; the default follows the
+# shape: default_fwd_variant).
 KERNELS = ["in_turn", "pipelined", "l2order", "pingpong", "fa3", "fa3n160", "fa3n176", "fa3w3"]
 NEW_VARIANTS = ["l2order", "pingpong", "fa3", "fa3n160", "fa3n176", "fa3w3"]
 SAME_BITS_VARIANTS = [v for v in NEW_VARIANTS if v in FWD_VARIANTS_SAME_BITS]
