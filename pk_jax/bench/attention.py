@@ -116,34 +116,33 @@ def _lowered_with_schedule(fn, triples, kernel: str):
                 os.environ[var] = value
 
 
+def _chosen_variants(requested: list[str], variants: tuple[str, ...], default: str, kind: str) -> list[str]:
+    """The variants `requested` names (in `variants`' order; the default's name too: forced, it runs at shapes where
+    the per-shape default takes another), or, for an empty list, every one but `default`. Unknown names: an error."""
+    if not requested:
+        return [v for v in variants if v != default]
+    unknown = sorted(set(requested) - set(variants))
+    if unknown:
+        raise ValueError(f"pk_jax.bench attention: unknown {kind} variants {unknown}; pick from {variants}")
+    return [v for v in variants if v in requested]
+
+
 def extra_kernels(full: bool, fwd_variants: bool | list[str]) -> list[str]:
     """The kernel versions timed beside the default on GPUs (forward cases only). fwd_variants: True (or an
-    empty list) for every forward variant but DEFAULT_FWD_VARIANT, a list of names for those only (the default's
-    name included: forced, it runs at lengths where the default takes another variant)."""
-    new = [v for v in FWD_VARIANTS if v != DEFAULT_FWD_VARIANT]
-    if isinstance(fwd_variants, (list, tuple)) and fwd_variants:
-        unknown = sorted(set(fwd_variants) - set(FWD_VARIANTS))
-        if unknown:
-            raise ValueError(f"pk_jax.bench attention: unknown forward variants {unknown}; pick from {FWD_VARIANTS}")
-        new = [v for v in FWD_VARIANTS if v in fwd_variants]
-    elif isinstance(fwd_variants, (list, tuple)):
-        fwd_variants = True
-    return (["pipelined"] + new) if full else (new if fwd_variants else [])
+    empty list) for every forward variant but DEFAULT_FWD_VARIANT, a list of names for those only."""
+    chosen = isinstance(fwd_variants, (list, tuple)) or bool(fwd_variants)
+    named = list(fwd_variants) if isinstance(fwd_variants, (list, tuple)) else []
+    new = _chosen_variants(named, FWD_VARIANTS, DEFAULT_FWD_VARIANT, "forward")
+    return (["pipelined"] + new) if full else (new if chosen else [])
 
 
 def bwd_extra_kernels(bwd_variants: bool | list[str] | None) -> list[str]:
     """The backward variants timed beside the default on the fwd_bwd* rows (as "bwd_<name>"): None / False for
-    none, True or [] for every one but DEFAULT_BWD_VARIANT, a list of names for those (DEFAULT_BWD_VARIANT's too:
-    some shapes default to another, pk_jax.attention.default_bwd_variant)."""
+    none, True or [] for every one but DEFAULT_BWD_VARIANT, a list of names for those."""
     if bwd_variants is None or bwd_variants is False:
         return []
-    names = [v for v in BWD_VARIANTS if v != DEFAULT_BWD_VARIANT]
-    if isinstance(bwd_variants, (list, tuple)) and bwd_variants:
-        unknown = sorted(set(bwd_variants) - set(BWD_VARIANTS))
-        if unknown:
-            raise ValueError(f"pk_jax.bench attention: unknown backward variants {unknown}; pick from {BWD_VARIANTS}")
-        names = [v for v in BWD_VARIANTS if v in bwd_variants]
-    return ["bwd_" + v for v in names]
+    named = list(bwd_variants) if isinstance(bwd_variants, (list, tuple)) else []
+    return ["bwd_" + v for v in _chosen_variants(named, BWD_VARIANTS, DEFAULT_BWD_VARIANT, "backward")]
 
 
 def _bits_differ_in(a, b) -> list[str]:
