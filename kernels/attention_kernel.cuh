@@ -446,15 +446,25 @@ struct Kernel {
         if (st.warpgroup == WGS - 1) turn_pass(WGS - 1);
       }
       if (WGS == 3 && w.q0 + st.warpgroup * 64 >= g.tq) {  // every row of this warpgroup lies past the sequence
-        blocks_idle(g, s, st, w);
+        blocks_idle(g, s, st, w.kv_blocks);
         if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);
         hand_empty_slot(g, s, st);
         return;
       }
-      if constexpr (kFa3Mainloop)
-        blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
-      else
+      if constexpr (kFa3Mainloop) {
+        if constexpr (WGS == 3) {
+          // Causal: this warpgroup's own last key block (its 64 rows see fewer keys than the tile's last row); the
+          // tile's later blocks are fully masked for it, so it only takes their turns and releases them.
+          Work own = w;
+          own.kv_blocks = own_kv_blocks(g, w, st.warpgroup);
+          blocks_fa3(g, s, st, own, q_wg, row0, lane, o, m, l);
+          blocks_idle(g, s, st, w.kv_blocks - own.kv_blocks);
+        } else {
+          blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
+        }
+      } else {
         blocks_pingpong(g, s, st, w, q_wg, row0, lane, o, m, l);
+      }
     } else if constexpr (PIPELINED)
       blocks_pipelined(g, s, st, w, q_wg, row0, lane, o, m, l);
     else
@@ -666,9 +676,9 @@ struct Kernel {
   // three): no GEMMs and no softmax, only its part of the protocol, so the tile costs what its live rows do. Per key
   // block it takes and passes its turn (the others' turns follow it) and releases K and V once they have landed (an
   // earlier release would count toward the stage's previous use).
-  __device__ static void blocks_idle(const Globals& g, Shared& s, ConsumerState& st, const Work& w) {
+  __device__ static void blocks_idle(const Globals& g, Shared& s, ConsumerState& st, int blocks) {
     const int lane = threadIdx.x % 32;
-    for (int kb = 0; kb < w.kv_blocks; ++kb) {
+    for (int kb = 0; kb < blocks; ++kb) {
       wait_cons(g, s, &s.ring.full[st.pos.stage], st.pos.phase, "k_full", st.pos.stage);
       wait_cons(g, s, &s.v_full[st.pos.stage], st.pos.phase, "v_full", st.pos.stage);
       turn_wait(st.warpgroup);
@@ -679,6 +689,16 @@ struct Kernel {
       }
       st.pos.advance();
     }
+  }
+
+  // fa3w3: the key blocks warpgroup wg's own rows see (the tile's count without a causal mask; with one, up to the
+  // block of its last row's diagonal, as work_of counts them for the tile's last row).
+  __device__ static int own_kv_blocks(const Globals& g, const Work& w, int wg) {
+    if (!g.causal) return w.kv_blocks;
+    const int end = w.q0 + 64 * (wg + 1);
+    const long long j_max = w.q_offset + (long long)(end < g.tq ? end : g.tq) - 1 - w.kv_offset;
+    const int own = j_max < 0 ? 0 : int(j_max / BKV + 1);
+    return own < w.kv_blocks ? own : w.kv_blocks;
   }
 
   // An idle warpgroup's output slot: handed to the storer unwritten (its TMA store clips every row past Tq).
