@@ -21,17 +21,20 @@ namespace {
 constexpr size_t kBoxFields = 15;
 // `variant` values of the small-message path (pk_jax/_primitive.py VARIANT_SMALL*): all_gather and
 // reduce_scatter take kVariantSmall, all_reduce kVariantSmall (one-shot), kVariantSmallTwoShot,
-// kVariantSmallChunked (plain stores + chunk flags) or kVariantSmallPipelined (the same, pipelined).
+// kVariantSmallChunked (plain stores + chunk flags), kVariantSmallPipelined (the same, pipelined) or
+// kVariantSmallLL128 (128-byte LL lines).
 constexpr int32_t kVariantSmall = 2;
 constexpr int32_t kVariantSmallTwoShot = 3;
 constexpr int32_t kVariantSmallChunked = 4;
 constexpr int32_t kVariantSmallPipelined = 5;  // all_reduce, pushes and sums pipelined (small_pipelined.cu)
+constexpr int32_t kVariantSmallLL128 = 6;      // all_reduce, one-shot with 128-byte LL lines (small_ll128.cu)
 
 // The small path's op for (op, variant); false when the pair names none.
 bool small_op_for(int32_t op, int32_t variant, SmallOp& out) {
   if (variant == kVariantSmallTwoShot && op == kOpAllReduce) return out = SmallOp::kAllReduceTwoShot, true;
   if (variant == kVariantSmallChunked && op == kOpAllReduce) return out = SmallOp::kAllReduceChunked, true;
   if (variant == kVariantSmallPipelined && op == kOpAllReduce) return out = SmallOp::kAllReducePipelined, true;
+  if (variant == kVariantSmallLL128 && op == kOpAllReduce) return out = SmallOp::kAllReduceLL128, true;
   if (variant != kVariantSmall) return false;
   switch (op) {
     case kOpAllReduce: out = SmallOp::kAllReduceOneShot; return true;

@@ -51,6 +51,7 @@ const char* op_name(int32_t op) {
     case kOpRingShift: return "ring shift";
     case kOpAllReducePipelined: return "all_reduce (small_pipelined)";
     case kOpMoeDispatchMatmul: return "moe dispatch + grouped GEMM";
+    case kOpAllReduceLL128: return "all_reduce (small_ll128)";
   }
   return "unknown op";
 }

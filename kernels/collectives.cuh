@@ -22,6 +22,7 @@ enum OpCode : int32_t {
   kOpRingShift = 12,   // kernels/ring_shift.cu: ring attention's K/V (or dK/dV) one member on, side channel
   kOpAllReducePipelined = 13,  // never a launch's op: the flag code of all_reduce "small_pipelined" (mismatch reports)
   kOpMoeDispatchMatmul = 14,  // kernels/moe_gemm.cu: dispatch + the first grouped GEMM in one kernel
+  kOpAllReduceLL128 = 15,     // never a launch's op: the flag code of all_reduce "small_ll128" (mismatch reports)
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };

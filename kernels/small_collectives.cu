@@ -11,6 +11,7 @@
 // member and the same bits as the bulk path. Design and accounting: docs/design-small-collectives.md.
 #include "small_collectives.cuh"
 
+#include "small_ll128.cuh"
 #include "small_pipelined.cuh"
 #include "pk/env.h"
 #include "pk/ll.cuh"
@@ -405,6 +406,7 @@ const void* small_kernel_for(SmallOp op) {
     case SmallOp::kReduceScatter: return reinterpret_cast<const void*>(&small_reduce_scatter<T>);
     case SmallOp::kAllReduceChunked: return reinterpret_cast<const void*>(&small_all_reduce_chunked<T>);
     case SmallOp::kAllReducePipelined: return nullptr;  // small_pipelined.cu
+    case SmallOp::kAllReduceLL128: return nullptr;      // small_ll128.cu
   }
   return nullptr;
 }
@@ -449,6 +451,7 @@ cudaError_t launch_small(const Group& g, SmallOp op, DType dtype, const void* x,
                          const LaunchLimits& lim, cudaStream_t stream) {
   if (op == SmallOp::kAllReduceChunked) return launch_chunked(g, dtype, x, y, bytes, lim, stream);
   if (op == SmallOp::kAllReducePipelined) return launch_pipelined(g, dtype, x, y, bytes, lim, stream);
+  if (op == SmallOp::kAllReduceLL128) return launch_ll128(g, dtype, x, y, bytes, lim, stream);
   const int64_t words = small_payload_words(op, bytes);
   if (bytes <= 0 || words > kLLLines || g.size < 2) return cudaErrorInvalidValue;
   // Two-shot: every member must own a non-empty chunk, or some pair would exchange nothing in an op
@@ -478,6 +481,7 @@ std::vector<const void*> small_collective_kernels() {
   }
   out.push_back(small_kernel_for<float>(SmallOp::kAllGather));
   for (const void* k : pipelined_kernels()) out.push_back(k);
+  for (const void* k : ll128_kernels()) out.push_back(k);
   return out;
 }
 

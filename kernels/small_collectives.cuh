@@ -14,13 +14,14 @@ enum class SmallOp : int32_t {
   kReduceScatter = 3,     // x = G contiguous chunks; member r gets the rank-order sum of chunk r
   kAllReduceChunked = 4,  // one-shot with plain stores + one release flag per chunk (x up to kChunkedBytes)
   kAllReducePipelined = 5,  // plain stores, pushes and sums pipelined, a signal warp's flags (small_pipelined.cu)
+  kAllReduceLL128 = 6,      // one-shot with 128-byte LL lines (120 payload bytes + flag) (small_ll128.cu)
 };
 
 // `bytes`: all_reduce: x's size; all_gather: x's size (one block); reduce_scatter: y's size (one
 // chunk). The payload a sender puts in one peer's LL area must fit kLLLines words; two-shot also
 // needs its words (ceil(bytes / 4)) divisible by the group size. cudaErrorInvalidValue otherwise.
 // kAllReduceChunked, kAllReducePipelined: bytes up to kChunkedBytes, x and y 16-byte aligned
-// (cudaErrorMisalignedAddress).
+// (cudaErrorMisalignedAddress); kAllReduceLL128: the same bytes, x and y 8-byte aligned.
 cudaError_t launch_small(const Group& g, SmallOp op, DType dtype, const void* x, void* y, int64_t bytes,
                          const LaunchLimits& lim, cudaStream_t stream);
 

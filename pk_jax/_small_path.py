@@ -13,6 +13,10 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   of one round it is the chunk flags' two-shot (reduce-scatter + all-gather) from G = 3: auto / "small"
   take it there in the one-shot chunk flags' place (PK_JAX_AR_PIPELINED: "auto" default, "1" first at any
   G, "0" never).
+- LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL one-shot with 128-byte lines of 120
+  payload bytes + a flag word, stored and loaded by whole warps: one trip, no fence, 1.07x the bytes on the
+  wire. Needs NVLink's 128-byte line writes (as NCCL's LL128). PK_JAX_AR_LL128: "0" (default: only when
+  forced), "1" (auto / "small" take it first wherever it serves).
 """
 
 from __future__ import annotations
@@ -63,16 +67,24 @@ VARIANT_SMALL = 2           # all_gather, reduce_scatter, one-shot all_reduce
 VARIANT_SMALL_TWO_SHOT = 3  # two-shot all_reduce
 VARIANT_SMALL_CHUNKED = 4   # all_reduce, chunk-flag protocol
 VARIANT_SMALL_PIPELINED = 5  # all_reduce, chunk flags with pushes and sums pipelined
+VARIANT_SMALL_LL128 = 6      # all_reduce, one-shot with 128-byte LL lines
 
-SmallAllReduce = Literal["small_one_shot", "small_two_shot", "small_chunked", "small_pipelined"]
+SmallAllReduce = Literal["small_one_shot", "small_two_shot", "small_chunked", "small_pipelined", "small_ll128"]
 ALL_REDUCE_VARIANTS = {"small_one_shot": VARIANT_SMALL, "small_two_shot": VARIANT_SMALL_TWO_SHOT,
-                       "small_chunked": VARIANT_SMALL_CHUNKED, "small_pipelined": VARIANT_SMALL_PIPELINED}
+                       "small_chunked": VARIANT_SMALL_CHUNKED, "small_pipelined": VARIANT_SMALL_PIPELINED,
+                       "small_ll128": VARIANT_SMALL_LL128}
 
 
 def pipelined_mode() -> str:
     """$PK_JAX_AR_PIPELINED: "auto" (default: auto / "small" take "small_pipelined" in place of "small_chunked"
     from G = 3), "1" (first, at any G) or "0" (never)."""
     return choice_setting("PK_JAX_AR_PIPELINED", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
+
+
+def ll128_mode() -> str:
+    """$PK_JAX_AR_LL128: "0" (default: "small_ll128" only when forced) or "1" (auto / "small" take it first, from
+    1 byte to CHUNKED_MAX_BYTES)."""
+    return choice_setting("PK_JAX_AR_LL128", "0", ("0", "1"), owner="pk_jax.all_reduce")
 
 
 def words(nbytes: int) -> int:
@@ -102,6 +114,8 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     pipelined = PIPELINED_MIN_BYTES <= nbytes <= CHUNKED_MAX_BYTES
     if mode == "1" and pipelined:
         return "small_pipelined"
+    if ll128_mode() == "1" and nbytes <= CHUNKED_MAX_BYTES:
+        return "small_ll128"
     send = (group - 1) * nbytes
     if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:
         return "small_one_shot"
@@ -118,7 +132,8 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
 
 def max_bytes(algorithm: str) -> int:
     """The largest x (bytes) a forced small all_reduce algorithm serves."""
-    return CHUNKED_MAX_BYTES if algorithm in ("small", "small_chunked", "small_pipelined") else SMALL_MAX_BYTES
+    return (CHUNKED_MAX_BYTES if algorithm in ("small", "small_chunked", "small_pipelined", "small_ll128")
+            else SMALL_MAX_BYTES)
 
 
 def copy_fits(payload_bytes: int, group: int, auto: bool) -> bool:

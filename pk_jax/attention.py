@@ -81,8 +81,11 @@ DEFAULT_FWD_VARIANT = "fa3n160"
 FWD_BLOCK_FIXED_KEYS = 31
 # fa3w3 (three consumer warpgroups, 192-row tiles) by default at D 64 without a causal mask. One H100 (2026-11-28,
 # session 30, bench attention --fwd-variants fa3, same turns, x cuDNN): fwd / GQA 0.92 / 0.94 at S 1024, 0.99 / 1.00
-# at S 4096, 1.03 / 1.01 at S 16384, against fa3's 0.84-0.90. Causal keeps fa3 / fa3n160: 192-row tiles visit more
-# masked key blocks (S 1024: 0.70 against 0.80).
+# at S 4096, 1.03 / 1.01 at S 16384, against fa3's 0.84-0.90. Under a causal mask each of its warpgroups stops at its
+# own rows' last key block (session 31); one H200 (2026-11-28, same turns, fwd / GQA x cuDNN): 0.899 / 0.932 at
+# S 4096 and 0.996 / 1.000 at S 16384 against the default's (fa3n160) 0.83 / 0.82 and 0.88 / 0.89, but 0.798 / 0.791
+# at S 1024 against fa3's 0.82 / 0.81. So causal calls take it from FWD_W3_CAUSAL_MIN_KEYS keys.
+FWD_W3_CAUSAL_MIN_KEYS = 4096
 # The backward kernel's variant (read when a program is lowered, like the forward's; kernels/attention_bwd_kernel.cuh):
 #   dqfirst:          dQ issued before dK, its chunk stored while dK's MMAs run;
 #   l2order_dqfirst:  dqfirst + FlashAttention-3's task order (key blocks fastest), so the CTAs at work share
@@ -156,10 +159,10 @@ def _schedule() -> str:
 
 
 def default_fwd_variant(tk: int, head_dim: int | None = None, causal: bool = False) -> str:
-    """The forward variant a call over tk keys takes by default: fa3w3 at head_dim 64 without a causal mask (measured:
-    the note at FWD_BLOCK_FIXED_KEYS); else DEFAULT_FWD_VARIANT (fa3n160), or fa3 where 128-key blocks cover the keys
-    in less modeled time (Tk 1024: 8 blocks of 128 against 7 of 160, the last 60 % padding)."""
-    if head_dim == 64 and not causal:
+    """The forward variant a call over tk keys takes by default: fa3w3 at head_dim 64, under a causal mask from
+    FWD_W3_CAUSAL_MIN_KEYS keys (measured: the note above it); else DEFAULT_FWD_VARIANT (fa3n160), or fa3 where 128-key
+    blocks cover the keys in less modeled time (Tk 1024: 8 blocks of 128 against 7 of 160, the last 60 % padding)."""
+    if head_dim == 64 and (not causal or tk >= FWD_W3_CAUSAL_MIN_KEYS):
         return "fa3w3"
     def cost(block_keys: int) -> int:
         return -(-tk // block_keys) * (block_keys + FWD_BLOCK_FIXED_KEYS)

@@ -157,7 +157,7 @@ def reduce_scatter(x: jax.Array, axis_name: AxisName, *, scatter_dimension: int 
 
 
 AllReduceAlgorithm = Literal["auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot",
-                             "small_chunked", "small_pipelined"]
+                             "small_chunked", "small_pipelined", "small_ll128"]
 
 
 def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorithm = "auto") -> jax.Array:
@@ -173,7 +173,9 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
         stores + one flag per chunk, x at most _small_path.CHUNKED_MAX_BYTES), "small_pipelined" (the
         same areas with the pushes, one signal warp's fences + flags and the sums pipelined in rounds:
         one-shot at G = 2, reduce-scatter + all-gather from G = 3; x at most CHUNKED_MAX_BYTES; knobs
-        PK_JAX_AR_PIPELINED_*, pk_jax/_pipelined_schedule.py) or "small" (picks one of those by size and
+        PK_JAX_AR_PIPELINED_*, pk_jax/_pipelined_schedule.py), "small_ll128" (one-shot with 128-byte LL lines:
+        120 payload bytes + a flag each, one trip and no fence; x at most CHUNKED_MAX_BYTES, 8-byte aligned
+        buffers) or "small" (picks one of those by size and
         G: _small_path.all_reduce_choice, which takes "small_pipelined" from
         _small_path.PIPELINED_MIN_BYTES from G = 3, per PK_JAX_AR_PIPELINED); or "auto": the small path where
         _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from
@@ -186,7 +188,7 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
     x = _check_array("all_reduce", x)
     g = group_size(axis_name)
     choices = ("auto", "one_shot", "two_shot", "small", "small_one_shot", "small_two_shot", "small_chunked",
-               "small_pipelined")
+               "small_pipelined", "small_ll128")
     if algorithm not in choices:
         raise ValueError(f"pk_jax.all_reduce: algorithm={algorithm!r}; use one of {', '.join(map(repr, choices))}")
     nbytes = x.size * x.dtype.itemsize

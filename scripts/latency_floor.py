@@ -99,6 +99,7 @@ def main() -> None:
     ops = {"pk_small_one_shot": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_one_shot"),
            "pk_small_chunked": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_chunked"),
            "pk_small_pipelined": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_pipelined"),
+           "pk_small_ll128": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_ll128"),
            "pk_auto": lambda v: pk_jax.all_reduce(v, AX),
            "psum": lambda v: jax.lax.psum(v, AX),
            "xla_elementwise": xla_step}

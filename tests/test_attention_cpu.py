@@ -113,12 +113,14 @@ def test_fwd_variant_var_is_checked(monkeypatch):
 def test_default_fwd_variant_by_key_length(tk, want, monkeypatch):
     """Unset, the variant follows the key length: fa3 (128-key blocks) where 160-key blocks pad badly (1024: 8 blocks
     of 128 against 7 of 160, 60 % of the last one padding), fa3n160 elsewhere; at head_dim 64 without a causal mask
-    fa3w3 at every length; a set variable wins everywhere."""
-    from pk_jax.attention import FWD_VARIANT_VAR, default_fwd_variant, fwd_variant
+    fa3w3 at every length, and with one from FWD_W3_CAUSAL_MIN_KEYS keys; a set variable wins everywhere."""
+    from pk_jax.attention import FWD_VARIANT_VAR, FWD_W3_CAUSAL_MIN_KEYS, default_fwd_variant, fwd_variant
 
     monkeypatch.delenv(FWD_VARIANT_VAR, raising=False)
     assert default_fwd_variant(tk) == fwd_variant(tk) == want
-    assert default_fwd_variant(tk, 128, False) == default_fwd_variant(tk, 64, True) == want
+    assert default_fwd_variant(tk, 128, False) == want
+    causal64 = "fa3w3" if tk >= FWD_W3_CAUSAL_MIN_KEYS else want
+    assert default_fwd_variant(tk, 64, True) == fwd_variant(tk, 64, True) == causal64
     assert default_fwd_variant(tk, 64, False) == fwd_variant(tk, 64) == "fa3w3"  # D 64 without a causal mask
     monkeypatch.setenv(FWD_VARIANT_VAR, "fa3n176")
     assert fwd_variant(tk) == fwd_variant(tk, 64) == "fa3n176"
@@ -138,8 +140,8 @@ def test_lowering_takes_the_variant_of_its_key_length(monkeypatch):
         def __init__(self, tk, d):
             self.avals_in = [None, jax.core.ShapedArray((1, tk, 1, d), jnp.bfloat16)]
 
-    for tk, d, causal, want in ((1024, 128, False, "fa3"), (4096, 128, False, "fa3n160"), (4096, 64, True, "fa3n160"),
-                                (1024, 64, False, "fa3w3")):
+    for tk, d, causal, want in ((1024, 128, False, "fa3"), (4096, 128, False, "fa3n160"), (2048, 64, True, "fa3n160"),
+                                (1024, 64, True, "fa3"), (4096, 64, True, "fa3w3"), (1024, 64, False, "fa3w3")):
         attention._cuda_lowering(Ctx(tk, d), None, None, None, None, scale=1.0, causal=causal, with_lse=True)
         assert int(seen[-1]["variant"]) == attention.FWD_VARIANTS.index(want)
 

@@ -78,10 +78,10 @@ def test_small_path_sweep_two_cpu_ranks(tmp_path):
     ran `auto`: the chunk-flag all_reduce up to 8 MiB, else the bulk path."""
     proc, rows = _launch("check_small.py", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    assert len(rows) == 3 * 9 and all(r["extra"]["ok"] for r in rows), rows
+    assert len(rows) == 3 * 10 and all(r["extra"]["ok"] for r in rows), rows
     by = {(r["op"], r["case"]): r["extra"] for r in rows}
     assert {c.split("/")[0] for _, c in by} == {"small_one_shot", "small_two_shot", "small", "small_chunked",
-                                                  "small_pipelined", "axis0_tiled", "last_tiled", "dim0", "last"}
+                                                  "small_pipelined", "small_ll128", "axis0_tiled", "last_tiled", "dim0", "last"}
     for (op, case), e in by.items():
         kind = case.split("/")[0]
         big = case.split("/")[1] == "1048580B@x"
@@ -94,6 +94,8 @@ def test_small_path_sweep_two_cpu_ranks(tmp_path):
             want = "bulk" if big else 2
         elif kind == "small_pipelined":  # served at every size
             want = 5
+        elif kind == "small_ll128":
+            want = 6
         else:  # auto at 1 MiB + 4 over G = 2: chunk flags; below, the LL one-shot except forced chunk flags
             want = 4 if big or kind == "small_chunked" else 2
         assert e["variant"] == want, (op, case, e)
@@ -102,7 +104,7 @@ def test_small_path_sweep_two_cpu_ranks(tmp_path):
 
 
 def test_small_path_replays_two_cpu_ranks(tmp_path):
-    """check_small_replay.py: 20 replays of the six-op small program, each exact against NumPy."""
+    """check_small_replay.py: 20 replays of the seven-op small program, each exact against NumPy."""
     proc, rows = _launch("check_small_replay.py", tmp_path, "--replays", "20")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert [r["case"] for r in rows] == ["20x@x"], rows
@@ -114,16 +116,16 @@ def test_small_ops_fail_a_refusal_the_limits_do_not_predict():
     """The API refusing what it should serve (or serving what it should refuse) is a MISMATCH, which
     check_small.py fails; the expected refusals run `auto` with auto's own variant."""
     quiet = small_cases.small_ops(2, 1004, np.float32, lambda fn, shape: "")
-    assert [o.refused.startswith("MISMATCH") for o in quiet] == [False, True] + [False] * 7  # two-shot: 251 words
-    assert [o.want for o in quiet] == [2, 2, 2, 4, 5, 2, 2, 2, 2]  # small_chunked: variant 4, small_pipelined 5
+    assert [o.refused.startswith("MISMATCH") for o in quiet] == [False, True] + [False] * 8  # two-shot: 251 words
+    assert [o.want for o in quiet] == [2, 2, 2, 4, 5, 6, 2, 2, 2, 2]  # small_chunked 4, small_pipelined 5, small_ll128 6
     loud = small_cases.small_ops(2, 1004, np.float32, lambda fn, shape: "no")
-    assert [o.refused.startswith("MISMATCH") for o in loud] == [True, False] + [True] * 7
+    assert [o.refused.startswith("MISMATCH") for o in loud] == [True, False] + [True] * 8
     assert all(o.algorithm == "auto" for o in loud)
     big = small_cases.small_ops(4, 8 << 20, np.float16, lambda fn, shape: "too big")
     # auto at G = 4, 8 MiB: the all_reduces take the pipelined chunk flags (two-shot), the rest bulk (24 MiB to send)
-    assert [o.want for o in big] == [5] * 5 + [small_cases.BULK] * 4
-    # The chunk flags serve 8 MiB ("small" picks them), so refusing those three is a mismatch.
-    assert [o.refused.startswith("MISMATCH") for o in big] == [False, False, True, True, True] + [False] * 4
+    assert [o.want for o in big] == [5] * 6 + [small_cases.BULK] * 4
+    # The chunk flags and the LL128 lines serve 8 MiB ("small" picks the former), so refusing those four is a mismatch.
+    assert [o.refused.startswith("MISMATCH") for o in big] == [False, False, True, True, True, True] + [False] * 4
     assert small_cases.small_ops(2, 6, np.float32, lambda fn, shape: "") == []  # 1.5 elements
     assert small_cases.factor_shape(1000, 3) == (1, 8, 125) and small_cases.factor_shape(3, 2) == (1, 3)
 

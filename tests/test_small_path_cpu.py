@@ -194,3 +194,25 @@ def test_small_algorithms_keep_fallback_semantics():
     np.testing.assert_allclose(
         run(lambda v: pk_jax.reduce_scatter(v, "x", tiled=True, algorithm="small"), x, P("x")),
         run(lambda v: jax.lax.psum_scatter(v, "x", tiled=True), x, P("x")), rtol=1e-2, atol=1e-2)
+
+
+def test_ll128_all_reduce_lowers_to_its_variant_and_follows_its_env(monkeypatch):
+    """algorithm="small_ll128" lowers to variant 6 from 4 B to 8 MiB and refuses more, naming the fix; auto and "small"
+    take it only under PK_JAX_AR_LL128=1 (then first, at any G), and the variable accepts only 0 / 1."""
+    ll = _small_path.VARIANT_SMALL_LL128
+    assert ll == 6 and _small_path.ALL_REDUCE_VARIANTS["small_ll128"] == ll
+    for shape in [(8 * 1, 2), (8 * 5, 3), (8 * 4096, 1024)]:  # 4 B .. 8 MiB of bf16 per member
+        assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_ll128"), shape) == ll
+    with pytest.raises(ValueError, match=r"algorithm='small_ll128' serves 1..8388608 bytes; x has 16777216\. "):
+        _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_ll128"), (8 * 8192, 1024))
+    for var in ("PK_JAX_AR_LL128", "PK_JAX_AR_PIPELINED", "PK_JAX_SMALL_PATH"):
+        monkeypatch.delenv(var, raising=False)
+    assert _small_path.all_reduce_choice(1 << 20, 2, auto=True) == "small_chunked"
+    monkeypatch.setenv("PK_JAX_AR_LL128", "1")
+    for nbytes, g in [(4, 2), (1 << 20, 2), (8 << 20, 2), (1 << 20, 8)]:
+        assert _small_path.all_reduce_choice(nbytes, g, auto=True) == "small_ll128"
+    assert _small_path.all_reduce_choice((8 << 20) + 16, 2, auto=True) is None
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == ll
+    monkeypatch.setenv("PK_JAX_AR_LL128", "yes")
+    with pytest.raises(ValueError, match="PK_JAX_AR_LL128"):
+        _small_path.all_reduce_choice(1 << 20, 2, auto=True)

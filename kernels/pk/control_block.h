@@ -19,6 +19,11 @@ constexpr int kLLLines = 1 << 18;
 // each with one release flag. 2 x kMaxSlots x 8 MiB = 128 MiB per device.
 constexpr int64_t kChunkedBytes = int64_t(8) << 20;
 constexpr int kChunkedMaxChunks = 1024;
+// The same areas hold the LL128 all_reduce's 128-byte lines ("small_ll128", pk/ll128.cuh): 120 payload
+// bytes each, so an area is sized for kChunkedBytes of payload as lines (8,947,968 B instead of 8 MiB).
+constexpr int64_t kLL128AreaLines = (kChunkedBytes + 119) / 120;
+constexpr int64_t kSmallAreaBytes = kLL128AreaLines * 128;
+static_assert(kSmallAreaBytes >= kChunkedBytes, "the chunk-flag payload must fit the area");
 // Fused MoE dispatch (kernels/moe_dispatch.cu): experts whose per-sender counts a member can publish.
 constexpr int kMoeMaxExperts = 1024;
 
@@ -95,8 +100,9 @@ struct alignas(128) ControlBlock {
   // the running op of that parity; chunk_flag[parity][src][c] = the op's LL flag (ll_flag: epoch and
   // code), stored with release after chunk c's bytes were acknowledged (fence), read with acquire.
   // Same small-op epochs (ll_seq) and parity argument as the LL lines; stale flags carry older epochs.
+  // The LL128 all_reduce stores its lines into chunk_data too (its flag words never match plain bytes).
   alignas(128) uint32_t chunk_flag[2][kMaxSlots][kChunkedMaxChunks];
-  alignas(128) char chunk_data[2][kMaxSlots][kChunkedBytes];
+  alignas(128) char chunk_data[2][kMaxSlots][kSmallAreaBytes];
 };
 
 }  // namespace pk

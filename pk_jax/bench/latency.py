@@ -27,7 +27,8 @@ SWEEP_BYTES = [4 << 10, 16 << 10, 64 << 10, 128 << 10, 256 << 10, 512 << 10, 1 <
 DECODE_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
 HIDDEN = 8192
 # Forced algorithms timed with --variants (the crossovers of pk_jax._small_path come from these).
-VARIANTS = ("small_one_shot", "small_two_shot", "small_chunked", "small_pipelined", "one_shot", "two_shot")
+VARIANTS = ("small_one_shot", "small_two_shot", "small_chunked", "small_pipelined", "small_ll128", "one_shot",
+            "two_shot")
 
 
 def _program(mesh: Mesh, op: Callable, chain: int) -> Callable:

@@ -1,4 +1,4 @@
-"""The small-message path (LL lines or chunk flags, no handshakes) on GPUs: every size from 2 bytes to 8 MiB (odd
+"""The small-message path (LL lines, LL128 lines or chunk flags, no handshakes) on GPUs: every size from 2 bytes to 8 MiB (odd
 sizes, 16-bit halves at 2 (mod 4) offsets), f32/bf16/f16, 1-3-D shapes, against a NumPy float32
 rank-order reference bit for bit (the kernels sum in float32 in rank order and round once), the same
 bits as the bulk path, interleaving with bulk ops and across groups, and 1,000 command-buffer replays."""
@@ -77,7 +77,8 @@ def _elems(nbytes: int, dtype) -> int | None:
 @pytest.mark.parametrize("g", group_sizes())
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("nbytes", SIZES)
-@pytest.mark.parametrize("algorithm", ["auto", "small", "small_one_shot", "small_two_shot", "small_chunked"])
+@pytest.mark.parametrize("algorithm", ["auto", "small", "small_one_shot", "small_two_shot", "small_chunked",
+                                       "small_ll128"])
 def test_all_reduce_sizes(g, dtype, nbytes, algorithm):
     n = _elems(nbytes, dtype)
     if n is None:

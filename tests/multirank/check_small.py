@@ -4,10 +4,10 @@ Run under the launcher, e.g. `python -m pk_jax.launch -n 4 --ranks-per-gpu 4 tes
 (the issue's mode: ranks sharing one GPU under MPS), or `--cpu` (the jax.lax fallbacks over gloo: values
 and the API's choice only). Meshes as check_ops.py: 1-D ("x",) over all devices and, from 4 devices,
 each axis of 2 x (n/2) ("dp", "tp"). Per mesh axis, dtype (float32, bfloat16, float16) and size, one
-program holds nine ops, each on its own fresh random input (x per member):
+program holds ten ops, each on its own fresh random input (x per member):
 
   all_reduce      small_one_shot (x 3-D), small_two_shot (2-D), small (1-D: the API picks by size and G),
-                  small_chunked (2-D), small_pipelined (2-D)
+                  small_chunked (2-D), small_pipelined (2-D), small_ll128 (2-D)
   all_gather      axis0_tiled (x 2-D, blocks along axis 0), last_tiled (x (1, n), blocks along the last axis)
   reduce_scatter  dim0 (x (G a, b): block (a, b)), last (x (1, G n): block (1, n))
 
@@ -17,7 +17,7 @@ Sizes (small_cases.SIZES, bytes of x per member; reduce_scatter: of one block): 
 8 MiB). --quick: 4, 6, 1004, 1 MiB + 4.
 
 The small path is forced (algorithm="small_one_shot" / "small_two_shot" / "small_chunked" / "small_pipelined" /
-"small"), never
+"small_ll128" / "small"), never
 left to auto. Where the API refuses it (payload above 1 MiB on the LL lines, above 8 MiB by chunk flags;
 two-shot with x's 4-byte words not divisible by G) the
 row records the API's ValueError message under `refused` and runs the op with algorithm="auto" (with

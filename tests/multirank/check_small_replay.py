@@ -13,14 +13,15 @@ shape (8, 250):
   d = all_reduce(c, small_two_shot)            (8, 250)     (small_one_shot where x's words do not split over G)
   e = all_reduce(d, small_chunked)             (8, 250)     plain stores + chunk flags
   f = all_reduce(d, small_pipelined)           (8, 250)     the same, pipelined: f == e
+  h = all_reduce(d, small_ll128)               (8, 250)     128-byte LL lines: h == e
 
 Replay i runs on input i mod 4. The inputs are random integers in [-4, 4], so every partial sum of every
 op is exact in each dtype at G <= 8 (|a| <= 4 G; every block of b is a / 2, c = G a / 2, d = G^2 a / 2:
-e = f = G^3 a / 2: at most 8 significant bits): each replay's six outputs must equal the NumPy float32 reference exactly,
+e = f = h = G^3 a / 2: at most 8 significant bits): each replay's seven outputs must equal the NumPy float32 reference exactly,
 whatever order or precision a sum takes (the kernels' float32 rank order, or the jax.lax fallback's
 dtype on CPU), and so must equal the first replay of the same input bit for bit (a replay that read a
 stale LL line would differ). On GPU the compiled HLO must hold the six pk_collective custom calls with
-the small variants; whether it holds a command-buffer computation is recorded (`command_buffer_in_hlo`:
+the small variants (seven calls); whether it holds a command-buffer computation is recorded (`command_buffer_in_hlo`:
 XLA can also convert thunks to command buffers, which the HLO does not show).
 """
 
@@ -51,13 +52,14 @@ def add_args(p) -> None:
 
 
 def program(g: int, itemsize: int) -> tuple[list[tuple[str, int]], Callable[[str, jax.Array], tuple]]:
-    """([(op, variant it must lower to)] in call order; step(axis, x) -> (a, b, c, d, e, f))."""
+    """([(op, variant it must lower to)] in call order; step(axis, x) -> (a, b, c, d, e, f, h))."""
     two_shot = _small_path.words(LOCAL[0] * LOCAL[1] * itemsize) % g == 0
     last = "small_two_shot" if two_shot else "small_one_shot"
     small = _small_path.VARIANT_SMALL
     want = [("all_reduce", small), ("all_gather", small), ("reduce_scatter", small),
             ("all_reduce", _small_path.VARIANT_SMALL_TWO_SHOT if two_shot else small),
-            ("all_reduce", _small_path.VARIANT_SMALL_CHUNKED), ("all_reduce", _small_path.VARIANT_SMALL_PIPELINED)]
+            ("all_reduce", _small_path.VARIANT_SMALL_CHUNKED), ("all_reduce", _small_path.VARIANT_SMALL_PIPELINED),
+            ("all_reduce", _small_path.VARIANT_SMALL_LL128)]
 
     def step(axis: str, x: jax.Array) -> tuple[jax.Array, ...]:
         a = pk_jax.all_reduce(x, axis, algorithm="small_one_shot")
@@ -65,7 +67,7 @@ def program(g: int, itemsize: int) -> tuple[list[tuple[str, int]], Callable[[str
         c = pk_jax.reduce_scatter(b, axis, tiled=True, algorithm="small")
         d = pk_jax.all_reduce(c, axis, algorithm=last)
         return (a, b, c, d, pk_jax.all_reduce(d, axis, algorithm="small_chunked"),
-                pk_jax.all_reduce(d, axis, algorithm="small_pipelined"))
+                pk_jax.all_reduce(d, axis, algorithm="small_pipelined"), pk_jax.all_reduce(d, axis, algorithm="small_ll128"))
     return want, step
 
 
@@ -76,13 +78,13 @@ def integer_inputs(seed: int, axis: str, members: int, dtype: str) -> list[np.nd
 
 
 def reference(blocks: list[np.ndarray], pos: int) -> list[np.ndarray]:
-    """A member's (a, b, c, d, e, f) from the group's inputs in rank order, float32 (exact: see above)."""
+    """A member's (a, b, c, d, e, f, h) from the group's inputs in rank order, float32 (exact: see above)."""
     g = len(blocks)
     a = sum(np.asarray(b, np.float32) for b in blocks)
     b = np.concatenate([a * 0.5] * g, 0)
     cs = [g * np.split(b, g, 0)[p] for p in range(g)]  # every member holds the same b: G x its block
     d = sum(cs)
-    return [a, b, cs[pos], d, g * d, g * d]
+    return [a, b, cs[pos], d, g * d, g * d, g * d]
 
 
 def local_outputs(outs) -> list[np.ndarray]:

@@ -6,7 +6,7 @@ too; its compiled HLO: the custom calls a GPU runs).
 Sizes are each op's message per member: all_reduce and all_gather x, reduce_scatter one block (x holds
 G of them). The LL lines serve 1..SMALL_MAX_BYTES (1 MiB), small_two_shot also needs x's 4-byte words
 divisible by G; the chunk-flag all_reduces (small_chunked, small_pipelined, and "small" above the LL range)
-serve 1..CHUNKED_MAX_BYTES (8 MiB).
+and the LL128 one (small_ll128) serve 1..CHUNKED_MAX_BYTES (8 MiB).
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ def _ops_spec(g: int, n: int) -> list[tuple]:
         ("all_reduce", "small", (n,), "reduce", ar, lambda b, p: _sum(b), n),
         ("all_reduce", "small_chunked", factor_shape(n, 2), "reduce", ar, lambda b, p: _sum(b), n),
         ("all_reduce", "small_pipelined", factor_shape(n, 2), "reduce", ar, lambda b, p: _sum(b), n),
+        ("all_reduce", "small_ll128", factor_shape(n, 2), "reduce", ar, lambda b, p: _sum(b), n),
         ("all_gather", "axis0_tiled", factor_shape(n, 2), "exact",
          lambda ax, x, a: pk_jax.all_gather(x, ax, axis=0, tiled=True, algorithm=a),
          lambda b, p: np.concatenate([np.asarray(v, F32) for v in b], 0), n),

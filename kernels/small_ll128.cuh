@@ -1,0 +1,17 @@
+// Host side of the LL128 all_reduce ("small_ll128", kernels/small_ll128.cu). Reached through launch_small
+// (SmallOp::kAllReduceLL128); declared here for small_collectives.cu.
+#pragma once
+#include <cuda_runtime.h>
+#include <vector>
+
+#include "collectives.cuh"
+
+namespace pk {
+
+// bytes in 1..kChunkedBytes, x and y 8-byte aligned (cudaErrorMisalignedAddress otherwise).
+cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, int64_t bytes, const LaunchLimits& lim,
+                         cudaStream_t stream);
+
+std::vector<const void*> ll128_kernels();
+
+}  // namespace pk
