@@ -49,8 +49,9 @@
 #   expertffn   moe_mlp's experts on the rows in use: its GPU tests, the grouped GEMM's (default schedule), moe_mlp's
 #               (2 GPUs+), then (2 GPUs+) bench moe --op moe_mlp --variants (ours[compose]: the FFN composed, same turns) ~7 min
 #   zerotail    (2 GPUs+) dispatch(zero_tail=False) GPU tests, the expert FFN's and moe_mlp's, then expertffn's bench ~6 min
-#   ll128       (2 GPUs+) the LL128 all_reduce: first test alone (3 s waits), its GPU tests, floor slopes beside the LL
-#               one-shot / chunk flags / auto / psum (LL128_BYTES), lines-per-CTA sweep (LL128_LINES), 2 and 4 ranks on GPU 0 ~6 min
+#   ll128       (2 GPUs+) the LL128 all_reduce: first test alone (3 s waits), its GPU and chain-stress tests, floor slopes
+#               beside the other small all_reduces / auto / psum (LL128_BYTES; GPUs PAIR too from 4 GPUs), lines-per-CTA
+#               sweep (LL128_LINES), 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS)                         ~8 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   acctests    the attention kernels merging into ring attention's float32 states (forward epilogue, backward dQ add):
@@ -395,21 +396,27 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    --ops pk_small_chunked --bytes 65536 262144 1048576 8388608 --out "$OUT/$day-floor-chunked-cb$cb.json"
                done
              fi ;;
-    ll128) # (2 GPUs+) the LL128 all_reduce: first test alone (waits bounded at 3 s), its GPU tests, 2 and 4 ranks sharing
-           # GPU 0 (check_small + replays), floor slopes beside the LL one-shot / chunk flags / auto / psum, lines per CTA
+    ll128) # (2 GPUs+) the LL128 all_reduce: first test alone (waits bounded at 3 s), its GPU tests and the chain stress
+           # tests, floor slopes beside the other small all_reduces / auto / psum (on GPUs PAIR too from 4 GPUs), the
+           # lines-per-CTA sweep (LL128_LINES), then 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS)
            stage ll128-first 60 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
              -m gpu -x -q -rs -k "test_all_reduce_sizes and small_ll128 and 4096-"
            if grep -q " passed" "$OUT/ll128-first.log" && ! grep -q "failed" "$OUT/ll128-first.log"; then
-             stage ll128-tests 150 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -x -q -rs -k "ll128 or dims"
-             stage ll128-floor 150 python3 scripts/latency_floor.py --tag ll128 --ops pk_small_one_shot pk_small_ll128 \
-               pk_small_chunked pk_auto psum --bytes ${LL128_BYTES:-4096 16384 65536 131072 262144 524288 1048576 2097152 8388608} \
+             stage ll128-tests 200 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
+             ll128_bytes=${LL128_BYTES:-4096 16384 65536 131072 262144 524288 1048576 2097152 8388608}
+             ll128_ops="pk_small_one_shot pk_small_two_shot pk_small_ll128 pk_small_chunked pk_small_pipelined pk_auto psum"
+             stage ll128-floor 200 python3 scripts/latency_floor.py --tag ll128 --ops $ll128_ops --bytes $ll128_bytes \
                --out "$OUT/$day-floor-ll128.json"
+             if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+               stage ll128-floor-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py --tag ll128-2gpu \
+                 --ops pk_small_ll128 pk_small_chunked pk_auto psum --bytes $ll128_bytes --out "$OUT/$day-floor-ll128-2gpu.json"
+             fi
              for lines in ${LL128_LINES:-}; do
                stage ll128-lines$lines 60 env PK_JAX_SMALL_LL128_LINES_PER_CTA=$lines python3 scripts/latency_floor.py \
                  --tag "lines$lines" --ops pk_small_ll128 --bytes 65536 262144 1048576 8388608 --out "$OUT/$day-floor-ll128-lines$lines.json"
              done
-             stage ll128-shared ${LL128_SHARED_LIMIT:-200} env CUDA_VISIBLE_DEVICES=0 python3 -m pk_jax.bench multirank --ranks 2 4 \
-               --steps check_small check_small_replay --out "$OUT/$day-multirank-shared-ll128.json"
+             stage ll128-shared ${LL128_SHARED_LIMIT:-240} env CUDA_VISIBLE_DEVICES=0 python3 -m pk_jax.bench multirank --ranks 2 4 \
+               --steps ${LL128_SHARED_STEPS:-check_small_chain check_small_replay} --out "$OUT/$day-multirank-shared-ll128.json"
            fi ;;
     ringshift) stage ringshift-first 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs \
                  "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[sm-2]"

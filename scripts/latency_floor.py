@@ -97,6 +97,7 @@ def main() -> None:
     g = len(devices)
     mesh = Mesh(np.array(devices), (AX,))
     ops = {"pk_small_one_shot": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_one_shot"),
+           "pk_small_two_shot": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_two_shot"),
            "pk_small_chunked": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_chunked"),
            "pk_small_pipelined": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_pipelined"),
            "pk_small_ll128": lambda v: pk_jax.all_reduce(v, AX, algorithm="small_ll128"),

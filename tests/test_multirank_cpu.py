@@ -112,6 +112,15 @@ def test_small_path_replays_two_cpu_ranks(tmp_path):
     assert e["ok"] and e["replays"] == 20 and e["bad_replays"] == 0 and e["max_err"] == 0.0, e
 
 
+def test_small_chain_two_cpu_ranks(tmp_path):
+    """check_small_chain.py --quick: chains of dependent all_reduces, exact after every call, for each algorithm."""
+    proc, rows = _launch("check_small_chain.py", tmp_path, "--chain", "4", "--sizes", "4096", "65536")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert len(rows) == 2 * 2 and all(r["extra"]["ok"] and r["extra"]["max_err"] == 0.0 for r in rows), rows
+    assert {r["case"].split("/")[0] for r in rows} == {"small_ll128", "small_one_shot"}
+    assert all(r["extra"]["calls"] == 3 and r["extra"]["chain"] == 4 for r in rows), rows
+
+
 def test_small_ops_fail_a_refusal_the_limits_do_not_predict():
     """The API refusing what it should serve (or serving what it should refuse) is a MISMATCH, which
     check_small.py fails; the expected refusals run `auto` with auto's own variant."""

@@ -2,7 +2,8 @@
 multi-rank correctness suite (tests/multirank/) at each rank count.
 
 Per rank count: check_ops.py, check_training.py, check_jit.py, check_small.py (the small-message path's
-size sweep), check_small_replay.py (its 1,000 command-buffer replays; 20 with --quick), check_moe.py and
+size sweep), check_small_replay.py (its 1,000 command-buffer replays; 20 with --quick), check_small_chain.py
+(chains of 64 dependent small all_reduces, exact: the LL / LL128 lines' stress test), check_moe.py and
 soak.py under `python -m pk_jax.launch` (on one GPU the ranks share it under MPS; on several, `auto` puts one rank per
 GPU), then faults.py --mode kill and skip (which start their ranks themselves). Merges every script's
 rows into one results file (suite "multirank") with a log beside it, and exits non-zero if any case
@@ -112,6 +113,7 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("check_jit", launch + [str(sdir / "check_jit.py"), *extra]),
                 ("check_small", launch + [str(sdir / "check_small.py"), *extra]),
                 ("check_small_replay", launch + [str(sdir / "check_small_replay.py"), *extra]),
+                ("check_small_chain", launch + [str(sdir / "check_small_chain.py"), *extra]),
                 ("check_moe", launch + [str(sdir / "check_moe.py"), *extra]),
                 ("check_ring", launch + [str(sdir / "check_ring.py"), *extra]),
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),

@@ -95,6 +95,37 @@ def test_all_reduce_sizes(g, dtype, nbytes, algorithm):
         assert_bits(blk, want, f"member {r}")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("nbytes", [4096, 262144, 1 << 20, 8 << 20])
+@pytest.mark.parametrize("algorithm", ["small_ll128", "small_one_shot"])
+def test_all_reduce_chain_stays_exact(dtype, nbytes, algorithm):
+    """64 dependent all_reduces per call, 20 calls: v = all_reduce(x), then v <- all_reduce(v) - (G - 1) v, which
+    returns the group's sum S exactly (x integers in [-4, 4]). A line whose flag passed with stale payload beside it
+    (a torn LL128 line) would shift v for good: the stress test of the flags carried with the data."""
+    if nbytes > _small_path.max_bytes(algorithm):
+        pytest.skip("above the algorithm's cap")
+    g = len(gpus())
+    mesh = Mesh(np.array(gpus()), ("x",))
+    n = nbytes // jnp.dtype(dtype).itemsize
+
+    def chain(v):
+        v = pk_jax.all_reduce(v, "x", algorithm=algorithm)
+        for _ in range(63):
+            v = pk_jax.all_reduce(v, "x", algorithm=algorithm) - (g - 1) * v
+        return v
+
+    f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))
+    rng = np.random.default_rng(nbytes)
+    for call in range(20):
+        x_np = rng.integers(-4, 5, (g * n,)).astype(np_dtype(dtype))
+        x = jax.device_put(x_np, NamedSharding(mesh, P("x")))
+        want = sum(b.astype(np.float32) for b in np.split(x_np, g)).astype(np_dtype(dtype))
+        got = np.asarray(f(x))
+        pk_jax.runtime.check()
+        for r, blk in enumerate(np.split(got, g)):
+            assert_bits(blk, want, f"call {call}, member {r}")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("local_shape", [(3, 5, 7), (1, 8192), (16, 8192), (7, 13), (2, 3, 4, 40)])
 def test_all_reduce_dims_same_bits_as_bulk(dtype, local_shape):

@@ -43,6 +43,7 @@ import pk_jax  # noqa: E402
 from pk_jax import _small_path  # noqa: E402
 
 LOCAL = (8, 250)
+OUTPUT_NAMES = ("a", "b", "c", "d", "e", "f", "h")  # the program's outputs in call order (module docstring)
 INPUTS = 4
 MAX_BAD = 20  # replays reported before giving up on a program
 
@@ -129,8 +130,12 @@ def check(mesh: Mesh, axis: str, dtype: str, replays: int, seed: int, on_gpu: bo
         if not (ok and stable):
             bad += 1
             first_bad = i if first_bad is None else first_bad
+            # Which outputs moved (elements whose bits differ from the first replay of this input): the op that
+            # failed is the first of them in call order (later ones take its output).
+            moved = [f"{OUTPUT_NAMES[j % len(OUTPUT_NAMES)]}: {int((u.view(np.uint8) != v.view(np.uint8)).sum())} B"
+                     for j, (u, v) in enumerate(zip(bits, earlier)) if not np.array_equal(u.view(np.uint8), v.view(np.uint8))]
             print(f"rank {rank}: replay {i} {axis} {dtype}: max_err {err:.3g} (exact wanted), same bits as "
-                  f"replay {k}: {stable}", flush=True)
+                  f"replay {k}: {stable}; bytes that differ from it: {', '.join(moved) or 'none'}", flush=True)
             if bad >= MAX_BAD:
                 break
         if i % 100 == 99:
