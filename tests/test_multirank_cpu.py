@@ -72,10 +72,10 @@ def test_plain_jit_mlp_two_cpu_ranks(tmp_path):
 
 
 def test_small_path_sweep_two_cpu_ranks(tmp_path):
-    """check_small.py --quick (float32: 4 B, 1004 B, 1 MiB + 4): the nine small ops per size match
+    """check_small.py --quick (float32: 4 B, 1004 B, 1 MiB + 4): the ten small ops per size match
     NumPy, the jaxpr holds the small variants, and where a forced algorithm cannot serve the size (the LL
     ops above 1 MiB, two-shot with words that do not split over G) the row names the API's refusal and
-    ran `auto`: the chunk-flag all_reduce up to 8 MiB, else the bulk path."""
+    ran `auto`: at G = 2 the LL128 all_reduce up to 2 MiB, else the bulk path."""
     proc, rows = _launch("check_small.py", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert len(rows) == 3 * 10 and all(r["extra"]["ok"] for r in rows), rows
@@ -94,10 +94,12 @@ def test_small_path_sweep_two_cpu_ranks(tmp_path):
             want = "bulk" if big else 2
         elif kind == "small_pipelined":  # served at every size
             want = 5
-        elif kind == "small_ll128":
+        elif kind == "small_chunked":
+            want = 4
+        elif kind == "small_one_shot" and not refused:
+            want = 2
+        else:  # small_ll128, "small" and every refusal (auto) over G = 2 up to 2 MiB: the LL128 lines
             want = 6
-        else:  # auto at 1 MiB + 4 over G = 2: chunk flags; below, the LL one-shot except forced chunk flags
-            want = 4 if big or kind == "small_chunked" else 2
         assert e["variant"] == want, (op, case, e)
     assert "serves 1..1048576 bytes" in by["all_reduce", "small_one_shot/1048580B@x"]["refused"]
     assert "divisible by the group size 2" in by["all_reduce", "small_two_shot/1004B@x"]["refused"]
@@ -126,7 +128,8 @@ def test_small_ops_fail_a_refusal_the_limits_do_not_predict():
     check_small.py fails; the expected refusals run `auto` with auto's own variant."""
     quiet = small_cases.small_ops(2, 1004, np.float32, lambda fn, shape: "")
     assert [o.refused.startswith("MISMATCH") for o in quiet] == [False, True] + [False] * 8  # two-shot: 251 words
-    assert [o.want for o in quiet] == [2, 2, 2, 4, 5, 6, 2, 2, 2, 2]  # small_chunked 4, small_pipelined 5, small_ll128 6
+    # small_chunked 4, small_pipelined 5, small_ll128 6; "small" and the refused two-shot (auto) take LL128 at G = 2
+    assert [o.want for o in quiet] == [2, 6, 6, 4, 5, 6, 2, 2, 2, 2]
     loud = small_cases.small_ops(2, 1004, np.float32, lambda fn, shape: "no")
     assert [o.refused.startswith("MISMATCH") for o in loud] == [True, False] + [True] * 8
     assert all(o.algorithm == "auto" for o in loud)

@@ -110,8 +110,10 @@ def test_small_max_bytes_matches_control_block():
     (6, 4, "small_one_shot"),              # 2 words (3 bf16): one-shot only
 ])
 def test_auto_all_reduce_choice(monkeypatch, nbytes, g, want):
-    """The ladder below the pipelined chunk flags (off here; by group in tests/test_small_pipelined_cpu.py)."""
+    """The ladder below the pipelined chunk flags and the LL128 lines (off here; the others by group in
+    tests/test_small_pipelined_cpu.py and test_ll128_choice_by_group_and_env)."""
     monkeypatch.setenv("PK_JAX_AR_PIPELINED", "0")
+    monkeypatch.setenv("PK_JAX_AR_LL128", "0")
     assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
 
 
@@ -196,17 +198,42 @@ def test_small_algorithms_keep_fallback_semantics():
         run(lambda v: jax.lax.psum_scatter(v, "x", tiled=True), x, P("x")), rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("nbytes,g,mode,want", [
+    (4, 2, None, "small_ll128"),                # default "auto": at G = 2 from 1 byte ...
+    (1 << 20, 2, None, "small_ll128"),
+    (2 << 20, 2, None, "small_ll128"),          # ... to LL128_AUTO_MAX_BYTES
+    ((2 << 20) + 4, 2, None, "small_chunked"),  # then the chunk flags (they lead at 8 MiB)
+    (4096, 4, None, "small_one_shot"),          # not measured at G > 2: the ladder as before
+    (1 << 20, 4, None, "small_pipelined"),
+    (1 << 20, 2, "0", "small_chunked"),
+    (8 << 20, 2, "1", "small_ll128"),           # "1": first wherever it serves, at any G
+    (1 << 20, 8, "1", "small_ll128"),
+    ((8 << 20) + 16, 2, "1", None),
+])
+def test_ll128_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
+    monkeypatch.delenv("PK_JAX_AR_PIPELINED", raising=False)
+    if mode is None:
+        monkeypatch.delenv("PK_JAX_AR_LL128", raising=False)
+    else:
+        monkeypatch.setenv("PK_JAX_AR_LL128", mode)
+    assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
+    if want is not None:
+        assert _small_path.all_reduce_choice(nbytes, g, auto=False) == want
+    assert _small_path.LL128_AUTO_MAX_BYTES <= _small_path.CHUNKED_MAX_BYTES
+
+
 def test_ll128_all_reduce_lowers_to_its_variant_and_follows_its_env(monkeypatch):
     """algorithm="small_ll128" lowers to variant 6 from 4 B to 8 MiB and refuses more, naming the fix; auto and "small"
-    take it only under PK_JAX_AR_LL128=1 (then first, at any G), and the variable accepts only 0 / 1."""
+    take it first at any G under PK_JAX_AR_LL128=1, and the variable accepts only auto / 0 / 1."""
     ll = _small_path.VARIANT_SMALL_LL128
     assert ll == 6 and _small_path.ALL_REDUCE_VARIANTS["small_ll128"] == ll
     for shape in [(8 * 1, 2), (8 * 5, 3), (8 * 4096, 1024)]:  # 4 B .. 8 MiB of bf16 per member
         assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_ll128"), shape) == ll
     with pytest.raises(ValueError, match=r"algorithm='small_ll128' serves 1..8388608 bytes; x has 16777216\. "):
         _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small_ll128"), (8 * 8192, 1024))
-    for var in ("PK_JAX_AR_LL128", "PK_JAX_AR_PIPELINED", "PK_JAX_SMALL_PATH"):
+    for var in ("PK_JAX_AR_PIPELINED", "PK_JAX_SMALL_PATH"):
         monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("PK_JAX_AR_LL128", "0")
     assert _small_path.all_reduce_choice(1 << 20, 2, auto=True) == "small_chunked"
     monkeypatch.setenv("PK_JAX_AR_LL128", "1")
     for nbytes, g in [(4, 2), (1 << 20, 2), (8 << 20, 2), (1 << 20, 8)]:

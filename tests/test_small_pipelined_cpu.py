@@ -215,6 +215,7 @@ def test_forced_small_pipelined_lowers_to_its_variant():
     (1 << 20, 4, "0", "small_chunked"),
 ])
 def test_pipelined_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
+    monkeypatch.setenv("PK_JAX_AR_LL128", "0")  # G = 2 rows: the ladder below the LL128 lines
     if mode is None:
         monkeypatch.delenv("PK_JAX_AR_PIPELINED", raising=False)
     else:
@@ -226,6 +227,7 @@ def test_pipelined_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
 
 def test_auto_and_small_take_pipelined_under_the_env(monkeypatch):
     monkeypatch.setenv("PK_JAX_SMALL_PATH", "1")
+    monkeypatch.setenv("PK_JAX_AR_LL128", "0")  # G = 2 rows: the ladder below the LL128 lines
     monkeypatch.setenv("PK_JAX_AR_PIPELINED", "1")
     pipe = _small_path.VARIANT_SMALL_PIPELINED
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (2 * 512, 512), g=2) == pipe          # 512 KiB
