@@ -22,10 +22,8 @@ constexpr int kLL128Threads = 256;
 // are resident and no receiver waits on a sender that cannot start. PK_JAX_SMALL_LL128_LINES_PER_CTA
 // overrides it for sweeps (read once per process).
 constexpr int64_t kLL128LinesPerCta = 32;
-// Quads (4 lines) each warp keeps in flight: sends (loads of x, then the stores) and receives (every member's lines).
-// One of each made 8 MiB at G 2 slower than the chunk flags (47.2 against 38.2 us): a pass per quad, bound by latency.
-constexpr int kSendQuads = 4;
-constexpr int kRecvQuads = 2;
+// One quad (4 lines) per warp at a time. Four in flight when sending and two when receiving (session 31, 2x H200)
+// made every size slower: 5.6-6.7 us from 4 KiB to 512 KiB against 3.7-4.9, and 8 MiB 50.7 against 47.2-47.7 us.
 
 int64_t ll128_lines_per_cta() {
   static const int64_t v = env_or("PK_JAX_SMALL_LL128_LINES_PER_CTA", kLL128LinesPerCta, 32, 1 << 16) / 32 * 32;
@@ -94,65 +92,49 @@ __global__ void __launch_bounds__(kLL128Threads, 1) small_all_reduce_ll128(Group
     a = load_u64(x, o, n);
     b = at.flag_lane() ? 0 : load_u64(x, o + 8, n);
   };
-  // (1) Every line to every peer first, so no peer's receive waits on this member's receive. kSendQuads quads per
-  // warp in flight: their loads of x all issue before the first store (one pass per quad left large messages
-  // bound by the load latency).
-  for (int64_t q0 = warp0; q0 < quads; q0 += kSendQuads * warps) {
-    LL128Part at[kSendQuads];
-    uint64_t a[kSendQuads], b[kSendQuads];
-#pragma unroll
-    for (int u = 0; u < kSendQuads; ++u) {
-      at[u] = ll128_part(q0 + u * warps, lane);
-      if (at[u].line < lines) own(at[u], a[u], b[u]);
-    }
+  // (1) Every line to every peer first, so no peer's receive waits on this member's receive.
+  for (int64_t q = warp0; q < quads; q += warps) {
+    const LL128Part at = ll128_part(q, lane);
+    if (at.line >= lines) continue;  // whole lines drop out together: the stores stay 128-byte writes
+    uint64_t a, b;
+    own(at, a, b);
     for (int p = 1; p < g.size; ++p) {
       const int r = (g.rank + p) % g.size;
-#pragma unroll
-      for (int u = 0; u < kSendQuads; ++u)  // whole lines drop out together: the stores stay 128-byte writes
-        if (at[u].line < lines) ll128_store(out_at(r, at[u]), a[u], at[u].flag_lane() ? ll128_flag_word(flag[r]) : b[u]);
+      ll128_store(out_at(r, at), a, at.flag_lane() ? ll128_flag_word(flag[r]) : b);
     }
   }
-  // (2) The rank-order float32 sum: every member's lines of kRecvQuads quads load first, then each waits for its
-  // flag.
+  // (2) The rank-order float32 sum: every peer's line loads first, then each waits for its flag.
   bool ok = true;
-  for (int64_t q0 = warp0; q0 < quads; q0 += kRecvQuads * warps) {
-    LL128Part at[kRecvQuads];
-    bool valid[kRecvQuads];
-    uint64_t va[kRecvQuads][kMaxGroup], vb[kRecvQuads][kMaxGroup];
+  for (int64_t q = warp0; q < quads; q += warps) {
+    const LL128Part at = ll128_part(q, lane);
+    const bool valid = at.line < lines;
+    uint64_t va[kMaxGroup], vb[kMaxGroup];
 #pragma unroll
-    for (int u = 0; u < kRecvQuads; ++u) {
-      at[u] = ll128_part(q0 + u * warps, lane);
-      valid[u] = at[u].line < lines;
-#pragma unroll
-      for (int r = 0; r < kMaxGroup; ++r) {
-        va[u][r] = vb[u][r] = 0;
-        if (r >= g.size || !valid[u]) continue;  // continue, not break: a break left va / vb in local memory
-        if (r == g.rank) {
-          own(at[u], va[u][r], vb[u][r]);
-        } else {
-          ll128_load(in_at(r, at[u]), va[u][r], vb[u][r]);
-        }
+    for (int r = 0; r < kMaxGroup; ++r) {
+      va[r] = vb[r] = 0;
+      if (r >= g.size || !valid) continue;  // continue, not break: a break left va / vb in local memory
+      if (r == g.rank) {
+        own(at, va[r], vb[r]);
+      } else {
+        ll128_load(in_at(r, at), va[r], vb[r]);
       }
     }
+    PartSum<T> sum;
 #pragma unroll
-    for (int u = 0; u < kRecvQuads; ++u) {
-      PartSum<T> sum;
-#pragma unroll
-      for (int r = 0; r < kMaxGroup; ++r) {
-        if (r >= g.size) continue;
-        if (r != g.rank) {
-          ok = ll128_settle(in_at(r, at[u]), valid[u], at[u], ll128_flag_word(flag[r]), va[u][r], vb[u][r], g, r) && ok;
-          if (at[u].flag_lane()) vb[u][r] = 0;  // the flag word is not payload
-        }
-        sum.add(va[u][r], vb[u][r]);
+    for (int r = 0; r < kMaxGroup; ++r) {
+      if (r >= g.size) continue;
+      if (r != g.rank) {
+        ok = ll128_settle(in_at(r, at), valid, at, ll128_flag_word(flag[r]), va[r], vb[r], g, r) && ok;
+        if (at.flag_lane()) vb[r] = 0;  // the flag word is not payload
       }
-      if (valid[u] && ok) {
-        uint64_t a, b;
-        sum.pack(a, b);
-        const int64_t o = at[u].payload_offset();
-        store_u64(y, o, n, a);
-        if (!at[u].flag_lane()) store_u64(y, o + 8, n, b);
-      }
+      sum.add(va[r], vb[r]);
+    }
+    if (valid && ok) {
+      uint64_t a, b;
+      sum.pack(a, b);
+      const int64_t o = at.payload_offset();
+      store_u64(y, o, n, a);
+      if (!at.flag_lane()) store_u64(y, o + 8, n, b);
     }
   }
   finish_small_op(g);
