@@ -17,6 +17,8 @@
 namespace pk {
 namespace {
 
+static_assert(kOpAllReduceLL128 <= 0xF, "ll_flag keeps 4 bits of the op code");
+
 constexpr int kLL128Threads = 256;
 // Lines per CTA (a multiple of the 32 lines one pass of 8 warps covers); CTAs up to one per SM, so all
 // are resident and no receiver waits on a sender that cannot start. PK_JAX_SMALL_LL128_LINES_PER_CTA

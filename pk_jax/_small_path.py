@@ -89,9 +89,20 @@ def pipelined_mode() -> str:
 
 
 def ll128_mode() -> str:
-    """$PK_JAX_AR_LL128: "auto" (default: auto / "small" take "small_ll128" at G = 2 up to LL128_AUTO_MAX_BYTES),
+    """$PK_JAX_AR_LL128: "auto" (default: auto / "small" take "small_ll128" at G = 2 up to LL128_AUTO_MAX_BYTES, unless
+    ranks share a GPU: ll128_lines_whole),
     "1" (first at any G, from 1 byte to CHUNKED_MAX_BYTES) or "0" (only when forced)."""
     return choice_setting("PK_JAX_AR_LL128", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
+
+
+def ll128_lines_whole() -> bool:
+    """Whether auto may rely on a warp's 128-byte line store arriving whole (what LL128 needs): between GPUs over
+    NVLink, as NCCL's LL128 does. Not where ranks share one GPU (the MPS test mode: stores meet loads in one L2,
+    where line atomicity is not promised; one unexplained replay failure there, session 31). On PCIe-only peers
+    set PK_JAX_AR_LL128=0."""
+    from pk_jax import distributed
+
+    return not distributed.shares_gpu()
 
 
 def words(nbytes: int) -> int:
@@ -107,7 +118,7 @@ def blocks_contiguous(shape: Sequence[int], axis: int) -> bool:
 def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | None:
     """The small-path all_reduce for an `nbytes` array over `group` members, or None where it has none.
 
-    First the LL128 one-shot at G = 2 up to LL128_AUTO_MAX_BYTES (ll128_mode). Then, in order: LL one-shot (every
+    First the LL128 one-shot at G = 2 up to LL128_AUTO_MAX_BYTES (ll128_mode, ll128_lines_whole). Then, in order: LL one-shot (every
     member sends all of x to every peer as LL lines: one trip, 2 (G-1) n bytes
     on the wire) while (G-1) n <= LL_AUTO_SEND_BYTES; at G > 2, LL two-shot (owners of 1/G chunks sum theirs
     and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
@@ -124,7 +135,7 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
         return "small_pipelined"
     ll128 = ll128_mode()
     if (ll128 == "1" and nbytes <= CHUNKED_MAX_BYTES) or (ll128 == "auto" and group == 2
-                                                          and nbytes <= LL128_AUTO_MAX_BYTES):
+                                                          and nbytes <= LL128_AUTO_MAX_BYTES and ll128_lines_whole()):
         return "small_ll128"
     send = (group - 1) * nbytes
     if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:

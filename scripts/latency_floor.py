@@ -138,7 +138,7 @@ def main() -> None:
                 for line in profile_summary(lambda p=progs[1]: jax.block_until_ready(p(x)), name):
                     print(line, flush=True)
             row["extra"]["env"] = {k: v for k, v in os.environ.items()
-                                   if k.startswith(("PK_JAX_SMALL", "PK_JAX_AR_PIPELINED", "XLA_FLAGS"))}
+                                   if k.startswith(("PK_JAX_SMALL", "PK_JAX_AR_", "XLA_FLAGS"))}
             rows.append(row)
             print(f"  {name:<18} {nbytes:>8} B  per op (chain 16/64/256): "
                   + " / ".join(f"{per_op[c]:6.2f}" for c in CHAINS)

@@ -243,3 +243,19 @@ def test_ll128_all_reduce_lowers_to_its_variant_and_follows_its_env(monkeypatch)
     monkeypatch.setenv("PK_JAX_AR_LL128", "yes")
     with pytest.raises(ValueError, match="PK_JAX_AR_LL128"):
         _small_path.all_reduce_choice(1 << 20, 2, auto=True)
+
+
+def test_auto_leaves_ll128_out_where_ranks_share_a_gpu(monkeypatch):
+    """Ranks sharing one GPU (the MPS test mode) do not get LL128 from auto or "small" (line atomicity is an NVLink
+    property); a forced "small_ll128" and PK_JAX_AR_LL128=1 still run it there."""
+    from pk_jax import distributed
+
+    for var in ("PK_JAX_AR_LL128", "PK_JAX_AR_PIPELINED"):
+        monkeypatch.delenv(var, raising=False)
+    assert _small_path.all_reduce_choice(64 << 10, 2, auto=True) == "small_ll128"
+    monkeypatch.setattr(distributed, "shares_gpu", lambda: True)
+    assert not _small_path.ll128_lines_whole()
+    assert _small_path.all_reduce_choice(64 << 10, 2, auto=True) == "small_one_shot"
+    assert _small_path.all_reduce_choice(1 << 20, 2, auto=False) == "small_chunked"
+    monkeypatch.setenv("PK_JAX_AR_LL128", "1")
+    assert _small_path.all_reduce_choice(64 << 10, 2, auto=True) == "small_ll128"

@@ -100,7 +100,8 @@ struct alignas(128) ControlBlock {
   // the running op of that parity; chunk_flag[parity][src][c] = the op's LL flag (ll_flag: epoch and
   // code), stored with release after chunk c's bytes were acknowledged (fence), read with acquire.
   // Same small-op epochs (ll_seq) and parity argument as the LL lines; stale flags carry older epochs.
-  // The LL128 all_reduce stores its lines into chunk_data too (its flag words never match plain bytes).
+  // The LL128 all_reduce stores its lines into chunk_data too (a stale plain word passes for its flag word only if
+  // the data hold that exact pattern, a NaN in every dtype).
   alignas(128) uint32_t chunk_flag[2][kMaxSlots][kChunkedMaxChunks];
   alignas(128) char chunk_data[2][kMaxSlots][kSmallAreaBytes];
 };

@@ -37,8 +37,10 @@ __device__ __forceinline__ LL128Part ll128_part(int64_t q, int lane) {
   return {q * kLL128LinesPerWarp + lane / 8, lane % 8};
 }
 
-// The flag word: the 32-bit ll_flag and its complement, so that stale plain bytes of the chunk-flag
-// all_reduces, which share this area, never pass for a flag.
+// The flag word: the 32-bit ll_flag and its complement, so that stale plain bytes of the chunk-flag all_reduces,
+// which share this area, pass for a flag only if they hold that exact pattern (a NaN in every dtype). Only LL128
+// writes flag words here, so a member that ran another small op at this epoch is not recognised (no kOpMismatch:
+// the wait times out, kTimeoutSmall, naming the op and the peer).
 __device__ __forceinline__ uint64_t ll128_flag_word(uint32_t flag) {
   return (uint64_t(flag) << 32) | uint32_t(~flag);
 }

@@ -99,9 +99,10 @@ def test_all_reduce_sizes(g, dtype, nbytes, algorithm):
 @pytest.mark.parametrize("nbytes", [4096, 262144, 1 << 20, 8 << 20])
 @pytest.mark.parametrize("algorithm", ["small_ll128", "small_one_shot"])
 def test_all_reduce_chain_stays_exact(dtype, nbytes, algorithm):
-    """64 dependent all_reduces per call, 20 calls: v = all_reduce(x), then v <- all_reduce(v) - (G - 1) v, which
-    returns the group's sum S exactly (x integers in [-4, 4]). A line whose flag passed with stale payload beside it
-    (a torn LL128 line) would shift v for good: the stress test of the flags carried with the data."""
+    """64 dependent all_reduces per call, 20 calls: v = all_reduce(x), then v <- all_reduce(v + k) - G k - (G - 1) v
+    (k = i mod 3, so each payload differs from the one two ops back in the same area), which returns the group's sum
+    S exactly (x integers in [-4, 4]). A line whose flag passed with stale payload beside it (a torn LL128 line)
+    would shift v for good: the stress test of the flags carried with the data."""
     if nbytes > _small_path.max_bytes(algorithm):
         pytest.skip("above the algorithm's cap")
     g = len(gpus())
@@ -110,8 +111,9 @@ def test_all_reduce_chain_stays_exact(dtype, nbytes, algorithm):
 
     def chain(v):
         v = pk_jax.all_reduce(v, "x", algorithm=algorithm)
-        for _ in range(63):
-            v = pk_jax.all_reduce(v, "x", algorithm=algorithm) - (g - 1) * v
+        for i in range(1, 64):
+            k = i % 3
+            v = pk_jax.all_reduce(v + k, "x", algorithm=algorithm) - g * k - (g - 1) * v
         return v
 
     f = jax.jit(jax.shard_map(chain, mesh=mesh, in_specs=P("x"), out_specs=P("x"), check_vma=False))

@@ -6,9 +6,11 @@ Run under the launcher, e.g. `python -m pk_jax.launch -n 4 --ranks-per-gpu 4 tes
 --out rows.json` (ranks sharing one GPU under MPS), or `--cpu` (the jax.lax fallback: values only). Per mesh axis
 (as check_ops.py), dtype, size (--sizes, bytes of x per member) and algorithm (--algorithms), one jitted program
 holds --chain dependent all_reduces: v = all_reduce(x) (x random integers in [-4, 4]) gives every member S, the
-group's sum, and each later step v <- all_reduce(v) - (G - 1) v gives S again (G S - (G - 1) S), exactly in
-every dtype (|G S| <= 4 G^2 <= 256, at most 9 significant bits). A wrong line anywhere shifts v and the shift
-stays: the output after --calls calls of the program (each on one of 4 inputs in turn) must equal S bit for bit.
+group's sum, and step i > 0, v <- all_reduce(v + k) - G k - (G - 1) v with k = i mod 3, gives S again, exactly in
+every dtype (|G (S + k)| <= G (4 G + 2) <= 272, a multiple of G: representable in bfloat16). The payload S + k
+differs from the one two ops back (same parity, same area), so a line whose flag is new and whose payload is that
+older op's (a torn line) changes the sum; the shift stays: the output after --calls calls of the program (each on
+one of 4 inputs in turn) must equal S bit for bit.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def check(mesh, axis: str, dtype: str, nbytes: int, algorithm: str, chain: int, 
 
     def step(x: jax.Array) -> tuple[jax.Array]:
         v = pk_jax.all_reduce(x, axis, algorithm=algorithm)  # S on every member
-        for _ in range(chain - 1):
-            v = pk_jax.all_reduce(v, axis, algorithm=algorithm) - (g - 1) * v  # G S - (G - 1) S
+        for i in range(1, chain):
+            k = i % 3  # the payload S + k differs from the one two ops back, which its area held
+            v = pk_jax.all_reduce(v + k, axis, algorithm=algorithm) - g * k - (g - 1) * v  # G (S + k) - G k - (G - 1) S
         return (v,)
 
     prog = harness.members_program(mesh, step, 1)

@@ -20,8 +20,8 @@ op is exact in each dtype at G <= 8 (|a| <= 4 G; every block of b is a / 2, c = 
 e = f = h = G^3 a / 2: at most 8 significant bits): each replay's seven outputs must equal the NumPy float32 reference exactly,
 whatever order or precision a sum takes (the kernels' float32 rank order, or the jax.lax fallback's
 dtype on CPU), and so must equal the first replay of the same input bit for bit (a replay that read a
-stale LL line would differ). On GPU the compiled HLO must hold the six pk_collective custom calls with
-the small variants (seven calls); whether it holds a command-buffer computation is recorded (`command_buffer_in_hlo`:
+stale LL line would differ). On GPU the compiled HLO must hold the seven pk_collective custom calls with
+the small variants; whether it holds a command-buffer computation is recorded (`command_buffer_in_hlo`:
 XLA can also convert thunks to command buffers, which the HLO does not show).
 """
 
@@ -130,9 +130,11 @@ def check(mesh: Mesh, axis: str, dtype: str, replays: int, seed: int, on_gpu: bo
         if not (ok and stable):
             bad += 1
             first_bad = i if first_bad is None else first_bad
-            # Which outputs moved (elements whose bits differ from the first replay of this input): the op that
-            # failed is the first of them in call order (later ones take its output).
-            moved = [f"{OUTPUT_NAMES[j % len(OUTPUT_NAMES)]}: {int((u.view(np.uint8) != v.view(np.uint8)).sum())} B"
+            # Which outputs moved (bytes that differ from the first replay of this input): the op that failed is
+            # among the first of them in call order (b..d take a's output in turn; e, f and h all take d).
+            # local_outputs is output-major: this process's shards of output 0, then of output 1, ...
+            per_output = max(len(bits) // len(OUTPUT_NAMES), 1)
+            moved = [f"{OUTPUT_NAMES[j // per_output]}: {int((u.view(np.uint8) != v.view(np.uint8)).sum())} B"
                      for j, (u, v) in enumerate(zip(bits, earlier)) if not np.array_equal(u.view(np.uint8), v.view(np.uint8))]
             print(f"rank {rank}: replay {i} {axis} {dtype}: max_err {err:.3g} (exact wanted), same bits as "
                   f"replay {k}: {stable}; bytes that differ from it: {', '.join(moved) or 'none'}", flush=True)
