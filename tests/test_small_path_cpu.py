@@ -19,6 +19,7 @@ import pk_jax
 from pk_jax import _small_path
 
 import small_kernel_emulator as emu
+from small_choice import assert_choice
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NP_DTYPES = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)]
@@ -212,14 +213,9 @@ def test_small_algorithms_keep_fallback_semantics():
 ])
 def test_ll128_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
     monkeypatch.delenv("PK_JAX_AR_PIPELINED", raising=False)
-    if mode is None:
-        monkeypatch.delenv("PK_JAX_AR_LL128", raising=False)
-    else:
-        monkeypatch.setenv("PK_JAX_AR_LL128", mode)
-    assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
-    if want is not None:
-        assert _small_path.all_reduce_choice(nbytes, g, auto=False) == want
+    assert_choice(monkeypatch, "PK_JAX_AR_LL128", mode, nbytes, g, want)
     assert _small_path.LL128_AUTO_MAX_BYTES <= _small_path.CHUNKED_MAX_BYTES
+
 
 
 def test_ll128_all_reduce_lowers_to_its_variant_and_follows_its_env(monkeypatch):

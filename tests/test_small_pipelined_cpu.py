@@ -21,6 +21,7 @@ from pk_jax import _ext, _small_path
 from pk_jax import _pipelined_schedule as sched
 
 import small_kernel_emulator as emu
+from small_choice import assert_choice
 
 NP_DTYPES = [np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)]
 KNOBS = [sched.Knobs(), sched.Knobs(rounds=4, lag=2), sched.Knobs(rounds=3, lag=1, min_chunk=16),
@@ -216,13 +217,7 @@ def test_forced_small_pipelined_lowers_to_its_variant():
 ])
 def test_pipelined_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
     monkeypatch.setenv("PK_JAX_AR_LL128", "0")  # G = 2 rows: the ladder below the LL128 lines
-    if mode is None:
-        monkeypatch.delenv("PK_JAX_AR_PIPELINED", raising=False)
-    else:
-        monkeypatch.setenv("PK_JAX_AR_PIPELINED", mode)
-    assert _small_path.all_reduce_choice(nbytes, g, auto=True) == want
-    if want is not None:
-        assert _small_path.all_reduce_choice(nbytes, g, auto=False) == want
+    assert_choice(monkeypatch, "PK_JAX_AR_PIPELINED", mode, nbytes, g, want)
 
 
 def test_auto_and_small_take_pipelined_under_the_env(monkeypatch):

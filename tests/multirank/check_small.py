@@ -103,8 +103,7 @@ def main() -> int:
     sizes = args.sizes or (small_cases.QUICK_SIZES if args.quick else small_cases.SIZES)
     for mesh, axis in harness.meshes(job):
         g = mesh.shape[axis]
-        mesh_name = "x".join(f"{n}{s}" for n, s in mesh.shape.items())
-        where = f"@{axis}" + (f"({mesh_name})" if len(mesh.shape) > 1 else "")
+        where = harness.where(mesh, axis)
         for dtype in args.dtypes:
             refusal = refusal_of(mesh, axis, harness.DTYPES[dtype])
             for nbytes in sizes:

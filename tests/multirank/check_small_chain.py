@@ -76,7 +76,7 @@ def main() -> int:
     rows = harness.Rows(job, "check_small_chain")
     for mesh, axis in harness.meshes(job):
         g = mesh.shape[axis]
-        where = f"@{axis}" + (f"({'x'.join(f'{a}{s}' for a, s in mesh.shape.items())})" if len(mesh.shape) > 1 else "")
+        where = harness.where(mesh, axis)
         for algorithm in args.algorithms:
             for dtype in args.dtypes:
                 for nbytes in args.sizes:

@@ -159,8 +159,7 @@ def main() -> int:
     rows = harness.Rows(job, "check_small_replay")
     for mesh, axis in harness.meshes(job):
         g = mesh.shape[axis]
-        mesh_name = "x".join(f"{n}{s}" for n, s in mesh.shape.items())
-        where = f"@{axis}" + (f"({mesh_name})" if len(mesh.shape) > 1 else "")
+        where = harness.where(mesh, axis)
         for dtype in args.dtypes:
             rows.run_group([("small_replay", f"{replays}x{where}", LOCAL, dtype, g)],
                            lambda mesh=mesh, axis=axis, dtype=dtype: [check(mesh, axis, dtype, replays, args.seed,

@@ -88,6 +88,12 @@ def meshes(job: Job) -> list[tuple[Mesh, str]]:
     return out
 
 
+def where(mesh: Mesh, axis: str) -> str:
+    """A case's mesh label: "@x" on a 1-D mesh, "@tp(dp2xtp2)" on a 2-D one."""
+    name = "x".join(f"{n}{s}" for n, s in mesh.shape.items())
+    return f"@{axis}" + (f"({name})" if len(mesh.shape) > 1 else "")
+
+
 def group_of(mesh: Mesh, axis: str, member: int) -> list[int]:
     """Stacked indices of `member`'s group over `axis`, in the axis's order (rank order)."""
     shape = tuple(mesh.devices.shape)
