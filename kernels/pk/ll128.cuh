@@ -1,11 +1,11 @@
 // LL128 lines for the small all_reduce "small_ll128" (after NCCL's LL128 protocol): a 128-byte line is
 // 8 lanes' 16-byte parts, stored by one warp instruction; the last 8 bytes of part 7 hold the flag
-// (the op's ll_flag and its complement), the other 120 bytes payload. NVLink delivers a warp's aligned
-// 128-byte store to a line as one write and a warp's 128-byte load of a line as one read (the property
-// NCCL's LL128 relies on, enabled on NVLink only), so a reader whose flag lane sees the flag has the
-// whole line: 120 / 128 of the wire carries data (LL lines: 4 / 8) and no fence is needed. PTX itself
+// (the op's ll_flag and its complement), the other 120 bytes payload. It relies on NVLink delivering a
+// warp's aligned 128-byte store to a line as one write and a warp's 128-byte load of a line as one read
+// (what NCCL's LL128 relies on, enabled on NVLink only), so that a reader whose flag lane sees the flag
+// has the whole line: 120 / 128 of the wire carries data (LL lines: 4 / 8) and no fence is needed. PTX
 // promises single-copy atomicity only up to 8 bytes: this is a hardware property, documented in
-// docs/design-small-collectives.md beside its tests.
+// docs/design-small-collectives.md beside its stress test.
 #pragma once
 #include <cstdint>
 #include "sync.cuh"
@@ -78,7 +78,8 @@ __device__ __forceinline__ LL128Got ll128_spin(const char* p, bool valid, LL128P
     if (!ready) ll128_load(p, a, b);
     ready = ll128_line_ready(valid, at, b, want);
     if (__all_sync(kAll, ready)) return {a, b, true};
-    // Another op at this epoch: same epoch bits, another code, and a well-formed flag word.
+    // Another op at this epoch: same epoch bits, another code, and a well-formed flag word. Only LL128 writes flag
+    // words today (all with code 15), so this fires only once another op shares them.
     const uint32_t got = uint32_t(b >> 32), wanted = uint32_t(want >> 32);
     const bool other_op = valid && at.flag_lane() && got != wanted && (got >> 4) == (wanted >> 4) && uint32_t(b) == ~got;
     const unsigned mismatch = __ballot_sync(kAll, other_op);
