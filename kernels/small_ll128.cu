@@ -50,24 +50,23 @@ __device__ __forceinline__ void store_u64(char* base, int64_t o, int64_t n, uint
   for (int k = 0; k < 4 && o + 2 * k < n; ++k) *reinterpret_cast<uint16_t*>(base + o + 2 * k) = uint16_t(v >> (16 * k));
 }
 
-// Float32 sums of one 16-byte part: 4 floats or 8 16-bit elements.
+// Float32 sums of one 16-byte part (4 floats or 8 16-bit elements), over vec.cuh's lanes.
 template <typename T>
 struct PartSum {
-  static constexpr int kPer = 8 / int(sizeof(T));  // elements per 8 bytes
-  float acc[2 * kPer] = {};
+  using L = lanes<T, 16>;
+  float acc[L::kCount] = {};
   __device__ void add(uint64_t a, uint64_t b) {
-    T e[2 * kPer];
-    memcpy(e, &a, 8);
-    memcpy(e + kPer, &b, 8);
-#pragma unroll
-    for (int i = 0; i < 2 * kPer; ++i) acc[i] += to_float(e[i]);
+    const uint64_t v[2] = {a, b};
+    uint4 u;
+    memcpy(&u, v, 16);
+    L::add(acc, u);
   }
   __device__ void pack(uint64_t& a, uint64_t& b) const {
-    T e[2 * kPer];
-#pragma unroll
-    for (int i = 0; i < 2 * kPer; ++i) e[i] = from_float<T>(acc[i]);
-    memcpy(&a, e, 8);
-    memcpy(&b, e + kPer, 8);
+    const uint4 u = L::pack(acc);
+    uint64_t v[2];
+    memcpy(v, &u, 16);
+    a = v[0];
+    b = v[1];
   }
 };
 

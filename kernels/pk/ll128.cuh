@@ -28,7 +28,6 @@ struct LL128Part {
   int part;
   __device__ int64_t payload_offset() const { return line * kLL128PayloadBytes + part * kLL128PartBytes; }
   __device__ int64_t area_offset() const { return line * kLL128LineBytes + part * kLL128PartBytes; }
-  __device__ int payload_bytes() const { return part == kLL128FlagPart ? 8 : 16; }
   __device__ bool flag_lane() const { return part == kLL128FlagPart; }
 };
 
