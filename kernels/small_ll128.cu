@@ -1,7 +1,7 @@
-// all_reduce "small_ll128": the one-shot LL all_reduce with 128-byte lines (pk/ll128.cuh). Every member
-// stores all of x, as lines of 120 payload bytes + a flag word, into every peer's area (chunk_data of
-// the receiver's control block, sender's slot, the op's parity), then sums the G members in rank order
-// in float32 from x and its own area, each line waited for by its flag. One one-way trip, no fence, no
+// all_reduce "small_ll128": the LL all_reduce with 128-byte lines (pk/ll128.cuh), one-shot or (from G = 3 and
+// kLL128TwoShotMinBytes) two-shot. One-shot: every member stores all of x, as lines of 120 payload bytes + a flag
+// word, into every peer's area (chunk_data of the receiver's control block, sender's slot, the op's parity), then
+// sums the G members in rank order in float32 from x and its own area, each line waited for by its flag. One one-way trip, no fence, no
 // per-call handshake, 128 / 120 of the payload on the wire (the 8-byte LL lines send 2x). Epochs,
 // parity and the last-CTA epoch advance are the LL path's (pk/small_epochs.cuh): every pair exchanges
 // lines in every op, so the parity argument of small_collectives.cu holds unchanged.
@@ -24,6 +24,9 @@ constexpr int kLL128Threads = 256;
 // are resident and no receiver waits on a sender that cannot start. PK_JAX_SMALL_LL128_LINES_PER_CTA
 // overrides it for sweeps (read once per process).
 constexpr int64_t kLL128LinesPerCta = 32;
+// Two-shot from this size at G >= 3 (ll128_shots; PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, PK_JAX_AR_LL128_SHOTS=1|2
+// forces either). A first guess, not measured: at G 4 the one-shot sends 3 n, the two-shot 1.5 n for a second trip.
+constexpr int64_t kLL128TwoShotMinBytes = 512 << 10;
 // One quad (4 lines) per warp at a time. Four in flight when sending and two when receiving (session 31, 2x H200)
 // made every size slower: 5.6-6.7 us from 4 KiB to 512 KiB against 3.7-4.9, and 8 MiB 50.7 against 47.2-47.7 us.
 
@@ -70,45 +73,56 @@ struct PartSum {
   }
 };
 
+// The owner of a chunk's first and last line is the chunk's member (pk/ll128.cuh's two helpers agree).
+static_assert(ll128_owner(ll128_chunk_begin(3, 7, 4), 7, 4) == 3 && ll128_owner(ll128_chunk_begin(4, 7, 4) - 1, 7, 4) == 3 &&
+                  ll128_owner(ll128_chunk_begin(1, 8739, 3), 8739, 3) == 1 && ll128_owner(8738, 8739, 8) == 7 &&
+                  ll128_owner(0, 5, 5) == 0 && ll128_owner(ll128_chunk_begin(2, 10, 3) - 1, 10, 3) == 1,
+              "ll128_owner must invert ll128_chunk_begin");
+
+// One launch's view of the lines: this device's flag with each member, x and y, and the per-lane steps both kernels
+// take. Warp w of the grid works on quads w, w + warps, ... (4 lines each, lane / 8 the line, lane % 8 the part).
 template <typename T>
-__global__ void __launch_bounds__(kLL128Threads, 1) small_all_reduce_ll128(Group g, const char* x, char* y, int64_t n) {
-  __shared__ uint32_t flag[kMaxGroup];
-  load_small_flags(g, flag, kOpAllReduceLL128);
-  __syncthreads();
-  const int lane = threadIdx.x & 31;
-  const int64_t lines = ll128_lines(n);
-  const int64_t quads = (lines + kLL128LinesPerWarp - 1) / kLL128LinesPerWarp;
-  const int64_t warp0 = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+struct LL128Launch {
+  const Group& g;
+  const uint32_t* flag;  // shared memory, by rank: this op's ll_flag with that member
+  const char* x;
+  char* y;
+  int64_t n, lines;
+  int lane;
+  int64_t warp0, warps;
+
+  __device__ LL128Launch(const Group& g_, const uint32_t* flag_, const char* x_, char* y_, int64_t n_)
+      : g(g_), flag(flag_), x(x_), y(y_), n(n_), lines(ll128_lines(n_)), lane(int(threadIdx.x & 31)),
+        warp0((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32), warps(int64_t(gridDim.x) * blockDim.x / 32) {}
+
+  // Quads (4 lines) covering `count` lines.
+  __device__ static int64_t quads(int64_t count) { return (count + kLL128LinesPerWarp - 1) / kLL128LinesPerWarp; }
   // This lane's part in member r's area (this device's slot), and in its own area (r's slot).
-  const auto out_at = [&](int r, const LL128Part& at) {
+  __device__ char* out_at(int r, const LL128Part& at) const {
     return g.ctrl[r]->chunk_data[ll_parity(flag[r])][g.my_slot()] + at.area_offset();
-  };
-  const auto in_at = [&](int r, const LL128Part& at) -> const char* {
+  }
+  __device__ const char* in_at(int r, const LL128Part& at) const {
     return g.self()->chunk_data[ll_parity(flag[r])][g.slot[r]] + at.area_offset();
-  };
-  // Own x's part of this lane's line: (a, b); part 7's b is the flag word, set per receiver.
-  const auto own = [&](const LL128Part& at, uint64_t& a, uint64_t& b) {
+  }
+  // x's part of this lane's line: (a, b); part 7's b is 0 (its place carries the flag word).
+  __device__ void own(const LL128Part& at, uint64_t& a, uint64_t& b) const {
     const int64_t o = at.payload_offset();
     a = load_u64(x, o, n);
     b = at.flag_lane() ? 0 : load_u64(x, o + 8, n);
-  };
-  // (1) Every line to every peer first, so no peer's receive waits on this member's receive.
-  for (int64_t q = warp0; q < quads; q += warps) {
-    const LL128Part at = ll128_part(q, lane);
-    if (at.line >= lines) continue;  // whole lines drop out together: the stores stay 128-byte writes
-    uint64_t a, b;
-    own(at, a, b);
-    for (int p = 1; p < g.size; ++p) {
-      const int r = (g.rank + p) % g.size;
-      ll128_store(out_at(r, at), a, at.flag_lane() ? ll128_flag_word(flag[r]) : b);
-    }
   }
-  // (2) The rank-order float32 sum: every peer's line loads first, then each waits for its flag.
-  bool ok = true;
-  for (int64_t q = warp0; q < quads; q += warps) {
-    const LL128Part at = ll128_part(q, lane);
-    const bool valid = at.line < lines;
+  // (a, b) as this lane's part of its line in member r's area, part 7 with the flag word.
+  __device__ void send(int r, const LL128Part& at, uint64_t a, uint64_t b) const {
+    ll128_store(out_at(r, at), a, at.flag_lane() ? ll128_flag_word(flag[r]) : b);
+  }
+  __device__ void store_y(const LL128Part& at, uint64_t a, uint64_t b) const {
+    const int64_t o = at.payload_offset();
+    store_u64(y, o, n, a);
+    if (!at.flag_lane()) store_u64(y, o + 8, n, b);
+  }
+  // The rank-order float32 sum of this lane's part over the members (own from x, the others from their lines in
+  // this device's area: every load first, then each waits for its flag), packed into (a, b). Every lane of the warp
+  // calls it; false when a wait failed.
+  __device__ bool sum(const LL128Part& at, bool valid, uint64_t& a, uint64_t& b) const {
     uint64_t va[kMaxGroup], vb[kMaxGroup];
 #pragma unroll
     for (int r = 0; r < kMaxGroup; ++r) {
@@ -120,7 +134,8 @@ __global__ void __launch_bounds__(kLL128Threads, 1) small_all_reduce_ll128(Group
         ll128_load(in_at(r, at), va[r], vb[r]);
       }
     }
-    PartSum<T> sum;
+    PartSum<T> acc;
+    bool ok = true;
 #pragma unroll
     for (int r = 0; r < kMaxGroup; ++r) {
       if (r >= g.size) continue;
@@ -128,24 +143,101 @@ __global__ void __launch_bounds__(kLL128Threads, 1) small_all_reduce_ll128(Group
         ok = ll128_settle(in_at(r, at), valid, at, ll128_flag_word(flag[r]), va[r], vb[r], g, r) && ok;
         if (at.flag_lane()) vb[r] = 0;  // the flag word is not payload
       }
-      sum.add(va[r], vb[r]);
+      acc.add(va[r], vb[r]);
     }
-    if (valid && ok) {
-      uint64_t a, b;
-      sum.pack(a, b);
-      const int64_t o = at.payload_offset();
-      store_u64(y, o, n, a);
-      if (!at.flag_lane()) store_u64(y, o + 8, n, b);
-    }
+    acc.pack(a, b);
+    return ok;
+  }
+};
+
+template <typename T>
+__global__ void __launch_bounds__(kLL128Threads, 1) small_all_reduce_ll128(Group g, const char* x, char* y, int64_t n) {
+  __shared__ uint32_t flag[kMaxGroup];
+  load_small_flags(g, flag, kOpAllReduceLL128);
+  __syncthreads();
+  const LL128Launch<T> L(g, flag, x, y, n);
+  const int64_t quads = L.quads(L.lines);
+  // (1) Every line to every peer first, so no peer's receive waits on this member's receive.
+  for (int64_t q = L.warp0; q < quads; q += L.warps) {
+    const LL128Part at = ll128_part(q, L.lane);
+    if (at.line >= L.lines) continue;  // whole lines drop out together: the stores stay 128-byte writes
+    uint64_t a, b;
+    L.own(at, a, b);
+    for (int p = 1; p < g.size; ++p) L.send((g.rank + p) % g.size, at, a, b);
+  }
+  // (2) The rank-order float32 sum.
+  bool ok = true;
+  for (int64_t q = L.warp0; q < quads; q += L.warps) {
+    const LL128Part at = ll128_part(q, L.lane);
+    const bool valid = at.line < L.lines;
+    uint64_t a, b;
+    ok = L.sum(at, valid, a, b) && ok;
+    if (valid && ok) L.store_y(at, a, b);
   }
   finish_small_op(g);
 }
 
-const void* ll128_kernel(DType dtype) {
+// Two-shot (reduce-scatter + all-gather of lines, launch_ll128 picks it: ll128_shots): member o owns the lines
+// [ll128_chunk_begin(o), ll128_chunk_begin(o + 1)), all non-empty (lines >= G). (A) each line of another owner goes
+// to that owner; (B) each member sums its own chunk over the members, keeps it and sends it to every peer (into the
+// lines of its chunk in their areas: disjoint from the lines (A) fills, which lie in the receiver's own chunk);
+// (C) the other chunks arrive from their owners. Two one-way trips; each GPU sends 2 (G-1)/G of the lines.
+template <typename T>
+__global__ void __launch_bounds__(kLL128Threads, 1)
+    small_all_reduce_ll128_two_shot(Group g, const char* x, char* y, int64_t n) {
+  __shared__ uint32_t flag[kMaxGroup];
+  load_small_flags(g, flag, kOpAllReduceLL128);
+  __syncthreads();
+  const LL128Launch<T> L(g, flag, x, y, n);
+  const int64_t quads = L.quads(L.lines);
+  const int64_t mine = ll128_chunk_begin(g.rank, L.lines, g.size), mine_end = ll128_chunk_begin(g.rank + 1, L.lines, g.size);
+  // (A)
+  for (int64_t q = L.warp0; q < quads; q += L.warps) {
+    const LL128Part at = ll128_part(q, L.lane);
+    if (at.line >= L.lines) continue;
+    const int owner = ll128_owner(at.line, L.lines, g.size);
+    if (owner == g.rank) continue;  // the line's 8 lanes share its owner: stores stay whole lines
+    uint64_t a, b;
+    L.own(at, a, b);
+    L.send(owner, at, a, b);
+  }
+  // (B)
+  bool ok = true;
+  for (int64_t q = L.warp0; q < L.quads(mine_end - mine); q += L.warps) {
+    const LL128Part at = ll128_part(q, L.lane, mine);
+    const bool valid = at.line < mine_end;
+    uint64_t a, b;
+    ok = L.sum(at, valid, a, b) && ok;
+    if (valid && ok) {
+      L.store_y(at, a, b);
+      for (int p = 1; p < g.size; ++p) L.send((g.rank + p) % g.size, at, a, b);
+    }
+  }
+  // (C)
+  for (int64_t q = L.warp0; q < quads; q += L.warps) {
+    const LL128Part at = ll128_part(q, L.lane);
+    const int owner = at.line < L.lines ? ll128_owner(at.line, L.lines, g.size) : g.rank;
+    const bool valid = owner != g.rank;
+    uint64_t a = 0, b = 0;
+    if (valid) ll128_load(L.in_at(owner, at), a, b);
+    const int first_owner = __shfl_sync(0xffffffffu, owner, 0);  // names a peer in a timeout report
+    ok = ll128_settle(L.in_at(owner, at), valid, at, ll128_flag_word(flag[owner]), a, b, g, first_owner) && ok;
+    if (valid && ok) L.store_y(at, a, b);
+  }
+  finish_small_op(g);
+}
+
+template <typename T>
+const void* ll128_kernel_for(int shots) {
+  return shots == 2 ? reinterpret_cast<const void*>(&small_all_reduce_ll128_two_shot<T>)
+                    : reinterpret_cast<const void*>(&small_all_reduce_ll128<T>);
+}
+
+const void* ll128_kernel(DType dtype, int shots) {
   switch (dtype) {
-    case DType::kF32: return reinterpret_cast<const void*>(&small_all_reduce_ll128<float>);
-    case DType::kBF16: return reinterpret_cast<const void*>(&small_all_reduce_ll128<__nv_bfloat16>);
-    case DType::kF16: return reinterpret_cast<const void*>(&small_all_reduce_ll128<__half>);
+    case DType::kF32: return ll128_kernel_for<float>(shots);
+    case DType::kBF16: return ll128_kernel_for<__nv_bfloat16>(shots);
+    case DType::kF16: return ll128_kernel_for<__half>(shots);
   }
   return nullptr;
 }
@@ -156,7 +248,7 @@ cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, in
                          cudaStream_t stream) {
   if (bytes <= 0 || bytes > kChunkedBytes || g.size < 2) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) & 7) return cudaErrorMisalignedAddress;
-  const void* k = ll128_kernel(dtype);
+  const void* k = ll128_kernel(dtype, ll128_shots(bytes, g.size));
   if (!k) return cudaErrorInvalidValue;
   const int64_t per_cta = ll128_lines_per_cta();
   int64_t grid = (ll128_lines(bytes) + per_cta - 1) / per_cta;
@@ -167,8 +259,19 @@ cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, in
   return cudaLaunchKernel(k, dim3(unsigned(grid)), dim3(kLL128Threads), args, 0, stream);
 }
 
+int ll128_shots(int64_t bytes, int group) {
+  static const int64_t forced = env_or("PK_JAX_AR_LL128_SHOTS", 0, 0, 2);
+  static const int64_t two_shot_min = env_or("PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES", kLL128TwoShotMinBytes, 1, kChunkedBytes);
+  if (ll128_lines(bytes) < group) return 1;  // two-shot needs a line for every owner
+  if (forced) return int(forced);
+  return group >= 3 && bytes >= two_shot_min ? 2 : 1;
+}
+
 std::vector<const void*> ll128_kernels() {
-  return {ll128_kernel(DType::kF32), ll128_kernel(DType::kBF16), ll128_kernel(DType::kF16)};
+  std::vector<const void*> out;
+  for (DType dt : {DType::kF32, DType::kBF16, DType::kF16})
+    for (int shots : {1, 2}) out.push_back(ll128_kernel(dt, shots));
+  return out;
 }
 
 }  // namespace pk

@@ -17,7 +17,8 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   payload bytes + a flag word, stored and loaded by whole warps: one trip, no fence, 1.07x the bytes on the
   wire. It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At G = 2
   auto / "small" take it up to LL128_AUTO_MAX_BYTES (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
-  "0" never).
+  "0" never). The kernel goes two-shot (reduce-scatter + all-gather of lines) from G = 3 and 512 KiB
+  (PK_JAX_AR_LL128_SHOTS=1|2 and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, read once per process).
 """
 
 from __future__ import annotations

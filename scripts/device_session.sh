@@ -51,7 +51,8 @@
 #   zerotail    (2 GPUs+) dispatch(zero_tail=False) GPU tests, the expert FFN's and moe_mlp's, then expertffn's bench ~6 min
 #   ll128       (2 GPUs+) the LL128 all_reduce: first test alone (3 s waits), its GPU and chain-stress tests, floor slopes
 #               beside the other small all_reduces / auto / psum (LL128_BYTES; GPUs PAIR too from 4 GPUs), lines-per-CTA
-#               sweep (LL128_LINES), 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS)                         ~8 min
+#               sweep (LL128_LINES), 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS); the two-shot kernel forced
+#               (PK_JAX_AR_LL128_SHOTS=2): its tests, floor slopes and shared-GPU chains                       ~10 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   acctests    the attention kernels merging into ring attention's float32 states (forward epilogue, backward dQ add):
@@ -415,8 +416,15 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                stage ll128-lines$lines 60 env PK_JAX_SMALL_LL128_LINES_PER_CTA=$lines python3 scripts/latency_floor.py \
                  --tag "lines$lines" --ops pk_small_ll128 --bytes 65536 262144 1048576 8388608 --out "$OUT/$day-floor-ll128-lines$lines.json"
              done
+             # the two-shot kernel forced at every size and G (fresh processes: the knob is read once)
+             stage ll128-2shot-tests 150 env PK_JAX_AR_LL128_SHOTS=2 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
+               -m gpu -q -rs -k "small_ll128 and (sizes or chain)"
+             stage ll128-2shot-floor 100 env PK_JAX_AR_LL128_SHOTS=2 python3 scripts/latency_floor.py --tag ll128-2shot \
+               --ops pk_small_ll128 --bytes $ll128_bytes --out "$OUT/$day-floor-ll128-2shot.json"
              stage ll128-shared ${LL128_SHARED_LIMIT:-240} env CUDA_VISIBLE_DEVICES=0 python3 -m pk_jax.bench multirank --ranks 2 4 \
                --steps ${LL128_SHARED_STEPS:-check_small_chain check_small_replay} --out "$OUT/$day-multirank-shared-ll128.json"
+             stage ll128-shared-2shot 120 env CUDA_VISIBLE_DEVICES=0 PK_JAX_AR_LL128_SHOTS=2 python3 -m pk_jax.bench multirank \
+               --ranks 2 4 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-2shot.json"
            fi ;;
     ringshift) stage ringshift-first 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs \
                  "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[sm-2]"

@@ -21,6 +21,13 @@ constexpr int kLL128LinesPerWarp = 32 * kLL128PartBytes / kLL128LineBytes;  // 4
 // Lines that carry n payload bytes.
 __host__ __device__ constexpr int64_t ll128_lines(int64_t n) { return (n + kLL128PayloadBytes - 1) / kLL128PayloadBytes; }
 
+// Two-shot: member o owns lines [ll128_chunk_begin(o), ll128_chunk_begin(o + 1)) of `lines` over g members (every
+// chunk non-empty when lines >= g), and line l belongs to ll128_owner(l).
+__host__ __device__ constexpr int64_t ll128_chunk_begin(int o, int64_t lines, int g) { return o * lines / g; }
+__host__ __device__ constexpr int ll128_owner(int64_t line, int64_t lines, int g) {
+  return int(((line + 1) * g + lines - 1) / lines - 1);
+}
+
 // Where a lane's part of line `line` sits: in the payload (x, y) and in a receive area. Part 7 carries
 // 8 payload bytes, parts 0-6 carry 16.
 struct LL128Part {
@@ -31,9 +38,9 @@ struct LL128Part {
   __device__ bool flag_lane() const { return part == kLL128FlagPart; }
 };
 
-// Lane `lane` of a warp working on lines [4 q, 4 q + 4): line 4 q + lane / 8, part lane % 8.
-__device__ __forceinline__ LL128Part ll128_part(int64_t q, int lane) {
-  return {q * kLL128LinesPerWarp + lane / 8, lane % 8};
+// Lane `lane` of a warp working on lines [first + 4 q, first + 4 q + 4): line first + 4 q + lane / 8, part lane % 8.
+__device__ __forceinline__ LL128Part ll128_part(int64_t q, int lane, int64_t first = 0) {
+  return {first + q * kLL128LinesPerWarp + lane / 8, lane % 8};
 }
 
 // The flag word: the 32-bit ll_flag and its complement, so that stale plain bytes of the chunk-flag all_reduces,

@@ -128,6 +128,19 @@ def test_all_reduce_chain_stays_exact(dtype, nbytes, algorithm):
             assert_bits(blk, want, f"call {call}, member {r}")
 
 
+def test_ll128_two_shot_in_a_fresh_process():
+    """The LL128 two-shot kernel, forced at every G and size (PK_JAX_AR_LL128_SHOTS=2, read once per process), passes
+    this file's LL128 size sweep and chain stress in a process of its own (sizes with fewer lines than members run
+    one-shot)."""
+    if os.environ.get("PK_JAX_AR_LL128_SHOTS"):
+        pytest.skip("this process already runs with PK_JAX_AR_LL128_SHOTS set")
+    res = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-m", "gpu", "-q", "-x", "-k",
+                          "small_ll128 and (sizes or chain)"], capture_output=True, text=True, timeout=900,
+                         env={**os.environ, "PK_JAX_AR_LL128_SHOTS": "2",
+                              "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("local_shape", [(3, 5, 7), (1, 8192), (16, 8192), (7, 13), (2, 3, 4, 40)])
 def test_all_reduce_dims_same_bits_as_bulk(dtype, local_shape):
