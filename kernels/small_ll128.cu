@@ -25,10 +25,22 @@ constexpr int kLL128Threads = 256;
 // overrides it for sweeps (read once per process).
 constexpr int64_t kLL128LinesPerCta = 32;
 // Two-shot from this size at G >= 3 (ll128_shots; PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, PK_JAX_AR_LL128_SHOTS=1|2
-// forces either). A first guess, not measured: at G 4 the one-shot sends 3 n, the two-shot 1.5 n for a second trip.
-constexpr int64_t kLL128TwoShotMinBytes = 512 << 10;
+// forces either): the one-shot sends (G-1) n, the two-shot 2 (G-1)/G n over a second trip. Measured on 4x H200
+// (session 32, latency_floor slopes, us per op, one-shot / two-shot): 64 KiB 5.27 / 6.66, 128 KiB 6.47 / 6.99,
+// 256 KiB 8.55 / 7.30, 512 KiB 8.52 / 8.21, 1 MiB 10.70 / 10.76, 2 MiB 18.34 / 17.91.
+constexpr int64_t kLL128TwoShotMinBytes = 256 << 10;
 // One quad (4 lines) per warp at a time. Four in flight when sending and two when receiving (session 31, 2x H200)
 // made every size slower: 5.6-6.7 us from 4 KiB to 512 KiB against 3.7-4.9, and 8 MiB 50.7 against 47.2-47.7 us.
+
+// The one-shot's sums trail its sends by this many of a warp's quads (PK_JAX_SMALL_LL128_LAG, read once per process;
+// a lag of a warp's whole share sends everything first, session 31's kernel). Quads per warp at 132 SMs: <= 3 up to
+// 1.5 MiB (unchanged by lag 4), 17 at 8 MiB, where the sums used to follow ~24 us of sends.
+constexpr int64_t kLL128Lag = 4;
+
+int64_t ll128_lag() {
+  static const int64_t v = env_or("PK_JAX_SMALL_LL128_LAG", kLL128Lag, 0, 1 << 20);
+  return v;
+}
 
 int64_t ll128_lines_per_cta() {
   static const int64_t v = env_or("PK_JAX_SMALL_LL128_LINES_PER_CTA", kLL128LinesPerCta, 32, 1 << 16) / 32 * 32;
@@ -151,28 +163,34 @@ struct LL128Launch {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kLL128Threads, 1) small_all_reduce_ll128(Group g, const char* x, char* y, int64_t n) {
+__global__ void __launch_bounds__(kLL128Threads, 1)
+    small_all_reduce_ll128(Group g, const char* x, char* y, int64_t n, int64_t lag) {
   __shared__ uint32_t flag[kMaxGroup];
   load_small_flags(g, flag, kOpAllReduceLL128);
   __syncthreads();
   const LL128Launch<T> L(g, flag, x, y, n);
   const int64_t quads = L.quads(L.lines);
-  // (1) Every line to every peer first, so no peer's receive waits on this member's receive.
-  for (int64_t q = L.warp0; q < quads; q += L.warps) {
-    const LL128Part at = ll128_part(q, L.lane);
-    if (at.line >= L.lines) continue;  // whole lines drop out together: the stores stay 128-byte writes
-    uint64_t a, b;
-    L.own(at, a, b);
-    for (int p = 1; p < g.size; ++p) L.send((g.rank + p) % g.size, at, a, b);
-  }
-  // (2) The rank-order float32 sum.
+  const int64_t mine = quads > L.warp0 ? (quads - L.warp0 + L.warps - 1) / L.warps : 0;  // this warp's quads
+  // Iteration i sends this warp's quad i to every peer and sums its quad i - lag, whose lines the peers sent about
+  // lag iterations ago: the sums run under the sends. No cycle of waits: a warp's sends never wait on its sums of
+  // later quads, and every CTA is resident.
   bool ok = true;
-  for (int64_t q = L.warp0; q < quads; q += L.warps) {
-    const LL128Part at = ll128_part(q, L.lane);
-    const bool valid = at.line < L.lines;
-    uint64_t a, b;
-    ok = L.sum(at, valid, a, b) && ok;
-    if (valid && ok) L.store_y(at, a, b);
+  for (int64_t i = 0; i < mine + lag; ++i) {
+    if (i < mine) {
+      const LL128Part at = ll128_part(L.warp0 + i * L.warps, L.lane);
+      if (at.line < L.lines) {  // whole lines drop out together: the stores stay 128-byte writes
+        uint64_t a, b;
+        L.own(at, a, b);
+        for (int p = 1; p < g.size; ++p) L.send((g.rank + p) % g.size, at, a, b);
+      }
+    }
+    if (i >= lag && i - lag < mine) {  // the rank-order float32 sum
+      const LL128Part at = ll128_part(L.warp0 + (i - lag) * L.warps, L.lane);
+      const bool valid = at.line < L.lines;
+      uint64_t a, b;
+      ok = L.sum(at, valid, a, b) && ok;
+      if (valid && ok) L.store_y(at, a, b);
+    }
   }
   finish_small_op(g);
 }
@@ -248,15 +266,18 @@ cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, in
                          cudaStream_t stream) {
   if (bytes <= 0 || bytes > kChunkedBytes || g.size < 2) return cudaErrorInvalidValue;
   if ((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(y)) & 7) return cudaErrorMisalignedAddress;
-  const void* k = ll128_kernel(dtype, ll128_shots(bytes, g.size));
+  const int shots = ll128_shots(bytes, g.size);
+  const void* k = ll128_kernel(dtype, shots);
   if (!k) return cudaErrorInvalidValue;
   const int64_t per_cta = ll128_lines_per_cta();
   int64_t grid = (ll128_lines(bytes) + per_cta - 1) / per_cta;
   grid = grid > lim.num_sms ? lim.num_sms : grid;  // all CTAs co-resident
   const char* s = static_cast<const char*>(x);
   char* d = static_cast<char*>(y);
-  void* args[] = {const_cast<Group*>(&g), &s, &d, &bytes};
-  return cudaLaunchKernel(k, dim3(unsigned(grid)), dim3(kLL128Threads), args, 0, stream);
+  int64_t lag = ll128_lag();
+  void* one_shot[] = {const_cast<Group*>(&g), &s, &d, &bytes, &lag};
+  void* two_shot[] = {const_cast<Group*>(&g), &s, &d, &bytes};
+  return cudaLaunchKernel(k, dim3(unsigned(grid)), dim3(kLL128Threads), shots == 2 ? two_shot : one_shot, 0, stream);
 }
 
 int ll128_shots(int64_t bytes, int group) {

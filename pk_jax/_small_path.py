@@ -15,9 +15,9 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   G, "0" never).
 - LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL one-shot with 128-byte lines of 120
   payload bytes + a flag word, stored and loaded by whole warps: one trip, no fence, 1.07x the bytes on the
-  wire. It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At G = 2
+  wire. It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At every G
   auto / "small" take it up to LL128_AUTO_MAX_BYTES (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
-  "0" never). The kernel goes two-shot (reduce-scatter + all-gather of lines) from G = 3 and 512 KiB
+  "0" never). The kernel goes two-shot (reduce-scatter + all-gather of lines) from G = 3 and 256 KiB
   (PK_JAX_AR_LL128_SHOTS=1|2 and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, read once per process).
 """
 
@@ -54,11 +54,15 @@ CHUNKED_AUTO_SEND_BYTES = 8 << 20
 # 56.4 / 42.0 / 56.4, 8 MiB 108.5 / 67.0 / 66.1. At G = 2 (one-shot): 1 MiB 15.6 / 13.7, 8 MiB 41.9 / 47.1:
 # mixed, so not taken there.
 PIPELINED_MIN_BYTES = 512 << 10
-# At G = 2, auto / "small" take the LL128 one-shot for x up to this size. Measured on 2x H200 (2026-11-28, session 31,
+# auto / "small" take LL128 (one-shot; two-shot from G = 3 and 256 KiB, kernels/small_ll128.cu) for x up to this
+# size at every G. Measured on 2x H200 (2026-11-28, session 31,
 # scripts/latency_floor.py slopes in two leases, us per op, LL128 / LL one-shot / chunk flags / psum): 4 KiB 3.92-4.04
 # / 4.27-4.54 / 6.06-6.16 / 9.5-13.0, 64 KiB 3.91-3.96 / 4.57-4.97 / 7.2-7.3 / 12.5-13.9, 256 KiB 4.86-4.91 / 6.79-6.89
 # / 8.7-8.8 / 15.1-15.5, 1 MiB 8.34-8.41 / 12.6-13.2 / 10.9-11.3 / 20.6-23.4, 2 MiB 13.83-14.36 / - / 14.8-15.0 /
-# 28.5-28.7; 8 MiB 47.2-47.7 against the chunk flags' 37.9-38.2 (one quad in flight per warp). G > 2: not measured.
+# 28.5-28.7; 8 MiB 47.2-47.7 against the chunk flags' 37.9-38.2 (one quad in flight per warp). On 4x H200 (session 32,
+# one lease, LL128 (one- / two-shot) / the old ladder's pick / psum): 4 KiB 5.29 / 7.28 / 15.73, 128 KiB 6.47 / 8.44 /
+# 17.85, 512 KiB 8.21 (two-shot) / 13.65 / 23.06, 1 MiB 10.70 / 19.14 / 30.59, 2 MiB 17.91 (two-shot) / 27.77 / 37.37;
+# 8 MiB 67.25 against the pipelined chunk flags' 63.36. G = 3 and G > 4: not measured (the same rule).
 LL128_AUTO_MAX_BYTES = 2 << 20
 
 
@@ -90,7 +94,7 @@ def pipelined_mode() -> str:
 
 
 def ll128_mode() -> str:
-    """$PK_JAX_AR_LL128: "auto" (default: auto / "small" take "small_ll128" at G = 2 up to LL128_AUTO_MAX_BYTES, unless
+    """$PK_JAX_AR_LL128: "auto" (default: auto / "small" take "small_ll128" up to LL128_AUTO_MAX_BYTES, unless
     ranks share a GPU: ll128_lines_whole),
     "1" (first at any G, from 1 byte to CHUNKED_MAX_BYTES) or "0" (only when forced)."""
     return choice_setting("PK_JAX_AR_LL128", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
@@ -119,7 +123,7 @@ def blocks_contiguous(shape: Sequence[int], axis: int) -> bool:
 def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | None:
     """The small-path all_reduce for an `nbytes` array over `group` members, or None where it has none.
 
-    First the LL128 one-shot at G = 2 up to LL128_AUTO_MAX_BYTES (ll128_mode, ll128_lines_whole). Then, in order: LL one-shot (every
+    First LL128 up to LL128_AUTO_MAX_BYTES (ll128_mode, ll128_lines_whole). Then, in order: LL one-shot (every
     member sends all of x to every peer as LL lines: one trip, 2 (G-1) n bytes
     on the wire) while (G-1) n <= LL_AUTO_SEND_BYTES; at G > 2, LL two-shot (owners of 1/G chunks sum theirs
     and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
@@ -135,8 +139,8 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     if mode == "1" and pipelined:
         return "small_pipelined"
     ll128 = ll128_mode()
-    if (ll128 == "1" and nbytes <= CHUNKED_MAX_BYTES) or (ll128 == "auto" and group == 2
-                                                          and nbytes <= LL128_AUTO_MAX_BYTES and ll128_lines_whole()):
+    if (ll128 == "1" and nbytes <= CHUNKED_MAX_BYTES) or (ll128 == "auto" and nbytes <= LL128_AUTO_MAX_BYTES
+                                                          and ll128_lines_whole()):
         return "small_ll128"
     send = (group - 1) * nbytes
     if nbytes <= SMALL_MAX_BYTES and send <= LL_AUTO_SEND_BYTES:

@@ -53,6 +53,9 @@
 #               beside the other small all_reduces / auto / psum (LL128_BYTES; GPUs PAIR too from 4 GPUs), lines-per-CTA
 #               sweep (LL128_LINES), 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS); the two-shot kernel forced
 #               (PK_JAX_AR_LL128_SHOTS=2): its tests, floor slopes and shared-GPU chains                       ~10 min
+#   ll128lag    (2 GPUs+) the LL128 one-shot's lag of sums behind sends (LL128_LAGS), GPUs PAIR, 256 KiB-8 MiB ~3 min
+#   ll128verify (2 GPUs+) LL128 at auto's thresholds: GPU tests and chains (all GPUs, then GPUs PAIR), the forced
+#               two-shot's chains with 4 ranks sharing GPU 0                                              ~6 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   acctests    the attention kernels merging into ring attention's float32 states (forward epilogue, backward dQ add):
@@ -403,7 +406,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
            stage ll128-first 60 env PK_JAX_TIMEOUT_MS=3000 python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
              -m gpu -x -q -rs -k "test_all_reduce_sizes and small_ll128 and 4096-"
            if grep -q " passed" "$OUT/ll128-first.log" && ! grep -q "failed" "$OUT/ll128-first.log"; then
-             stage ll128-tests 200 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
+             stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
              ll128_bytes=${LL128_BYTES:-4096 16384 65536 131072 262144 524288 1048576 2097152 8388608}
              ll128_ops="pk_small_one_shot pk_small_two_shot pk_small_ll128 pk_small_chunked pk_small_pipelined pk_auto psum"
              stage ll128-floor 200 python3 scripts/latency_floor.py --tag ll128 --ops $ll128_ops --bytes $ll128_bytes \
@@ -426,6 +429,21 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
              stage ll128-shared-2shot 120 env CUDA_VISIBLE_DEVICES=0 PK_JAX_AR_LL128_SHOTS=2 python3 -m pk_jax.bench multirank \
                --ranks 2 4 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-2shot.json"
            fi ;;
+    ll128lag) # (2 GPUs+) the LL128 one-shot's lag of sums behind sends (LL128_LAGS; 100000: every send first, session 31's
+              # kernel) on GPUs PAIR, beside the chunk flags and psum, 256 KiB-8 MiB
+              stage ll128lag-base 60 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py --tag lag-base \
+                --ops pk_small_chunked psum --bytes 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128lag-base.json"
+              for lag in ${LL128_LAGS:-4 100000 2 8}; do
+                stage ll128lag$lag 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_SMALL_LL128_LAG=$lag python3 scripts/latency_floor.py \
+                  --tag "lag$lag" --ops pk_small_ll128 --bytes 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128lag$lag.json"
+              done ;;
+    ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
+                 # the forced two-shot's chains with 4 ranks sharing GPU 0
+                 stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
+                 stage ll128-chain-pair 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
+                   -m gpu -q -rs -k "chain"
+                 stage ll128-shared-2shot 150 env CUDA_VISIBLE_DEVICES=0 PK_JAX_AR_LL128_SHOTS=2 python3 -m pk_jax.bench multirank \
+                   --ranks 4 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-2shot.json" ;;
     ringshift) stage ringshift-first 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs \
                  "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[sm-2]"
                if grep -q " passed" "$OUT/ringshift-first.log" && ! grep -q "failed" "$OUT/ringshift-first.log"; then

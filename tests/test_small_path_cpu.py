@@ -144,12 +144,18 @@ def test_auto_keeps_the_bulk_path_when_the_small_one_is_off(monkeypatch):
     monkeypatch.setenv("PK_JAX_SMALL_PATH", "0")
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == 0
     assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True), (8 * 4, 64)) == 0
-    assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 4, 1024)) == _small_path.VARIANT_SMALL
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 4, 1024)) == \
+        _small_path.VARIANT_SMALL_LL128
 
 
 def test_api_picks_small_path_by_size(monkeypatch):
     monkeypatch.delenv("PK_JAX_SMALL_PATH", raising=False)  # on by default
+    monkeypatch.delenv("PK_JAX_AR_LL128", raising=False)
     # 8 members, bf16: per-device shapes are the global ones / 8 along dim 0.
+    ll128 = _small_path.VARIANT_SMALL_LL128  # all_reduce's first pick up to LL128_AUTO_MAX_BYTES at any G
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == ll128          # 8 KiB
+    assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 1024, 1024)) == ll128       # 2 MiB
+    monkeypatch.setenv("PK_JAX_AR_LL128", "0")  # the ladder below it
     small, two, bulk = _small_path.VARIANT_SMALL, _small_path.VARIANT_SMALL_TWO_SHOT, 0
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == small            # 8 KiB
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 128, 1024)) == two            # 256 KiB
@@ -200,12 +206,14 @@ def test_small_algorithms_keep_fallback_semantics():
 
 
 @pytest.mark.parametrize("nbytes,g,mode,want", [
-    (4, 2, None, "small_ll128"),                # default "auto": at G = 2 from 1 byte ...
+    (4, 2, None, "small_ll128"),                # default "auto": at every G from 1 byte ...
     (1 << 20, 2, None, "small_ll128"),
     (2 << 20, 2, None, "small_ll128"),          # ... to LL128_AUTO_MAX_BYTES
     ((2 << 20) + 4, 2, None, "small_chunked"),  # then the chunk flags (they lead at 8 MiB)
-    (4096, 4, None, "small_one_shot"),          # not measured at G > 2: the ladder as before
-    (1 << 20, 4, None, "small_pipelined"),
+    (4096, 4, None, "small_ll128"),
+    (2 << 20, 4, None, "small_ll128"),
+    ((2 << 20) + 8, 4, None, "small_pipelined"),  # from G = 3 the pipelined chunk flags (they lead at 8 MiB)
+    (1 << 20, 8, None, "small_ll128"),
     (1 << 20, 2, "0", "small_chunked"),
     (8 << 20, 2, "1", "small_ll128"),           # "1": first wherever it serves, at any G
     (1 << 20, 8, "1", "small_ll128"),

@@ -128,15 +128,17 @@ def test_all_reduce_chain_stays_exact(dtype, nbytes, algorithm):
             assert_bits(blk, want, f"call {call}, member {r}")
 
 
-def test_ll128_two_shot_in_a_fresh_process():
-    """The LL128 two-shot kernel, forced at every G and size (PK_JAX_AR_LL128_SHOTS=2, read once per process), passes
-    this file's LL128 size sweep and chain stress in a process of its own (sizes with fewer lines than members run
-    one-shot)."""
-    if os.environ.get("PK_JAX_AR_LL128_SHOTS"):
-        pytest.skip("this process already runs with PK_JAX_AR_LL128_SHOTS set")
+@pytest.mark.parametrize("knob,value", [("PK_JAX_AR_LL128_SHOTS", "2"), ("PK_JAX_SMALL_LL128_LAG", "1")])
+def test_ll128_knob_in_a_fresh_process(knob, value):
+    """The LL128 kernels under a knob read once per process pass this file's LL128 size sweep and chain stress in a
+    process of their own: the two-shot forced at every G and size (PK_JAX_AR_LL128_SHOTS=2; sizes with fewer lines than
+    members run one-shot), and the one-shot summing each quad one iteration after sending it (PK_JAX_SMALL_LL128_LAG=1:
+    sends and waits interleaved at every size)."""
+    if os.environ.get(knob):
+        pytest.skip(f"this process already runs with {knob} set")
     res = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-m", "gpu", "-q", "-x", "-k",
                           "small_ll128 and (sizes or chain)"], capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PK_JAX_AR_LL128_SHOTS": "2",
+                         env={**os.environ, knob: value,
                               "PYTHONPATH": os.getcwd() + os.pathsep + os.environ.get("PYTHONPATH", "")})
     assert res.returncode == 0 and " passed" in res.stdout, res.stdout[-3000:] + res.stderr[-2000:]
 
