@@ -33,9 +33,10 @@ constexpr int64_t kLL128TwoShotMinBytes = 256 << 10;
 // made every size slower: 5.6-6.7 us from 4 KiB to 512 KiB against 3.7-4.9, and 8 MiB 50.7 against 47.2-47.7 us.
 
 // The one-shot's sums trail its sends by this many of a warp's quads (PK_JAX_SMALL_LL128_LAG, read once per process;
-// a lag of a warp's whole share sends everything first, session 31's kernel). Quads per warp at 132 SMs: <= 3 up to
-// 1.5 MiB (unchanged by lag 4), 17 at 8 MiB, where the sums used to follow ~24 us of sends.
-constexpr int64_t kLL128Lag = 4;
+// a lag of at least a warp's share sends everything first, session 31's kernel). A warp has 17 quads at 8 MiB on
+// 132 SMs, where the sums used to follow ~24 us of sends. Measured on 2 of 4x H200 (session 32, us per op, 2 / 4 / 8 /
+// session 31's): 1 MiB 7.87 / 7.79 / 8.30 / 8.37, 4 MiB 20.29 / 21.96 / 24.46 / -, 8 MiB 34.14 / 36.58 / 40.58 / 46.45.
+constexpr int64_t kLL128Lag = 2;
 
 int64_t ll128_lag() {
   static const int64_t v = env_or("PK_JAX_SMALL_LL128_LAG", kLL128Lag, 0, 1 << 20);
@@ -171,21 +172,25 @@ __global__ void __launch_bounds__(kLL128Threads, 1)
   const LL128Launch<T> L(g, flag, x, y, n);
   const int64_t quads = L.quads(L.lines);
   const int64_t mine = quads > L.warp0 ? (quads - L.warp0 + L.warps - 1) / L.warps : 0;  // this warp's quads
+  lag = lag < mine ? lag : mine;
+  const auto part = [&](int64_t i) { return ll128_part(L.warp0 + i * L.warps, L.lane); };
   // Iteration i sends this warp's quad i to every peer and sums its quad i - lag, whose lines the peers sent about
   // lag iterations ago: the sums run under the sends. No cycle of waits: a warp's sends never wait on its sums of
-  // later quads, and every CTA is resident.
+  // later quads, and every CTA is resident. x's part of quad i + 1 is loaded during iteration i.
+  uint64_t next_a = 0, next_b = 0;
+  if (mine > 0 && part(0).line < L.lines) L.own(part(0), next_a, next_b);
   bool ok = true;
   for (int64_t i = 0; i < mine + lag; ++i) {
     if (i < mine) {
-      const LL128Part at = ll128_part(L.warp0 + i * L.warps, L.lane);
+      const LL128Part at = part(i);
+      const uint64_t a = next_a, b = next_b;
+      if (i + 1 < mine && part(i + 1).line < L.lines) L.own(part(i + 1), next_a, next_b);
       if (at.line < L.lines) {  // whole lines drop out together: the stores stay 128-byte writes
-        uint64_t a, b;
-        L.own(at, a, b);
         for (int p = 1; p < g.size; ++p) L.send((g.rank + p) % g.size, at, a, b);
       }
     }
-    if (i >= lag && i - lag < mine) {  // the rank-order float32 sum
-      const LL128Part at = ll128_part(L.warp0 + (i - lag) * L.warps, L.lane);
+    if (i >= lag) {  // the rank-order float32 sum
+      const LL128Part at = part(i - lag);
       const bool valid = at.line < L.lines;
       uint64_t a, b;
       ok = L.sum(at, valid, a, b) && ok;

@@ -16,7 +16,7 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
 - LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL one-shot with 128-byte lines of 120
   payload bytes + a flag word, stored and loaded by whole warps: one trip, no fence, 1.07x the bytes on the
   wire. It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At every G
-  auto / "small" take it up to LL128_AUTO_MAX_BYTES (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
+  auto / "small" take it up to ll128_auto_max_bytes (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
   "0" never). The kernel goes two-shot (reduce-scatter + all-gather of lines) from G = 3 and 256 KiB
   (PK_JAX_AR_LL128_SHOTS=1|2 and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, read once per process).
 """
@@ -54,15 +54,16 @@ CHUNKED_AUTO_SEND_BYTES = 8 << 20
 # 56.4 / 42.0 / 56.4, 8 MiB 108.5 / 67.0 / 66.1. At G = 2 (one-shot): 1 MiB 15.6 / 13.7, 8 MiB 41.9 / 47.1:
 # mixed, so not taken there.
 PIPELINED_MIN_BYTES = 512 << 10
-# auto / "small" take LL128 (one-shot; two-shot from G = 3 and 256 KiB, kernels/small_ll128.cu) for x up to this
-# size at every G. Measured on 2x H200 (2026-11-28, session 31,
+# auto / "small" take LL128 (one-shot; two-shot from G = 3 and 256 KiB, kernels/small_ll128.cu) for x up to
+# ll128_auto_max_bytes(G): 8 MiB at G = 2, LL128_AUTO_MAX_BYTES from G = 3. Measured on 2x H200 (2026-11-28, session 31,
 # scripts/latency_floor.py slopes in two leases, us per op, LL128 / LL one-shot / chunk flags / psum): 4 KiB 3.92-4.04
 # / 4.27-4.54 / 6.06-6.16 / 9.5-13.0, 64 KiB 3.91-3.96 / 4.57-4.97 / 7.2-7.3 / 12.5-13.9, 256 KiB 4.86-4.91 / 6.79-6.89
 # / 8.7-8.8 / 15.1-15.5, 1 MiB 8.34-8.41 / 12.6-13.2 / 10.9-11.3 / 20.6-23.4, 2 MiB 13.83-14.36 / - / 14.8-15.0 /
-# 28.5-28.7; 8 MiB 47.2-47.7 against the chunk flags' 37.9-38.2 (one quad in flight per warp). On 4x H200 (session 32,
-# one lease, LL128 (one- / two-shot) / the old ladder's pick / psum): 4 KiB 5.29 / 7.28 / 15.73, 128 KiB 6.47 / 8.44 /
-# 17.85, 512 KiB 8.21 (two-shot) / 13.65 / 23.06, 1 MiB 10.70 / 19.14 / 30.59, 2 MiB 17.91 (two-shot) / 27.77 / 37.37;
-# 8 MiB 67.25 against the pipelined chunk flags' 63.36. G = 3 and G > 4: not measured (the same rule).
+# 28.5-28.7. Session 32, GPUs 0-1 of 4x H200, once the one-shot's sums trailed its sends by 2 quads (LL128 / chunk
+# flags / psum): 2 MiB 12.44 / 14.90 / 26.62, 4 MiB 20.29 / 22.60 / 36.48, 8 MiB 34.14 / 37.59 / 47.70. On 4x H200
+# (session 32, one lease, LL128 (one- / two-shot) / the old ladder's pick / psum): 4 KiB 5.29 / 7.28 / 15.73, 128 KiB
+# 6.47 / 8.44 / 17.85, 512 KiB 8.21 (two-shot) / 13.65 / 23.06, 1 MiB 10.70 / 19.14 / 30.59, 2 MiB 17.91 (two-shot) /
+# 27.77 / 37.37; 8 MiB 67.25 against the pipelined chunk flags' 63.36. G = 3 and G > 4: not measured (the same rule).
 LL128_AUTO_MAX_BYTES = 2 << 20
 
 
@@ -94,10 +95,17 @@ def pipelined_mode() -> str:
 
 
 def ll128_mode() -> str:
-    """$PK_JAX_AR_LL128: "auto" (default: auto / "small" take "small_ll128" up to LL128_AUTO_MAX_BYTES, unless
+    """$PK_JAX_AR_LL128: "auto" (default: auto / "small" take "small_ll128" up to ll128_auto_max_bytes, unless
     ranks share a GPU: ll128_lines_whole),
     "1" (first at any G, from 1 byte to CHUNKED_MAX_BYTES) or "0" (only when forced)."""
     return choice_setting("PK_JAX_AR_LL128", "auto", ("auto", "0", "1"), owner="pk_jax.all_reduce")
+
+
+def ll128_auto_max_bytes(group: int) -> int:
+    """The largest x (bytes) auto / "small" send as LL128 lines over `group` members: every size the path serves at
+    G = 2 (one-shot, ahead of the chunk flags at 8 MiB), LL128_AUTO_MAX_BYTES from G = 3 (two-shot; the pipelined chunk
+    flags lead at 8 MiB)."""
+    return CHUNKED_MAX_BYTES if group == 2 else LL128_AUTO_MAX_BYTES
 
 
 def ll128_lines_whole() -> bool:
@@ -123,7 +131,7 @@ def blocks_contiguous(shape: Sequence[int], axis: int) -> bool:
 def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | None:
     """The small-path all_reduce for an `nbytes` array over `group` members, or None where it has none.
 
-    First LL128 up to LL128_AUTO_MAX_BYTES (ll128_mode, ll128_lines_whole). Then, in order: LL one-shot (every
+    First LL128 up to ll128_auto_max_bytes (ll128_mode, ll128_lines_whole). Then, in order: LL one-shot (every
     member sends all of x to every peer as LL lines: one trip, 2 (G-1) n bytes
     on the wire) while (G-1) n <= LL_AUTO_SEND_BYTES; at G > 2, LL two-shot (owners of 1/G chunks sum theirs
     and send it back: two trips, 2 (G-1)/G n payload bytes sent, words divisible by G) while that stays
@@ -139,7 +147,7 @@ def all_reduce_choice(nbytes: int, group: int, auto: bool) -> SmallAllReduce | N
     if mode == "1" and pipelined:
         return "small_pipelined"
     ll128 = ll128_mode()
-    if (ll128 == "1" and nbytes <= CHUNKED_MAX_BYTES) or (ll128 == "auto" and nbytes <= LL128_AUTO_MAX_BYTES
+    if (ll128 == "1" and nbytes <= CHUNKED_MAX_BYTES) or (ll128 == "auto" and nbytes <= ll128_auto_max_bytes(group)
                                                           and ll128_lines_whole()):
         return "small_ll128"
     send = (group - 1) * nbytes

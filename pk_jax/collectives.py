@@ -177,7 +177,7 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
         120 payload bytes + a flag each, one trip and no fence; x at most CHUNKED_MAX_BYTES, 8-byte aligned
         buffers; it relies on NVLink delivering a warp's 128-byte line whole, as NCCL's LL128 does: on PCIe-only
         peers set PK_JAX_AR_LL128=0) or "small" (picks one of those by size and
-        G: _small_path.all_reduce_choice, which takes "small_ll128" at G = 2 up to _small_path.LL128_AUTO_MAX_BYTES
+        G: _small_path.all_reduce_choice, which takes "small_ll128" up to _small_path.ll128_auto_max_bytes
         and "small_pipelined" from
         _small_path.PIPELINED_MIN_BYTES from G = 3, per PK_JAX_AR_PIPELINED); or "auto": the small path where
         _small_path.all_reduce_choice takes it (unless PK_JAX_SMALL_PATH=0), else two-shot from

@@ -54,8 +54,8 @@
 #               sweep (LL128_LINES), 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS); the two-shot kernel forced
 #               (PK_JAX_AR_LL128_SHOTS=2): its tests, floor slopes and shared-GPU chains                       ~10 min
 #   ll128lag    (2 GPUs+) the LL128 one-shot's lag of sums behind sends (LL128_LAGS), GPUs PAIR, 256 KiB-8 MiB ~3 min
-#   ll128verify (2 GPUs+) LL128 at auto's thresholds: GPU tests and chains (all GPUs, then GPUs PAIR), the forced
-#               two-shot's chains with 4 ranks sharing GPU 0                                              ~6 min
+#   ll128verify (2 GPUs+) LL128 at auto's thresholds: GPU tests and chains (all GPUs, then GPUs PAIR), chains with
+#               LL128_SHARED_RANKS sharing GPU 0 (LL128_SHARED_ENV, e.g. PK_JAX_AR_LL128_SHOTS=2)          ~6 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
 #               tests, then floor slopes of LL one-shot vs chunk flags vs auto vs psum, chunk-size sweep  ~5 min
 #   acctests    the attention kernels merging into ring attention's float32 states (forward epilogue, backward dQ add):
@@ -438,12 +438,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   --tag "lag$lag" --ops pk_small_ll128 --bytes 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128lag$lag.json"
               done ;;
     ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
-                 # the forced two-shot's chains with 4 ranks sharing GPU 0
+                 # then chains with ranks sharing GPU 0
                  stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
                  stage ll128-chain-pair 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pytest tests/gpu/test_small_collectives_gpu.py \
                    -m gpu -q -rs -k "chain"
-                 stage ll128-shared-2shot 150 env CUDA_VISIBLE_DEVICES=0 PK_JAX_AR_LL128_SHOTS=2 python3 -m pk_jax.bench multirank \
-                   --ranks 4 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-2shot.json" ;;
+                 stage ll128-shared-chain 150 env CUDA_VISIBLE_DEVICES=0 ${LL128_SHARED_ENV:-} python3 -m pk_jax.bench multirank \
+                   --ranks ${LL128_SHARED_RANKS:-2 4} --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-chain.json" ;;
     ringshift) stage ringshift-first 120 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest -x -q -rs \
                  "tests/gpu/test_ring_shift_gpu.py::test_shift_alone_small[sm-2]"
                if grep -q " passed" "$OUT/ringshift-first.log" && ! grep -q "failed" "$OUT/ringshift-first.log"; then

@@ -152,7 +152,7 @@ def test_api_picks_small_path_by_size(monkeypatch):
     monkeypatch.delenv("PK_JAX_SMALL_PATH", raising=False)  # on by default
     monkeypatch.delenv("PK_JAX_AR_LL128", raising=False)
     # 8 members, bf16: per-device shapes are the global ones / 8 along dim 0.
-    ll128 = _small_path.VARIANT_SMALL_LL128  # all_reduce's first pick up to LL128_AUTO_MAX_BYTES at any G
+    ll128 = _small_path.VARIANT_SMALL_LL128  # all_reduce's first pick up to ll128_auto_max_bytes
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == ll128          # 8 KiB
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 1024, 1024)) == ll128       # 2 MiB
     monkeypatch.setenv("PK_JAX_AR_LL128", "0")  # the ladder below it
@@ -208,9 +208,9 @@ def test_small_algorithms_keep_fallback_semantics():
 @pytest.mark.parametrize("nbytes,g,mode,want", [
     (4, 2, None, "small_ll128"),                # default "auto": at every G from 1 byte ...
     (1 << 20, 2, None, "small_ll128"),
-    (2 << 20, 2, None, "small_ll128"),          # ... to LL128_AUTO_MAX_BYTES
-    ((2 << 20) + 4, 2, None, "small_chunked"),  # then the chunk flags (they lead at 8 MiB)
-    (4096, 4, None, "small_ll128"),
+    (8 << 20, 2, None, "small_ll128"),          # ... to every size the path serves at G = 2
+    ((8 << 20) + 4, 2, None, None),             # then the bulk path
+    (4096, 4, None, "small_ll128"),             # ... to LL128_AUTO_MAX_BYTES from G = 3
     (2 << 20, 4, None, "small_ll128"),
     ((2 << 20) + 8, 4, None, "small_pipelined"),  # from G = 3 the pipelined chunk flags (they lead at 8 MiB)
     (1 << 20, 8, None, "small_ll128"),
@@ -222,7 +222,7 @@ def test_small_algorithms_keep_fallback_semantics():
 def test_ll128_choice_by_group_and_env(monkeypatch, nbytes, g, mode, want):
     monkeypatch.delenv("PK_JAX_AR_PIPELINED", raising=False)
     assert_choice(monkeypatch, "PK_JAX_AR_LL128", mode, nbytes, g, want)
-    assert _small_path.LL128_AUTO_MAX_BYTES <= _small_path.CHUNKED_MAX_BYTES
+    assert all(_small_path.ll128_auto_max_bytes(g) <= _small_path.CHUNKED_MAX_BYTES for g in range(2, 9))
 
 
 
