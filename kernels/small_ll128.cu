@@ -35,7 +35,8 @@ constexpr int64_t kLL128TwoShotMinBytes = 256 << 10;
 // The one-shot's sums trail its sends by this many of a warp's quads (PK_JAX_SMALL_LL128_LAG, read once per process;
 // a lag of at least a warp's share sends everything first, session 31's kernel). A warp has 17 quads at 8 MiB on
 // 132 SMs, where the sums used to follow ~24 us of sends. Measured on 2 of 4x H200 (session 32, us per op, 2 / 4 / 8 /
-// session 31's): 1 MiB 7.87 / 7.79 / 8.30 / 8.37, 4 MiB 20.29 / 21.96 / 24.46 / -, 8 MiB 34.14 / 36.58 / 40.58 / 46.45.
+// session 31's): 1 MiB 7.87 / 7.79 / 8.30 / 8.37, 4 MiB 20.29 / 21.96 / 24.46 / -, 8 MiB 34.14 / 36.58 / 40.58 / 46.45;
+// with x loaded a quad ahead (lag 1 / 2 / 3): 8 MiB 33.70 / 34.89 / 35.38, 4 MiB 19.62 / 20.43 / 21.17 (noise-level).
 constexpr int64_t kLL128Lag = 2;
 
 int64_t ll128_lag() {
