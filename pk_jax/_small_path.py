@@ -13,7 +13,7 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   of one round it is the chunk flags' two-shot (reduce-scatter + all-gather) from G = 3: auto / "small"
   take it there in the one-shot chunk flags' place (PK_JAX_AR_PIPELINED: "auto" default, "1" first at any
   G, "0" never).
-- LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL one-shot with 128-byte lines of 120
+- LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL all_reduce with 128-byte lines of 120
   payload bytes + a flag word, stored and loaded by whole warps: one trip, no fence, 1.07x the bytes on the
   wire. It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At every G
   auto / "small" take it up to ll128_auto_max_bytes (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
@@ -80,7 +80,7 @@ VARIANT_SMALL = 2           # all_gather, reduce_scatter, one-shot all_reduce
 VARIANT_SMALL_TWO_SHOT = 3  # two-shot all_reduce
 VARIANT_SMALL_CHUNKED = 4   # all_reduce, chunk-flag protocol
 VARIANT_SMALL_PIPELINED = 5  # all_reduce, chunk flags with pushes and sums pipelined
-VARIANT_SMALL_LL128 = 6      # all_reduce, one-shot with 128-byte LL lines
+VARIANT_SMALL_LL128 = 6      # all_reduce, 128-byte LL lines (one-shot; two-shot from G = 3 and 256 KiB)
 
 SmallAllReduce = Literal["small_one_shot", "small_two_shot", "small_chunked", "small_pipelined", "small_ll128"]
 ALL_REDUCE_VARIANTS = {"small_one_shot": VARIANT_SMALL, "small_two_shot": VARIANT_SMALL_TWO_SHOT,
