@@ -14,8 +14,8 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   take it there in the one-shot chunk flags' place (PK_JAX_AR_PIPELINED: "auto" default, "1" first at any
   G, "0" never).
 - LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL all_reduce with 128-byte lines of 120
-  payload bytes + a flag word, stored and loaded by whole warps: one trip, no fence, 1.07x the bytes on the
-  wire. It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At every G
+  payload bytes + a flag word, stored and loaded by whole warps: no fence, 1.07x the bytes on the wire, one
+  trip (one-shot) or two (two-shot). It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At every G
   auto / "small" take it up to ll128_auto_max_bytes (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
   "0" never). The kernel goes two-shot (reduce-scatter + all-gather of lines) from G = 3 and 256 KiB
   (PK_JAX_AR_LL128_SHOTS=1|2 and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, read once per process).
@@ -103,8 +103,10 @@ def ll128_mode() -> str:
 
 def ll128_auto_max_bytes(group: int) -> int:
     """The largest x (bytes) auto / "small" send as LL128 lines over `group` members: every size the path serves at
-    G = 2 (one-shot, ahead of the chunk flags at 8 MiB), LL128_AUTO_MAX_BYTES from G = 3 (two-shot; the pipelined chunk
-    flags lead at 8 MiB)."""
+    G = 2 (one-shot, ahead of the chunk flags at 8 MiB), LL128_AUTO_MAX_BYTES from G = 3 (two-shot from 256 KiB; the
+    pipelined chunk flags lead at 8 MiB). The kernel's knobs (PK_JAX_AR_LL128_SHOTS, PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES,
+    PK_JAX_SMALL_LL128_LAG) must be equal in every process of a job: one- and two-shot share an op code, so members
+    that disagree on the shots wait on lines that never come or read raw x as a sum."""
     return CHUNKED_MAX_BYTES if group == 2 else LL128_AUTO_MAX_BYTES
 
 

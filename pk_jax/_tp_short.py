@@ -28,7 +28,9 @@ def payload_fits(op: str, m: int, n: int, k: int, g: int, itemsize: int, auto: b
         return _small_path.copy_fits(m * k * itemsize, g, auto)
     if op == "matmul_reduce_scatter":
         return m % g == 0 and _small_path.copy_fits(m // g * n * itemsize, g, auto)
-    nbytes = m * n * itemsize  # the LL range only: the chunk-flag all_reduce is not measured under a GEMM
+    # up to SMALL_MAX_BYTES only (larger partials are not measured under a GEMM); within it, whatever
+    # all_reduce_choice picks (LL128 by default: two-shot from G = 3 and 256 KiB)
+    nbytes = m * n * itemsize
     return nbytes <= _small_path.SMALL_MAX_BYTES and _small_path.all_reduce_choice(nbytes, g, auto) is not None
 
 

@@ -173,8 +173,9 @@ def all_reduce(x: jax.Array, axis_name: AxisName, *, algorithm: AllReduceAlgorit
         stores + one flag per chunk, x at most _small_path.CHUNKED_MAX_BYTES), "small_pipelined" (the
         same areas with the pushes, one signal warp's fences + flags and the sums pipelined in rounds:
         one-shot at G = 2, reduce-scatter + all-gather from G = 3; x at most CHUNKED_MAX_BYTES; knobs
-        PK_JAX_AR_PIPELINED_*, pk_jax/_pipelined_schedule.py), "small_ll128" (one-shot with 128-byte LL lines:
-        120 payload bytes + a flag each, one trip and no fence; x at most CHUNKED_MAX_BYTES, 8-byte aligned
+        PK_JAX_AR_PIPELINED_*, pk_jax/_pipelined_schedule.py), "small_ll128" (128-byte LL lines:
+        120 payload bytes + a flag each, no fence; one trip, or two from G = 3 and 256 KiB (reduce-scatter +
+        all-gather of lines); x at most CHUNKED_MAX_BYTES, 8-byte aligned
         buffers; it relies on NVLink delivering a warp's 128-byte line whole, as NCCL's LL128 does: on PCIe-only
         peers set PK_JAX_AR_LL128=0) or "small" (picks one of those by size and
         G: _small_path.all_reduce_choice, which takes "small_ll128" up to _small_path.ll128_auto_max_bytes

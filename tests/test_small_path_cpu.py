@@ -142,6 +142,7 @@ def _variant(fn, shape, dtype=jnp.bfloat16):
 
 def test_auto_keeps_the_bulk_path_when_the_small_one_is_off(monkeypatch):
     monkeypatch.setenv("PK_JAX_SMALL_PATH", "0")
+    monkeypatch.delenv("PK_JAX_AR_LL128", raising=False)
     assert _variant(lambda v: pk_jax.all_reduce(v, "x"), (8 * 4, 1024)) == 0
     assert _variant(lambda v: pk_jax.all_gather(v, "x", tiled=True), (8 * 4, 64)) == 0
     assert _variant(lambda v: pk_jax.all_reduce(v, "x", algorithm="small"), (8 * 4, 1024)) == \

@@ -229,6 +229,7 @@ def test_short_sizes_take_gemm_plus_small_collective_with_gradients(op, monkeypa
     """PK_JAX_SMALL_PATH=1: a decode-sized fused op is our GEMM + a small-path collective (no fused kernel),
     with the composition's values and gradients; a large one stays fused."""
     monkeypatch.setenv("PK_JAX_SMALL_PATH", "1")
+    monkeypatch.delenv("PK_JAX_AR_LL128", raising=False)
     mesh = Mesh(np.array(jax.devices()[:4]), ("x",))
     ours, ref = compositions("x")[op]
     in_specs, out_spec = SPECS[op]
