@@ -15,10 +15,11 @@ registered areas of each receiver's control block: no per-call handshakes. Two p
   G, "0" never).
 - LL128 lines (all_reduce "small_ll128", kernels/small_ll128.cu): the LL all_reduce with 128-byte lines of 120
   payload bytes + a flag word, stored and loaded by whole warps: no fence, 1.07x the bytes on the wire, one
-  trip (one-shot) or two (two-shot). It relies on a warp's 128-byte line store arriving whole (as NCCL's LL128 does on NVLink). At every G
-  auto / "small" take it up to ll128_auto_max_bytes (PK_JAX_AR_LL128: "auto" default, "1" first at any G,
-  "0" never). The kernel goes two-shot (reduce-scatter + all-gather of lines) from G = 3 and 256 KiB
-  (PK_JAX_AR_LL128_SHOTS=1|2 and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, read once per process).
+  trip (one-shot) or two (two-shot). It relies on a warp's 128-byte line store arriving whole (as NCCL's
+  LL128 does on NVLink). At every G auto / "small" take it up to ll128_auto_max_bytes (PK_JAX_AR_LL128:
+  "auto" default, "1" first at any G, "0" never). The kernel goes two-shot (reduce-scatter + all-gather of
+  lines) from G = 3 and 256 KiB (PK_JAX_AR_LL128_SHOTS=1|2 and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, read once
+  per process).
 """
 
 from __future__ import annotations

@@ -75,7 +75,7 @@ def test_small_path_sweep_two_cpu_ranks(tmp_path):
     """check_small.py --quick (float32: 4 B, 1004 B, 1 MiB + 4): the ten small ops per size match
     NumPy, the jaxpr holds the small variants, and where a forced algorithm cannot serve the size (the LL
     ops above 1 MiB, two-shot with words that do not split over G) the row names the API's refusal and
-    ran `auto`: at G = 2 the LL128 all_reduce up to 2 MiB, else the bulk path."""
+    ran `auto`: at G = 2 the LL128 all_reduce up to 8 MiB, else the bulk path."""
     proc, rows = _launch("check_small.py", tmp_path)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert len(rows) == 3 * 10 and all(r["extra"]["ok"] for r in rows), rows
@@ -98,7 +98,7 @@ def test_small_path_sweep_two_cpu_ranks(tmp_path):
             want = 4
         elif kind == "small_one_shot" and not refused:
             want = 2
-        else:  # small_ll128, "small" and every refusal (auto) over G = 2 up to 2 MiB: the LL128 lines
+        else:  # small_ll128, "small" and every refusal (auto) over G = 2 up to 8 MiB: the LL128 lines
             want = 6
         assert e["variant"] == want, (op, case, e)
     assert "serves 1..1048576 bytes" in by["all_reduce", "small_one_shot/1048580B@x"]["refused"]

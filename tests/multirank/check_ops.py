@@ -24,9 +24,9 @@ def main() -> int:
         todo += cases.fused_cases(g, fused_dtype, grads=not args.quick)
         if i == 0:
             todo += [c for d in args.dtypes for c in cases.matmul_cases(d)]
-        mesh_name = "x".join(f"{n}{s}" for n, s in mesh.shape.items())
+        where = harness.where(mesh, axis)
         for c in todo:
-            label = f"{c.case}@{axis}" + (f"({mesh_name})" if len(mesh.shape) > 1 else "")
+            label = f"{c.case}{where}"
             run = harness.case_runner(mesh, axis, c)
             rows.run(c.op, label, c.shape, c.dtype, g if c.grouped else 1, lambda: run(args.seed))
     return rows.finish(args.out)
