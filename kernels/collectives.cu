@@ -130,10 +130,18 @@ std::unordered_map<const void*, int>& blocks_per_sm() {
   return table;
 }
 
+}  // namespace
+
+int resident_ctas_per_sm(const void* kernel) {
+  const auto it = blocks_per_sm().find(kernel);
+  return it == blocks_per_sm().end() ? 1 : it->second;
+}
+
+namespace {
+
 // Every CTA must be resident at once (CTAs wait on peers), so the grid never exceeds what fits.
 int grid_for(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim) {
-  const auto it = blocks_per_sm().find(kernel);
-  const int64_t cap = int64_t(lim.num_sms) * (it == blocks_per_sm().end() ? 1 : it->second);
+  const int64_t cap = int64_t(lim.num_sms) * resident_ctas_per_sm(kernel);
   const int64_t per_block = threads / 32;
   const int64_t want = (warp_items + per_block - 1) / per_block;
   return int(want < 1 ? 1 : (want < cap ? want : cap));

@@ -53,6 +53,9 @@ std::vector<const void*> collective_kernels();
 // `threads`-thread CTAs, capped so that every CTA is resident at once (CTAs wait on peers).
 int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim);
 
+// CTAs of `kernel` that fit on one SM at once (configure_kernels; 1 for a kernel it did not see).
+int resident_ctas_per_sm(const void* kernel);
+
 // Loads every kernel on the current device and records how many CTAs of each fit on one SM.
 // Call on each device at start-up, before any launch.
 cudaError_t configure_kernels();

@@ -7,6 +7,7 @@
 // lines in every op, so the parity argument of small_collectives.cu holds unchanged.
 #include "small_ll128.cuh"
 
+#include <algorithm>
 #include <cstring>
 
 #include "pk/env.h"
@@ -41,6 +42,16 @@ constexpr int64_t kLL128Lag = 2;
 
 int64_t ll128_lag() {
   static const int64_t v = env_or("PK_JAX_SMALL_LL128_LAG", kLL128Lag, 0, 1 << 20);
+  return v;
+}
+
+// CTAs per SM (PK_JAX_SMALL_LL128_CTAS_PER_SM, read once per process; capped by what fits, configure_kernels): a warp's
+// loop is latency-bound (session 32: 8 MiB took ~2 us per quad on 1,056 warps, and fewer summing warps were
+// proportionally slower), so more warps per SM put more lines in flight on both sides.
+constexpr int64_t kLL128CtasPerSm = 1;
+
+int64_t ll128_ctas_per_sm() {
+  static const int64_t v = env_or("PK_JAX_SMALL_LL128_CTAS_PER_SM", kLL128CtasPerSm, 1, 8);
   return v;
 }
 
@@ -277,7 +288,8 @@ cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, in
   if (!k) return cudaErrorInvalidValue;
   const int64_t per_cta = ll128_lines_per_cta();
   int64_t grid = (ll128_lines(bytes) + per_cta - 1) / per_cta;
-  grid = grid > lim.num_sms ? lim.num_sms : grid;  // all CTAs co-resident
+  const int64_t per_sm = std::min<int64_t>(ll128_ctas_per_sm(), resident_ctas_per_sm(k));
+  grid = std::min<int64_t>(grid, int64_t(lim.num_sms) * per_sm);  // all CTAs co-resident
   const char* s = static_cast<const char*>(x);
   char* d = static_cast<char*>(y);
   int64_t lag = ll128_lag();

@@ -54,6 +54,7 @@
 #               sweep (LL128_LINES), 2 and 4 ranks sharing GPU 0 (LL128_SHARED_STEPS); the two-shot kernel forced
 #               (PK_JAX_AR_LL128_SHOTS=2): its tests, floor slopes and shared-GPU chains                       ~10 min
 #   ll128lag    (2 GPUs+) the LL128 one-shot's lag of sums behind sends (LL128_LAGS), GPUs PAIR, 256 KiB-8 MiB ~3 min
+#   ll128ctas   (2 GPUs+) LL128 CTAs per SM (LL128_CTAS, default "1 2 3"): fresh-process tests, floor slopes pair and all ~5 min
 #   ll128verify (2 GPUs+) LL128 at auto's thresholds: GPU tests and chains (all GPUs, then GPUs PAIR), chains with
 #               LL128_SHARED_RANKS sharing GPU 0 (LL128_SHARED_ENV, e.g. PK_JAX_AR_LL128_SHOTS=2)          ~6 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
@@ -437,6 +438,17 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 stage ll128lag$lag 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_SMALL_LL128_LAG=$lag python3 scripts/latency_floor.py \
                   --tag "lag$lag" --ops pk_small_ll128 --bytes 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128lag$lag.json"
               done ;;
+    ll128ctas) # (2 GPUs+) LL128 with LL128_CTAS (default "1 2 3") CTAs per SM: the knobs' fresh-process tests, then floor
+               # slopes per value on GPUs PAIR and, with more than 2 GPUs, on all of them (two-shot from 256 KiB there)
+               stage ll128ctas-tests 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and CTAS"
+               for v in ${LL128_CTAS:-1 2 3}; do
+                 stage ll128ctas-$v-pair 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_SMALL_LL128_CTAS_PER_SM=$v python3 \
+                   scripts/latency_floor.py --tag "ctas$v-pair" --ops pk_small_ll128 \
+                   --bytes 4096 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128-ctas$v-pair.json"
+                 [ "$(nvidia-smi -L | wc -l)" -gt 2 ] && stage ll128ctas-$v-all 45 env PK_JAX_SMALL_LL128_CTAS_PER_SM=$v \
+                   python3 scripts/latency_floor.py --tag "ctas$v" --ops pk_small_ll128 \
+                   --bytes 4096 131072 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128-ctas$v.json"
+               done ;;
     ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
                  # then chains with ranks sharing GPU 0
                  stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
