@@ -45,14 +45,19 @@ int64_t ll128_lag() {
   return v;
 }
 
-// CTAs per SM (PK_JAX_SMALL_LL128_CTAS_PER_SM, read once per process; capped by what fits, configure_kernels): a warp's
-// loop is latency-bound (session 32: 8 MiB took ~2 us per quad on 1,056 warps, and fewer summing warps were
-// proportionally slower), so more warps per SM put more lines in flight on both sides.
-constexpr int64_t kLL128CtasPerSm = 1;
+// CTAs per SM, capped by what fits (configure_kernels: 3 of the 16-bit one-shot, 2 of the float32 one): a warp's loop
+// is latency-bound (session 32: ~2 us per quad at 8 MiB on 1,056 warps; fewer summing warps were proportionally
+// slower), so more warps put more lines in flight. One-shot on 2x H200 (session 33, us per op, 1 / 2 / 3 CTAs per SM):
+// 1 MiB 8.67-8.76 / 8.12-8.15 / 7.39, 2 MiB 13.40-13.55 / 11.66-11.68 / 11.41, 8 MiB 34.27-34.52 / 33.15-33.30 / 31.75;
+// below ~495 KiB the grid has fewer CTAs than SMs either way. The two-shot keeps one (not measured with more).
+// PK_JAX_SMALL_LL128_CTAS_PER_SM sets both (read once per process). A pair's kernel summing 2 members (64 registers,
+// 4 CTAs fit) was no faster at 8 MiB (33.6-37.0 us at 1-4 CTAs per SM) and is not kept.
+constexpr int64_t kLL128OneShotCtasPerSm = 3;
 
-int64_t ll128_ctas_per_sm() {
-  static const int64_t v = env_or("PK_JAX_SMALL_LL128_CTAS_PER_SM", kLL128CtasPerSm, 1, 8);
-  return v;
+int64_t ll128_ctas_per_sm(int shots) {
+  static const int64_t forced = env_or("PK_JAX_SMALL_LL128_CTAS_PER_SM", 0, 0, 8);
+  if (forced) return forced;
+  return shots == 1 ? kLL128OneShotCtasPerSm : 1;
 }
 
 int64_t ll128_lines_per_cta() {
@@ -288,7 +293,7 @@ cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, in
   if (!k) return cudaErrorInvalidValue;
   const int64_t per_cta = ll128_lines_per_cta();
   int64_t grid = (ll128_lines(bytes) + per_cta - 1) / per_cta;
-  const int64_t per_sm = std::min<int64_t>(ll128_ctas_per_sm(), resident_ctas_per_sm(k));
+  const int64_t per_sm = std::min<int64_t>(ll128_ctas_per_sm(shots), resident_ctas_per_sm(k));
   grid = std::min<int64_t>(grid, int64_t(lim.num_sms) * per_sm);  // all CTAs co-resident
   const char* s = static_cast<const char*>(x);
   char* d = static_cast<char*>(y);

@@ -445,7 +445,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  stage ll128ctas-$v-pair 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_SMALL_LL128_CTAS_PER_SM=$v python3 \
                    scripts/latency_floor.py --tag "ctas$v-pair" --ops pk_small_ll128 \
                    --bytes 4096 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128-ctas$v-pair.json"
-                 [ "$(nvidia-smi -L | wc -l)" -gt 2 ] && stage ll128ctas-$v-all 45 env PK_JAX_SMALL_LL128_CTAS_PER_SM=$v \
+                 [ "$(nvidia-smi -L | wc -l)" -le 2 ] || stage ll128ctas-$v-all 45 env PK_JAX_SMALL_LL128_CTAS_PER_SM=$v \
                    python3 scripts/latency_floor.py --tag "ctas$v" --ops pk_small_ll128 \
                    --bytes 4096 131072 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128-ctas$v.json"
                done ;;
