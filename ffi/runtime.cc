@@ -52,6 +52,8 @@ const char* op_name(int32_t op) {
     case kOpAllReducePipelined: return "all_reduce (small_pipelined)";
     case kOpMoeDispatchMatmul: return "moe dispatch + grouped GEMM";
     case kOpAllReduceLL128: return "all_reduce (small_ll128)";
+    case kOpAllReduceLL128OneShot: return "all_reduce (small_ll128, one-shot)";
+    case kOpAllReduceLL128TwoShot: return "all_reduce (small_ll128, two-shot)";
   }
   return "unknown op";
 }
@@ -293,8 +295,12 @@ std::string Runtime::describe(const ErrorRecord& e) const {
   if (e.code == kOpMismatch)
     return std::string("pk_jax ") + op_name(e.op) + ": " + name(e.device_slot) + " ran " + op_name(e.op) + " while " +
            name(e.peer_slot) + " ran " + op_name(e.peer_op) +
-           " at the same point: every member of the group must run the same pk_jax ops in the same order. The "
-           "runtime is stopped; call pk_jax.runtime.reset() once all GPUs are idle.";
+           " at the same point: every member of the group must run the same pk_jax ops in the same order" +
+           (e.peer_op == kOpAllReduceLL128OneShot || e.peer_op == kOpAllReduceLL128TwoShot
+                ? " and pick the same LL128 kernel (set PK_JAX_AR_LL128_SHOTS and PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES "
+                  "alike in every process)"
+                : "") +
+           ". The runtime is stopped; call pk_jax.runtime.reset() once all GPUs are idle.";
   std::string what = e.code == kTimeoutReady  ? "never started the op (its buffers were never published)"
                      : e.code == kTimeoutDone ? "never finished the op"
                      : e.code == kTimeoutItem ? "never delivered a tile or row chunk of the op"

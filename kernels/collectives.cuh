@@ -23,6 +23,10 @@ enum OpCode : int32_t {
   kOpAllReducePipelined = 13,  // never a launch's op: the flag code of all_reduce "small_pipelined" (mismatch reports)
   kOpMoeDispatchMatmul = 14,  // kernels/moe_gemm.cu: dispatch + the first grouped GEMM in one kernel
   kOpAllReduceLL128 = 15,     // never a launch's op: the flag code of all_reduce "small_ll128" (mismatch reports)
+  // Never launch ops nor flag codes (flags keep 4 bits): the peer's LL128 kernel in a mismatch report, when members
+  // picked different kernels for one op (PK_JAX_AR_LL128_SHOTS or _TWO_SHOT_MIN_BYTES differing between processes).
+  kOpAllReduceLL128OneShot = 16,
+  kOpAllReduceLL128TwoShot = 17,
 };
 
 enum class DType : int32_t { kF32 = 0, kBF16 = 1, kF16 = 2 };

@@ -19,6 +19,8 @@ namespace pk {
 namespace {
 
 static_assert(kOpAllReduceLL128 <= 0xF, "ll_flag keeps 4 bits of the op code");
+static_assert(kLL128PeerOneShot == kOpAllReduceLL128OneShot && kLL128PeerTwoShot == kOpAllReduceLL128TwoShot,
+              "pk/ll128.cuh's mismatch reports use the OpCode names");
 
 constexpr int kLL128Threads = 256;
 // Lines per CTA (a multiple of the 32 lines one pass of 8 warps covers); CTAs up to one per SM, so all
@@ -118,12 +120,16 @@ struct LL128Launch {
   const char* x;
   char* y;
   int64_t n, lines;
+  int shots;  // which kernel: its flag words differ (ll128_flag_word)
   int lane;
   int64_t warp0, warps;
 
-  __device__ LL128Launch(const Group& g_, const uint32_t* flag_, const char* x_, char* y_, int64_t n_)
-      : g(g_), flag(flag_), x(x_), y(y_), n(n_), lines(ll128_lines(n_)), lane(int(threadIdx.x & 31)),
+  __device__ LL128Launch(const Group& g_, const uint32_t* flag_, const char* x_, char* y_, int64_t n_, int shots_)
+      : g(g_), flag(flag_), x(x_), y(y_), n(n_), lines(ll128_lines(n_)), shots(shots_), lane(int(threadIdx.x & 31)),
         warp0((int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32), warps(int64_t(gridDim.x) * blockDim.x / 32) {}
+
+  // The flag word of this op's lines with member r.
+  __device__ uint64_t word(int r) const { return ll128_flag_word(flag[r], shots); }
 
   // Quads (4 lines) covering `count` lines.
   __device__ static int64_t quads(int64_t count) { return (count + kLL128LinesPerWarp - 1) / kLL128LinesPerWarp; }
@@ -142,7 +148,7 @@ struct LL128Launch {
   }
   // (a, b) as this lane's part of its line in member r's area, part 7 with the flag word.
   __device__ void send(int r, const LL128Part& at, uint64_t a, uint64_t b) const {
-    ll128_store(out_at(r, at), a, at.flag_lane() ? ll128_flag_word(flag[r]) : b);
+    ll128_store(out_at(r, at), a, at.flag_lane() ? word(r) : b);
   }
   __device__ void store_y(const LL128Part& at, uint64_t a, uint64_t b) const {
     const int64_t o = at.payload_offset();
@@ -170,7 +176,7 @@ struct LL128Launch {
     for (int r = 0; r < kMaxGroup; ++r) {
       if (r >= g.size) continue;
       if (r != g.rank) {
-        ok = ll128_settle(in_at(r, at), valid, at, ll128_flag_word(flag[r]), va[r], vb[r], g, r) && ok;
+        ok = ll128_settle(in_at(r, at), valid, at, word(r), va[r], vb[r], g, r) && ok;
         if (at.flag_lane()) vb[r] = 0;  // the flag word is not payload
       }
       acc.add(va[r], vb[r]);
@@ -186,7 +192,7 @@ __global__ void __launch_bounds__(kLL128Threads, 1)
   __shared__ uint32_t flag[kMaxGroup];
   load_small_flags(g, flag, kOpAllReduceLL128);
   __syncthreads();
-  const LL128Launch<T> L(g, flag, x, y, n);
+  const LL128Launch<T> L(g, flag, x, y, n, 1);
   const int64_t quads = L.quads(L.lines);
   const int64_t mine = quads > L.warp0 ? (quads - L.warp0 + L.warps - 1) / L.warps : 0;  // this warp's quads
   lag = lag < mine ? lag : mine;
@@ -228,7 +234,7 @@ __global__ void __launch_bounds__(kLL128Threads, 1)
   __shared__ uint32_t flag[kMaxGroup];
   load_small_flags(g, flag, kOpAllReduceLL128);
   __syncthreads();
-  const LL128Launch<T> L(g, flag, x, y, n);
+  const LL128Launch<T> L(g, flag, x, y, n, 2);
   const int64_t quads = L.quads(L.lines);
   const int64_t mine = ll128_chunk_begin(g.rank, L.lines, g.size), mine_end = ll128_chunk_begin(g.rank + 1, L.lines, g.size);
   // (A)
@@ -261,7 +267,7 @@ __global__ void __launch_bounds__(kLL128Threads, 1)
     uint64_t a = 0, b = 0;
     if (valid) ll128_load(L.in_at(owner, at), a, b);
     const int first_owner = __shfl_sync(0xffffffffu, owner, 0);  // names a peer in a timeout report
-    ok = ll128_settle(L.in_at(owner, at), valid, at, ll128_flag_word(flag[owner]), a, b, g, first_owner) && ok;
+    ok = ll128_settle(L.in_at(owner, at), valid, at, L.word(owner), a, b, g, first_owner) && ok;
     if (valid && ok) L.store_y(at, a, b);
   }
   finish_small_op(g);

@@ -47,8 +47,14 @@ __device__ __forceinline__ LL128Part ll128_part(int64_t q, int lane, int64_t fir
 // which share this area, pass for a flag only if they hold that exact pattern (a NaN in every dtype). Only LL128
 // writes flag words here, so a member that ran another small op at this epoch is not recognised (no kOpMismatch:
 // the wait times out, kTimeoutSmall, naming the op and the peer).
-__device__ __forceinline__ uint64_t ll128_flag_word(uint32_t flag) {
-  return (uint64_t(flag) << 32) | uint32_t(~flag);
+// The two-shot's words flip bit 0 of the complement (kLL128TwoShotMark), so that members which picked different
+// kernels for one op (knobs differing between processes) fail with kOpMismatch instead of mixing lines. The bits that
+// make a stale plain word a NaN (the complement's high bits) are untouched.
+constexpr uint32_t kLL128TwoShotMark = 1;
+// The peer_op of that kOpMismatch report: the kernel the peer ran (collectives.cuh's OpCode names them).
+constexpr int32_t kLL128PeerOneShot = 16, kLL128PeerTwoShot = 17;
+__device__ __forceinline__ uint64_t ll128_flag_word(uint32_t flag, int shots = 1) {
+  return (uint64_t(flag) << 32) | (uint32_t(~flag) ^ (shots == 2 ? kLL128TwoShotMark : 0u));
 }
 
 __device__ __forceinline__ void ll128_store(char* p, uint64_t a, uint64_t b) {
@@ -84,14 +90,22 @@ __device__ __forceinline__ LL128Got ll128_spin(const char* p, bool valid, LL128P
     if (!ready) ll128_load(p, a, b);
     ready = ll128_line_ready(valid, at, b, want);
     if (__all_sync(kAll, ready)) return {a, b, true};
-    // Another op at this epoch: same epoch bits, another code, and a well-formed flag word. Only LL128 writes flag
-    // words today (all with code 15), so this fires only once another op shares them.
+    // Another op at this epoch: same epoch bits, another code, and a well-formed flag word (either kernel's). Only
+    // LL128 writes flag words today (all with code 15), so this fires only once another op shares them. Or the other
+    // LL128 kernel's word for this very op: the peer picked the other kernel.
     const uint32_t got = uint32_t(b >> 32), wanted = uint32_t(want >> 32);
-    const bool other_op = valid && at.flag_lane() && got != wanted && (got >> 4) == (wanted >> 4) && uint32_t(b) == ~got;
-    const unsigned mismatch = __ballot_sync(kAll, other_op);
+    const bool formed = ((uint32_t(b) ^ ~got) & ~kLL128TwoShotMark) == 0;
+    const bool other_op = valid && at.flag_lane() && formed && got != wanted && (got >> 4) == (wanted >> 4);
+    const bool other_kernel = valid && at.flag_lane() && got == wanted && uint32_t(b) == (uint32_t(want) ^ kLL128TwoShotMark);
+    const unsigned mismatch = __ballot_sync(kAll, other_op || other_kernel);
     if (mismatch) {
-      const uint32_t code = __shfl_sync(kAll, got, __ffs(mismatch) - 1);
-      if (lane == 0) record_error(g, kOpMismatch, peer_rank, int32_t(code & 0xFu));
+      const int first = __ffs(mismatch) - 1;
+      const uint32_t code = __shfl_sync(kAll, got, first);
+      const bool kernel = __shfl_sync(kAll, other_kernel, first);
+      // The peer's kernel is the one whose word this is not: a two-shot word arrived where a one-shot was wanted.
+      const int32_t theirs = !kernel ? int32_t(code & 0xFu)
+                             : (uint32_t(want) ^ uint32_t(~wanted)) ? kLL128PeerOneShot : kLL128PeerTwoShot;
+      if (lane == 0) record_error(g, kOpMismatch, peer_rank, theirs);
       return {a, b, false};
     }
     if ((spins & 63u) == 63u) {

@@ -172,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calls", type=int, default=1000, help="multirank: calls of the soak (default 1000)")
     p.add_argument("--steps", nargs="+", default=None,
                    help="multirank: only these steps (check_ops check_training check_jit check_small "
-                        "check_small_replay check_moe soak faults_kill faults_skip; default all)")
+                        "check_small_replay check_moe soak faults_kill faults_skip faults_shots; default all)")
     return p
 
 

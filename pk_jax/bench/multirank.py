@@ -5,7 +5,7 @@ Per rank count: check_ops.py, check_training.py, check_jit.py, check_small.py (t
 size sweep), check_small_replay.py (its 1,000 command-buffer replays; 20 with --quick), check_small_chain.py
 (chains of 64 dependent small all_reduces, exact: the LL / LL128 lines' stress test), check_moe.py and
 soak.py under `python -m pk_jax.launch` (on one GPU the ranks share it under MPS; on several, `auto` puts one rank per
-GPU), then faults.py --mode kill and skip (which start their ranks themselves). Merges every script's
+GPU), then faults.py --mode kill, skip and shots (which start their ranks themselves). Merges every script's
 rows into one results file (suite "multirank") with a log beside it, and exits non-zero if any case
 failed. This process never touches a GPU (the ranks need all of it), so it imports no jax backend.
 """
@@ -118,7 +118,7 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("check_ring", launch + [str(sdir / "check_ring.py"), *extra]),
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),
             ] + [(f"faults_{m}", [py, str(sdir / "faults.py"), "--mode", m, "--ranks", str(n),
-                                  "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip")]
+                                  "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip", "shots")]
             if only:
                 unknown = sorted(set(only) - {name for name, _ in steps})
                 if unknown:

@@ -1,11 +1,13 @@
 """A rank that dies or skips an op: the others must get an error naming the op and the missing rank
 within PK_JAX_TIMEOUT_MS (2000 here) plus slack, and every process must exit.
 
-    python tests/multirank/faults.py --mode kill|skip [--ranks N] [--ranks-per-gpu auto|K] [--out rows.json]
+    python tests/multirank/faults.py --mode kill|skip|shots [--ranks N] [--ranks-per-gpu auto|K] [--out rows.json]
 
 It starts its ranks itself (tests/multirank/spawn.py: the launcher would end the job when rank 1 dies).
 kill: after a few good all_gathers rank 1 calls os._exit(9); the others run one more all_gather.
 skip: rank 1 skips that all_gather and runs an all_reduce, which the others never reach.
+shots: rank 1 runs the LL128 all_reduce two-shot (PK_JAX_AR_LL128_SHOTS=2), the others one-shot: every rank, rank 1
+too, must get the kernel mismatch (an error naming small_ll128 and PK_JAX_AR_LL128_SHOTS) instead of wrong sums.
 The others print `FAULT-OK <elapsed s>` when the op or pk_jax.runtime.check() raised an error naming
 "all_gather" and "rank 1" in time. The driver prints one PASS/FAIL line per mode. With --cpu it says
 SKIP: the jax.lax fallback has no bounded waits.
@@ -23,7 +25,39 @@ import time
 TIMEOUT_MS = 2000
 SLACK_S = 10.0   # the error reaches Python at the op's end or at runtime.check(); start-up skew between ranks
 GOOD_OPS = 3
-DEAD = 1         # the rank that dies or skips
+DEAD = 1         # the rank that dies, skips, or picks the other LL128 kernel
+SHOTS_VAR = "PK_JAX_AR_LL128_SHOTS"
+
+
+def shots_worker(job, mesh) -> None:
+    """Mode shots: one all_reduce "small_ll128" of 64 KiB per member (547 lines, so the two-shot serves it), rank
+    DEAD two-shot and the others one-shot. Every rank prints FAULT-OK when it raised the mismatch in time."""
+    import harness  # noqa: I001
+    import cases
+    import numpy as np
+    import pk_jax
+
+    os.environ[SHOTS_VAR] = "2" if job.rank == DEAD else "1"  # read by the extension at its first LL128 launch
+    case = cases.Case("all_reduce", "small_ll128", "float32", "reduce", ((64, 256),), (1.0,),
+                      lambda ax, x: (pk_jax.all_reduce(x, ax, algorithm="small_ll128"),),
+                      lambda blocks, pos: [sum(np.asarray(b, np.float32) for b in blocks[0])], (64, 256))
+    run = harness.case_runner(mesh, "x", case)
+    t0 = time.perf_counter()
+    try:
+        ok, err = run(0)
+        msg = ""
+    except Exception as e:  # noqa: BLE001 - the RuntimeError/XlaRuntimeError under test
+        msg = f"{type(e).__name__}: {e}"
+        ok, err = False, None
+    elapsed = time.perf_counter() - t0
+    named = "small_ll128" in msg and SHOTS_VAR in msg
+    if named and elapsed <= TIMEOUT_MS / 1000 + SLACK_S:
+        print(f"FAULT-OK {elapsed:.2f} {msg[:400]}", flush=True)
+        harness.exit_now(0, list(range(job.ranks)))
+    why = f"no error (sums {'right' if ok else 'wrong'}, max_err {err})" if not msg else \
+        ("the error does not name small_ll128 and " + SHOTS_VAR if not named else "too late")
+    print(f"FAULT-FAIL {elapsed:.2f} {why}: {msg[:400]}", flush=True)
+    harness.exit_now(1, list(range(job.ranks)))
 
 
 def worker(mode: str) -> None:
@@ -36,6 +70,8 @@ def worker(mode: str) -> None:
     job = harness.start_job()
     print(f"STARTUP {job.startup_s:.3f}", flush=True)
     mesh = Mesh(np.array(jax.devices()), ("x",))
+    if mode == "shots":
+        shots_worker(job, mesh)
     g = mesh.shape["x"]
     by_name = {f"{c.op}/{c.case}": c for c in cases.collective_cases(g, "float32", quick=True)}
     gather = harness.case_runner(mesh, "x", by_name["all_gather/axis0_tiled"])
@@ -77,7 +113,7 @@ def judge(mode: str, results: list[tuple[int | None, str]]) -> tuple[bool, str, 
         return False, "ranks left running: " + str([r for r, (c, _) in enumerate(results) if c is None]), None
     elapsed = []
     for r, (code, out) in enumerate(results):
-        if r == DEAD:
+        if r == DEAD and mode != "shots":
             if mode == "kill" and code != 9:
                 return False, f"rank {DEAD} exited {code}, not 9", None
             continue
@@ -120,7 +156,7 @@ def driver(args: argparse.Namespace) -> int:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=["kill", "skip"], required=True)
+    p.add_argument("--mode", choices=["kill", "skip", "shots"], required=True)
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--ranks-per-gpu", default="auto", help="'auto': ceil(ranks / GPUs); or an int")
     p.add_argument("--cpu", action="store_true", help="a CPU job: says SKIP (no bounded waits there)")
