@@ -130,18 +130,12 @@ std::unordered_map<const void*, int>& blocks_per_sm() {
   return table;
 }
 
-}  // namespace
-
-int resident_ctas_per_sm(const void* kernel) {
-  const auto it = blocks_per_sm().find(kernel);
-  return it == blocks_per_sm().end() ? 1 : it->second;
-}
-
-namespace {
-
 // Every CTA must be resident at once (CTAs wait on peers), so the grid never exceeds what fits.
-int grid_for(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim) {
-  const int64_t cap = int64_t(lim.num_sms) * resident_ctas_per_sm(kernel);
+int grid_for(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim,
+             int max_ctas_per_sm = kAnyCtasPerSm) {
+  const auto it = blocks_per_sm().find(kernel);
+  const int fit = it == blocks_per_sm().end() ? 1 : it->second;
+  const int64_t cap = int64_t(lim.num_sms) * (fit < max_ctas_per_sm ? fit : max_ctas_per_sm);
   const int64_t per_block = threads / 32;
   const int64_t want = (warp_items + per_block - 1) / per_block;
   return int(want < 1 ? 1 : (want < cap ? want : cap));
@@ -225,8 +219,8 @@ cudaError_t launch_pull_reduce(const Group& g, const Box& box, int vec_bytes, DT
   return cudaLaunchKernel(k, grid, kReduceThreads, args, 0, stream);
 }
 
-int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim) {
-  return grid_for(kernel, warp_items, threads, lim);
+int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim, int max_ctas_per_sm) {
+  return grid_for(kernel, warp_items, threads, lim, max_ctas_per_sm);
 }
 
 cudaError_t launch_wait_for_peer(const Group& g, int peer_rank, cudaStream_t stream) {

@@ -54,11 +54,11 @@ cudaError_t launch_wait_for_peer(const Group& g, int peer_rank, cudaStream_t str
 std::vector<const void*> collective_kernels();
 
 // Grid for `kernel` (configured by configure_kernels) with `warp_items` warp-sized work items of
-// `threads`-thread CTAs, capped so that every CTA is resident at once (CTAs wait on peers).
-int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim);
-
-// CTAs of `kernel` that fit on one SM at once (configure_kernels; 1 for a kernel it did not see).
-int resident_ctas_per_sm(const void* kernel);
+// `threads`-thread CTAs, capped so that every CTA is resident at once (CTAs wait on peers), and at
+// `max_ctas_per_sm` CTAs per SM.
+constexpr int kAnyCtasPerSm = 1 << 20;
+int resident_grid(const void* kernel, int64_t warp_items, int threads, const LaunchLimits& lim,
+                  int max_ctas_per_sm = kAnyCtasPerSm);
 
 // Loads every kernel on the current device and records how many CTAs of each fit on one SM.
 // Call on each device at start-up, before any launch.

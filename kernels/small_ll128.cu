@@ -7,7 +7,6 @@
 // lines in every op, so the parity argument of small_collectives.cu holds unchanged.
 #include "small_ll128.cuh"
 
-#include <algorithm>
 #include <cstring>
 
 #include "pk/env.h"
@@ -23,9 +22,9 @@ static_assert(kLL128PeerOneShot == kOpAllReduceLL128OneShot && kLL128PeerTwoShot
               "pk/ll128.cuh's mismatch reports use the OpCode names");
 
 constexpr int kLL128Threads = 256;
-// Lines per CTA (a multiple of the 32 lines one pass of 8 warps covers); CTAs up to one per SM, so all
-// are resident and no receiver waits on a sender that cannot start. PK_JAX_SMALL_LL128_LINES_PER_CTA
-// overrides it for sweeps (read once per process).
+// Lines per CTA (a multiple of the 32 lines one pass of 8 warps covers); CTAs up to what fits at once
+// (ll128_ctas_per_sm), so all are resident and no receiver waits on a sender that cannot start.
+// PK_JAX_SMALL_LL128_LINES_PER_CTA overrides it for sweeps (read once per process).
 constexpr int64_t kLL128LinesPerCta = 32;
 // Two-shot from this size at G >= 3 (ll128_shots; PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES, PK_JAX_AR_LL128_SHOTS=1|2
 // forces either): the one-shot sends (G-1) n, the two-shot 2 (G-1)/G n over a second trip. Measured on 4x H200
@@ -47,11 +46,12 @@ int64_t ll128_lag() {
   return v;
 }
 
-// CTAs per SM, capped by what fits (configure_kernels: 3 of the 16-bit one-shot, 2 of the float32 one): a warp's loop
-// is latency-bound (session 32: ~2 us per quad at 8 MiB on 1,056 warps; fewer summing warps were proportionally
-// slower), so more warps put more lines in flight. One-shot on 2x H200 (session 33, us per op, 1 / 2 / 3 CTAs per SM):
-// 1 MiB 8.67-8.76 / 8.12-8.15 / 7.39, 2 MiB 13.40-13.55 / 11.66-11.68 / 11.41, 8 MiB 34.27-34.52 / 33.15-33.30 / 31.75;
-// below ~495 KiB the grid has fewer CTAs than SMs either way. The two-shot keeps one (not measured with more).
+// CTAs per SM, capped by what fits (configure_kernels; the one-shot's launch bounds keep 3 of the 16-bit kernel and 2 of
+// the float32 one): a warp's loop is latency-bound (session 32: ~2 us per quad at 8 MiB on 1,056 warps; fewer summing
+// warps were proportionally slower), so more warps put more lines in flight. One-shot on 2x H200 (session 33, us per
+// op, 1 / 2 / 3 CTAs per SM, two or three runs): 1 MiB 8.35-8.76 / 8.12-8.15 / 7.39-8.04, 2 MiB 12.68-13.55 /
+// 11.66-11.68 / 11.38-11.41, 8 MiB 34.27-34.59 / 33.15-33.30 / 31.75-31.96; below ~495 KiB the grid has fewer CTAs than
+// SMs either way. The two-shot keeps one (not measured with more).
 // PK_JAX_SMALL_LL128_CTAS_PER_SM sets both (read once per process). A pair's kernel summing 2 members (64 registers,
 // 4 CTAs fit) was no faster at 8 MiB (33.6-37.0 us at 1-4 CTAs per SM) and is not kept.
 constexpr int64_t kLL128OneShotCtasPerSm = 3;
@@ -187,7 +187,7 @@ struct LL128Launch {
 };
 
 template <typename T>
-__global__ void __launch_bounds__(kLL128Threads, 1)
+__global__ void __launch_bounds__(kLL128Threads, sizeof(T) == 2 ? 3 : 2)  // kLL128OneShotCtasPerSm of 16-bit data fit
     small_all_reduce_ll128(Group g, const char* x, char* y, int64_t n, int64_t lag) {
   __shared__ uint32_t flag[kMaxGroup];
   load_small_flags(g, flag, kOpAllReduceLL128);
@@ -266,8 +266,10 @@ __global__ void __launch_bounds__(kLL128Threads, 1)
     const bool valid = owner != g.rank;
     uint64_t a = 0, b = 0;
     if (valid) ll128_load(L.in_at(owner, at), a, b);
-    const int first_owner = __shfl_sync(0xffffffffu, owner, 0);  // names a peer in a timeout report
-    ok = ll128_settle(L.in_at(owner, at), valid, at, L.word(owner), a, b, g, first_owner) && ok;
+    // A peer this warp waits on, named in a timeout or mismatch report (lane 0's line may be this rank's own).
+    const unsigned waits = __ballot_sync(0xffffffffu, valid);
+    const int named = __shfl_sync(0xffffffffu, owner, waits ? __ffs(waits) - 1 : 0);
+    ok = ll128_settle(L.in_at(owner, at), valid, at, L.word(owner), a, b, g, named) && ok;
     if (valid && ok) L.store_y(at, a, b);
   }
   finish_small_op(g);
@@ -297,10 +299,9 @@ cudaError_t launch_ll128(const Group& g, DType dtype, const void* x, void* y, in
   const int shots = ll128_shots(bytes, g.size);
   const void* k = ll128_kernel(dtype, shots);
   if (!k) return cudaErrorInvalidValue;
-  const int64_t per_cta = ll128_lines_per_cta();
-  int64_t grid = (ll128_lines(bytes) + per_cta - 1) / per_cta;
-  const int64_t per_sm = std::min<int64_t>(ll128_ctas_per_sm(shots), resident_ctas_per_sm(k));
-  grid = std::min<int64_t>(grid, int64_t(lim.num_sms) * per_sm);  // all CTAs co-resident
+  const int64_t lines_per_warp = ll128_lines_per_cta() / (kLL128Threads / 32);  // a warp-sized item of the grid
+  const int grid = resident_grid(k, (ll128_lines(bytes) + lines_per_warp - 1) / lines_per_warp, kLL128Threads, lim,
+                                 int(ll128_ctas_per_sm(shots)));
   const char* s = static_cast<const char*>(x);
   char* d = static_cast<char*>(y);
   int64_t lag = ll128_lag();

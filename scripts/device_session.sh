@@ -439,7 +439,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   --tag "lag$lag" --ops pk_small_ll128 --bytes 262144 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128lag$lag.json"
               done ;;
     ll128ctas) # (2 GPUs+) LL128 with LL128_CTAS (default "1 2 3") CTAs per SM: the knobs' fresh-process tests, then floor
-               # slopes per value on GPUs PAIR and, with more than 2 GPUs, on all of them (two-shot from 256 KiB there)
+               # slopes per value on GPUs PAIR and, with more than 2 GPUs, on all of them (the two-shot serves 1 MiB and up there)
                stage ll128ctas-tests 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and CTAS"
                for v in ${LL128_CTAS:-1 2 3}; do
                  stage ll128ctas-$v-pair 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_SMALL_LL128_CTAS_PER_SM=$v python3 \

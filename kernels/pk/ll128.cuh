@@ -44,12 +44,13 @@ __device__ __forceinline__ LL128Part ll128_part(int64_t q, int lane, int64_t fir
 }
 
 // The flag word: the 32-bit ll_flag and its complement, so that stale plain bytes of the chunk-flag all_reduces,
-// which share this area, pass for a flag only if they hold that exact pattern (a NaN in every dtype). Only LL128
+// which share this area, pass for a flag only if they hold that exact 64-bit pattern (while the pair's epoch is below
+// 2^19 the complement's high bits are all ones, a NaN in every dtype; later epochs rely on the exact match). Only LL128
 // writes flag words here, so a member that ran another small op at this epoch is not recognised (no kOpMismatch:
 // the wait times out, kTimeoutSmall, naming the op and the peer).
 // The two-shot's words flip bit 0 of the complement (kLL128TwoShotMark), so that members which picked different
-// kernels for one op (knobs differing between processes) fail with kOpMismatch instead of mixing lines. The bits that
-// make a stale plain word a NaN (the complement's high bits) are untouched.
+// kernels for one op (knobs differing between processes) fail with kOpMismatch instead of mixing lines. The mark is a
+// mantissa bit: the argument above holds for both kernels' words.
 constexpr uint32_t kLL128TwoShotMark = 1;
 // The peer_op of that kOpMismatch report: the kernel the peer ran (collectives.cuh's OpCode names them).
 constexpr int32_t kLL128PeerOneShot = 16, kLL128PeerTwoShot = 17;

@@ -21,6 +21,12 @@ import os
 import re
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+if TYPE_CHECKING:
+    import harness
+    from jax.sharding import Mesh
 
 TIMEOUT_MS = 2000
 SLACK_S = 10.0   # the error reaches Python at the op's end or at runtime.check(); start-up skew between ranks
@@ -29,9 +35,34 @@ DEAD = 1         # the rank that dies, skips, or picks the other LL128 kernel
 SHOTS_VAR = "PK_JAX_AR_LL128_SHOTS"
 
 
-def shots_worker(job, mesh) -> None:
+def attempt(fn: Callable[[], object]) -> tuple[str, float]:
+    """Runs fn(); returns (the error it raised as "Type: message", "" if none; seconds taken)."""
+    t0 = time.perf_counter()
+    try:
+        fn()
+        msg = ""
+    except Exception as e:  # noqa: BLE001 - the RuntimeError/XlaRuntimeError under test
+        msg = f"{type(e).__name__}: {e}"
+    return msg, time.perf_counter() - t0
+
+
+def report(msg: str, elapsed: float, named: bool, what: str, survivors: Sequence[int]) -> NoReturn:
+    """Prints FAULT-OK when `msg` is an error that `named` what it must (`what`, for the failure line) in time, else
+    FAULT-FAIL with the reason; then exits this rank (harness.exit_now over `survivors`)."""
+    import harness  # noqa: I001
+
+    if msg and named and elapsed <= TIMEOUT_MS / 1000 + SLACK_S:
+        print(f"FAULT-OK {elapsed:.2f} {msg[:400]}", flush=True)
+        harness.exit_now(0, survivors)
+    why = "no error" if not msg else (f"the error does not name {what}" if not named else "too late")
+    print(f"FAULT-FAIL {elapsed:.2f} {why}: {msg[:400]}", flush=True)
+    harness.exit_now(1, survivors)
+
+
+def shots_worker(job: harness.Job, mesh: Mesh) -> NoReturn:
     """Mode shots: one all_reduce "small_ll128" of 64 KiB per member (547 lines, so the two-shot serves it), rank
-    DEAD two-shot and the others one-shot. Every rank prints FAULT-OK when it raised the mismatch in time."""
+    DEAD two-shot and the others one-shot. Every rank prints FAULT-OK when it raised the mismatch, naming the peer's
+    kernel and the knob, in time."""
     import harness  # noqa: I001
     import cases
     import numpy as np
@@ -42,22 +73,10 @@ def shots_worker(job, mesh) -> None:
                       lambda ax, x: (pk_jax.all_reduce(x, ax, algorithm="small_ll128"),),
                       lambda blocks, pos: [sum(np.asarray(b, np.float32) for b in blocks[0])], (64, 256))
     run = harness.case_runner(mesh, "x", case)
-    t0 = time.perf_counter()
-    try:
-        ok, err = run(0)
-        msg = ""
-    except Exception as e:  # noqa: BLE001 - the RuntimeError/XlaRuntimeError under test
-        msg = f"{type(e).__name__}: {e}"
-        ok, err = False, None
-    elapsed = time.perf_counter() - t0
-    named = "small_ll128" in msg and SHOTS_VAR in msg
-    if named and elapsed <= TIMEOUT_MS / 1000 + SLACK_S:
-        print(f"FAULT-OK {elapsed:.2f} {msg[:400]}", flush=True)
-        harness.exit_now(0, list(range(job.ranks)))
-    why = f"no error (sums {'right' if ok else 'wrong'}, max_err {err})" if not msg else \
-        ("the error does not name small_ll128 and " + SHOTS_VAR if not named else "too late")
-    print(f"FAULT-FAIL {elapsed:.2f} {why}: {msg[:400]}", flush=True)
-    harness.exit_now(1, list(range(job.ranks)))
+    msg, elapsed = attempt(lambda: run(0))
+    theirs = "one-shot" if job.rank == DEAD else "two-shot"  # the peer kernel the error must name
+    named = f"(small_ll128, {theirs})" in msg and SHOTS_VAR in msg
+    report(msg, elapsed, named, f"small_ll128's {theirs} and {SHOTS_VAR}", list(range(job.ranks)))
 
 
 def worker(mode: str) -> None:
@@ -85,26 +104,17 @@ def worker(mode: str) -> None:
     survivors = [r for r in range(job.ranks) if not (mode == "kill" and r == DEAD)]
     if mode == "kill" and job.rank == DEAD:
         os._exit(9)
-    t0 = time.perf_counter()
-    try:
+
+    def last_ops() -> None:
         if not (mode == "skip" and job.rank == DEAD):
             gather(GOOD_OPS)
         reduce(GOOD_OPS)
-        msg = ""
-    except Exception as e:  # noqa: BLE001 - the RuntimeError/XlaRuntimeError under test
-        msg = f"{type(e).__name__}: {e}"
-    elapsed = time.perf_counter() - t0
+
+    msg, elapsed = attempt(last_ops)
     if job.rank == DEAD:  # skip mode: its all_reduce meets nobody; any outcome, as long as it ends
         print(f"SKIPPER-DONE {elapsed:.2f} {msg[:300]}", flush=True)
         harness.exit_now(0, survivors)
-    named = "all_gather" in msg and f"rank {DEAD}" in msg
-    in_time = elapsed <= TIMEOUT_MS / 1000 + SLACK_S
-    if msg and named and in_time:
-        print(f"FAULT-OK {elapsed:.2f} {msg[:300]}", flush=True)
-        harness.exit_now(0, survivors)
-    why = "no error" if not msg else ("the error does not name all_gather and rank 1" if not named else "too late")
-    print(f"FAULT-FAIL {elapsed:.2f} {why}: {msg[:400]}", flush=True)
-    harness.exit_now(1, survivors)
+    report(msg, elapsed, "all_gather" in msg and f"rank {DEAD}" in msg, f"all_gather and rank {DEAD}", survivors)
 
 
 def judge(mode: str, results: list[tuple[int | None, str]]) -> tuple[bool, str, float | None]:
