@@ -83,6 +83,7 @@
 #               "0 8 16 32"), then its bench rows at RESERVE_BENCH (default 16)                              ~4 min
 #   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
 #   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests (18 took > 100 s), then the bench rows (fwd, fwd_bwd) ~5.5 min
+#   ulysseschunks (2 GPUs+) Ulysses forward rows per head-chunk count (ULYSSES_CHUNKS_LIST, default "8 4 16 8") ~4 min
 #   ulysseshalf (2 GPUs+) Ulysses bench rows at defaults with PK_JAX_ULYSSES_HALF_ENDS=1 (run after ulyssesdefault)  ~3 min
 #   ulyssesown  (2 GPUs+) windowed Ulysses with the own blocks placed by XLA (PK_JAX_WINDOW_OWN=xla: only peer copies on
 #               the side stream): timelines per RESERVES (default "0 16"), then bench rows per OWN_CFGS
@@ -640,6 +641,12 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                       -m gpu -q -x -rs -k "ulysses"
                     stage ulysses-default ${ULYSSES_LIMIT:-170} python3 -m pk_jax.bench context --op ulysses_attention \
                       --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-default.json" ;;
+    ulysseschunks) # (2 GPUs+) Ulysses forward rows per head-chunk count of the windowed pipeline (ULYSSES_CHUNKS_LIST,
+                   # default "8 4 16 8": 8 is the default, measured best on 2x H100 only), same turns per value
+                   for c in ${ULYSSES_CHUNKS_LIST:-8 4 16 8}; do
+                     stage ulysses-chunks$c ${ULYSSES_LIMIT:-120} env PK_JAX_ULYSSES_CHUNKS=$c python3 -m pk_jax.bench context \
+                       --op ulysses_attention --cases fwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-chunks$c.json"
+                   done ;;
     ulysseshalf) # (2 GPUs+) Ulysses at defaults with half-width first and last chunks (PK_JAX_ULYSSES_HALF_ENDS=1: 9 chunks)
                  stage ulysses-half ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_HALF_ENDS=1 python3 -m pk_jax.bench context \
                    --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-half.json" ;;
