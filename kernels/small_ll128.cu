@@ -46,14 +46,14 @@ int64_t ll128_lag() {
   return v;
 }
 
-// CTAs per SM, capped by what fits (configure_kernels; the one-shot's launch bounds keep 3 of the 16-bit kernel and 2 of
-// the float32 one): a warp's loop is latency-bound (session 32: ~2 us per quad at 8 MiB on 1,056 warps; fewer summing
-// warps were proportionally slower), so more warps put more lines in flight. One-shot on 2x H200 (session 33, us per
-// op, 1 / 2 / 3 CTAs per SM, two or three runs): 1 MiB 8.35-8.76 / 8.12-8.15 / 7.39-8.04, 2 MiB 12.68-13.55 /
+// CTAs per SM, capped by what fits (configure_kernels; the one-shot's launch bounds keep 3 of the 16-bit kernel and 2
+// of the float32 one): a warp's loop is latency-bound (session 32: ~2 us per quad at 8 MiB on 1,056 warps; fewer
+// summing warps were proportionally slower), so more warps put more lines in flight. One-shot on 2x H200 (session 33,
+// us per op, 1 / 2 / 3 CTAs per SM, two or three runs): 1 MiB 8.35-8.76 / 8.12-8.15 / 7.39-8.04, 2 MiB 12.68-13.55 /
 // 11.66-11.68 / 11.38-11.41, 8 MiB 34.27-34.59 / 33.15-33.30 / 31.75-31.96; below ~495 KiB the grid has fewer CTAs than
-// SMs either way. The two-shot keeps one (not measured with more).
-// PK_JAX_SMALL_LL128_CTAS_PER_SM sets both (read once per process). A pair's kernel summing 2 members (64 registers,
-// 4 CTAs fit) was no faster at 8 MiB (33.6-37.0 us at 1-4 CTAs per SM) and is not kept.
+// SMs either way. The two-shot keeps one (not measured with more). PK_JAX_SMALL_LL128_CTAS_PER_SM sets both (read once
+// per process). A pair's kernel summing 2 members (64 registers, 4 CTAs fit) was no faster at 8 MiB (33.6-37.0 us at
+// 1-4 CTAs per SM) and is not kept.
 constexpr int64_t kLL128OneShotCtasPerSm = 3;
 
 int64_t ll128_ctas_per_sm(int shots) {

@@ -97,7 +97,8 @@ __device__ __forceinline__ LL128Got ll128_spin(const char* p, bool valid, LL128P
     const uint32_t got = uint32_t(b >> 32), wanted = uint32_t(want >> 32);
     const bool formed = ((uint32_t(b) ^ ~got) & ~kLL128TwoShotMark) == 0;
     const bool other_op = valid && at.flag_lane() && formed && got != wanted && (got >> 4) == (wanted >> 4);
-    const bool other_kernel = valid && at.flag_lane() && got == wanted && uint32_t(b) == (uint32_t(want) ^ kLL128TwoShotMark);
+    const bool other_kernel =
+        valid && at.flag_lane() && got == wanted && uint32_t(b) == (uint32_t(want) ^ kLL128TwoShotMark);
     const unsigned mismatch = __ballot_sync(kAll, other_op || other_kernel);
     if (mismatch) {
       const int first = __ffs(mismatch) - 1;

@@ -118,7 +118,8 @@ def run(ranks: Sequence[int], ranks_per_gpu: str, cpu: bool, quick: bool, calls:
                 ("check_ring", launch + [str(sdir / "check_ring.py"), *extra]),
                 ("soak", launch + [str(sdir / "soak.py"), "--calls", str(calls), *extra]),
             ] + [(f"faults_{m}", [py, str(sdir / "faults.py"), "--mode", m, "--ranks", str(n),
-                                  "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else [])) for m in ("kill", "skip", "shots")]
+                                  "--ranks-per-gpu", str(k)] + (["--cpu"] if cpu else []))
+                 for m in ("kill", "skip", "shots")]
             if only:
                 unknown = sorted(set(only) - {name for name, _ in steps})
                 if unknown:
