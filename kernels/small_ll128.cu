@@ -1,10 +1,10 @@
 // all_reduce "small_ll128": the LL all_reduce with 128-byte lines (pk/ll128.cuh), one-shot or (from G = 3 and
 // kLL128TwoShotMinBytes) two-shot. One-shot: every member stores all of x, as lines of 120 payload bytes + a flag
 // word, into every peer's area (chunk_data of the receiver's control block, sender's slot, the op's parity), then
-// sums the G members in rank order in float32 from x and its own area, each line waited for by its flag. One one-way trip, no fence, no
-// per-call handshake, 128 / 120 of the payload on the wire (the 8-byte LL lines send 2x). Epochs,
-// parity and the last-CTA epoch advance are the LL path's (pk/small_epochs.cuh): every pair exchanges
-// lines in every op, so the parity argument of small_collectives.cu holds unchanged.
+// sums the G members in rank order in float32 from x and its own area, each line waited for by its flag. One one-way
+// trip, no fence, no per-call handshake, 128 / 120 of the payload on the wire (the 8-byte LL lines send 2x). Epochs,
+// parity and the last-CTA epoch advance are the LL path's (pk/small_epochs.cuh): every pair exchanges lines in every
+// op, so the parity argument of small_collectives.cu holds unchanged.
 #include "small_ll128.cuh"
 
 #include <cstring>

@@ -105,9 +105,9 @@ def ll128_mode() -> str:
 def ll128_auto_max_bytes(group: int) -> int:
     """The largest x (bytes) auto / "small" send as LL128 lines over `group` members: every size the path serves at
     G = 2 (one-shot, ahead of the chunk flags at 8 MiB), LL128_AUTO_MAX_BYTES from G = 3 (two-shot from 256 KiB; the
-    pipelined chunk flags lead at 8 MiB). The kernel's knobs (PK_JAX_AR_LL128_SHOTS, PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES,
-    PK_JAX_SMALL_LL128_LAG) must be equal in every process of a job: one- and two-shot share an op code, so members
-    that disagree on the shots wait on lines that never come or read raw x as a sum."""
+    pipelined chunk flags lead at 8 MiB). The kernel's choice of shots (PK_JAX_AR_LL128_SHOTS,
+    PK_JAX_AR_LL128_TWO_SHOT_MIN_BYTES) must be equal in every process of a job: members that disagree fail with an
+    op-mismatch error naming both knobs (the two kernels' flag words differ)."""
     return CHUNKED_MAX_BYTES if group == 2 else LL128_AUTO_MAX_BYTES
 
 
