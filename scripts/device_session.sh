@@ -55,6 +55,7 @@
 #               (PK_JAX_AR_LL128_SHOTS=2): its tests, floor slopes and shared-GPU chains                       ~10 min
 #   ll128lag    (2 GPUs+) the LL128 one-shot's lag of sums behind sends (LL128_LAGS), GPUs PAIR, 256 KiB-8 MiB ~3 min
 #   ll128ctas   (2 GPUs+) LL128 CTAs per SM (LL128_CTAS, default "1 2 3"): fresh-process tests, floor slopes pair and all ~5 min
+#   ll128env    (2 GPUs+) LL128 floor slopes at 1-8 MiB on GPUs PAIR per setting of LL128_ENVS, defaults first and last ~1 min each
 #   ll128odd    (1 GPU+) LL128 chains at 3 and 5 ranks sharing GPU 0 (default shots, one-shot forced), the lag-0 tests ~5 min
 #   ll128verify (2 GPUs+) LL128 at auto's thresholds: GPU tests and chains (all GPUs, then GPUs PAIR), chains with
 #               LL128_SHARED_RANKS sharing GPU 0 (LL128_SHARED_ENV, e.g. PK_JAX_AR_LL128_SHOTS=2)          ~6 min
@@ -451,12 +452,21 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    python3 scripts/latency_floor.py --tag "ctas$v" --ops pk_small_ll128 \
                    --bytes 4096 131072 1048576 2097152 4194304 8388608 --out "$OUT/$day-floor-ll128-ctas$v.json"
                done ;;
+    ll128env) # (2 GPUs+) LL128 floor slopes on GPUs PAIR per setting in LL128_ENVS (space-separated; each a comma-separated
+              # VAR=value list, "-" for the defaults), 1-8 MiB, one fresh process each; the defaults first and last
+              for cfg in - ${LL128_ENVS:?set LL128_ENVS} -; do
+                tag=$(echo "$cfg" | sed 's/PK_JAX_//g; s/[^A-Za-z0-9=]/_/g; s/=/-/g'); vars=${cfg//,/ }
+                [ "$cfg" = - ] && tag=default-$SECONDS && vars=PK_JAX_LL128ENV_DEFAULTS=1  # ("env -" would empty the environment)
+                stage ll128env-$tag 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} $vars python3 scripts/latency_floor.py \
+                  --tag "$tag" --ops pk_small_ll128 --bytes 1048576 2097152 4194304 8388608 \
+                  --out "$OUT/$day-floor-ll128env-$tag.json"
+              done ;;
     ll128odd) # (1 GPU+) LL128 at odd group sizes (LL128_ODD_RANKS, default "3 5") with ranks sharing GPU 0: the chain stress
               # at the default shots (two-shot from 256 KiB there) and with the one-shot forced; then the lag-0 knob's
               # fresh-process tests on every GPU
-              stage ll128odd-chain 200 env CUDA_VISIBLE_DEVICES=0 python3 -m pk_jax.bench multirank --ranks ${LL128_ODD_RANKS:-3 5} \
+              stage ll128odd-chain 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} python3 -m pk_jax.bench multirank --ranks ${LL128_ODD_RANKS:-3 5} \
                 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd.json"
-              stage ll128odd-chain-1shot 200 env CUDA_VISIBLE_DEVICES=0 PK_JAX_AR_LL128_SHOTS=1 python3 -m pk_jax.bench multirank \
+              stage ll128odd-chain-1shot 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} PK_JAX_AR_LL128_SHOTS=1 python3 -m pk_jax.bench multirank \
                 --ranks ${LL128_ODD_RANKS:-3 5} --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd-1shot.json"
               stage ll128odd-lag0 120 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG-0" ;;
     ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
@@ -653,8 +663,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ulysseschunks) # (2 GPUs+) Ulysses forward rows per head-chunk count of the windowed pipeline (ULYSSES_CHUNKS_LIST,
                    # default "8 4 16 8": 8 is the default, measured best on 2x H100 only), same turns per value
                    for c in ${ULYSSES_CHUNKS_LIST:-8 4 16 8}; do
-                     stage ulysses-chunks$c ${ULYSSES_LIMIT:-120} env PK_JAX_ULYSSES_CHUNKS=$c python3 -m pk_jax.bench context \
-                       --op ulysses_attention --cases fwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-chunks$c.json"
+                     stage ulysses-chunks$c-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_CHUNKS=$c python3 -m pk_jax.bench context \
+                       --op ulysses_attention --cases fwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-chunks$c-$SECONDS.json"
                    done ;;
     ulysseshalf) # (2 GPUs+) Ulysses at defaults with half-width first and last chunks (PK_JAX_ULYSSES_HALF_ENDS=1: 9 chunks)
                  stage ulysses-half ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_HALF_ENDS=1 python3 -m pk_jax.bench context \
