@@ -39,7 +39,9 @@ constexpr int64_t kLL128TwoShotMinBytes = 256 << 10;
 // 132 SMs, where the sums used to follow ~24 us of sends. Measured on 2 of 4x H200 (session 32, us per op, 2 / 4 / 8 /
 // session 31's): 1 MiB 7.87 / 7.79 / 8.30 / 8.37, 4 MiB 20.29 / 21.96 / 24.46 / -, 8 MiB 34.14 / 36.58 / 40.58 / 46.45;
 // with x loaded a quad ahead (lag 1 / 2 / 3): 8 MiB 33.70 / 34.89 / 35.38, 4 MiB 19.62 / 20.43 / 21.17 (noise-level).
-constexpr int64_t kLL128Lag = 2;
+// At 3 CTAs per SM (2x H200, session 34, lag 1 / 3 / 2 twice): 8 MiB 30.65 / 33.26 / 31.98-32.06, 4 MiB 17.44 / 18.57 /
+// 18.43-18.84, 2 MiB 11.14 / 12.60 / 11.74-11.85; 1 MiB 7.26-7.69 in every row.
+constexpr int64_t kLL128Lag = 1;
 
 int64_t ll128_lag() {
   static const int64_t v = env_or("PK_JAX_SMALL_LL128_LAG", kLL128Lag, 0, 1 << 20);

@@ -128,15 +128,15 @@ def test_all_reduce_chain_stays_exact(dtype, nbytes, algorithm):
             assert_bits(blk, want, f"call {call}, member {r}")
 
 
-@pytest.mark.parametrize("knob,value", [("PK_JAX_AR_LL128_SHOTS", "2"), ("PK_JAX_SMALL_LL128_LAG", "1"),
+@pytest.mark.parametrize("knob,value", [("PK_JAX_AR_LL128_SHOTS", "2"), ("PK_JAX_SMALL_LL128_LAG", "2"),
                                         ("PK_JAX_SMALL_LL128_LAG", "0"), ("PK_JAX_SMALL_LL128_CTAS_PER_SM", "2")])
 def test_ll128_knob_in_a_fresh_process(knob, value):
     """The LL128 kernels under a knob read once per process pass this file's LL128 size sweep and chain stress in a
     process of their own (G = every GPU of the machine): the two-shot forced at every size (PK_JAX_AR_LL128_SHOTS=2;
-    sizes with fewer lines than members run one-shot), and the one-shot summing each quad one iteration after sending
-    it (PK_JAX_SMALL_LL128_LAG=1: sends and sums interleaved wherever a warp has two quads or more, from ~1.5 MiB at
-    3 CTAs per SM) or in the same iteration (lag 0), and 2 CTAs per SM for both kernels (PK_JAX_SMALL_LL128_CTAS_PER_SM;
-    the one-shot takes 3 by default)."""
+    sizes with fewer lines than members run one-shot), and the one-shot summing each quad two iterations after
+    sending it (PK_JAX_SMALL_LL128_LAG=2, the default before session 34: sends and sums interleaved wherever a warp
+    has three quads or more) or in the same iteration (lag 0; the default is 1), and 2 CTAs per SM for both kernels
+    (PK_JAX_SMALL_LL128_CTAS_PER_SM; the one-shot takes 3 by default)."""
     if os.environ.get(knob):
         pytest.skip(f"this process already runs with {knob} set")
     res = subprocess.run([sys.executable, "-m", "pytest", os.path.abspath(__file__), "-m", "gpu", "-q", "-x", "-k",
