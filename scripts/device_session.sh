@@ -56,7 +56,7 @@
 #   ll128lag    (2 GPUs+) the LL128 one-shot's lag of sums behind sends (LL128_LAGS), GPUs PAIR, 256 KiB-8 MiB ~3 min
 #   ll128ctas   (2 GPUs+) LL128 CTAs per SM (LL128_CTAS, default "1 2 3"): fresh-process tests, floor slopes pair and all ~5 min
 #   ll128env    (2 GPUs+) LL128 floor slopes at 1-8 MiB on GPUs PAIR per setting of LL128_ENVS, defaults first and last ~1 min each
-#   ll128odd    (1 GPU+) LL128 chains at 3 and 5 ranks sharing GPU 0 (default shots, one-shot forced), the lag-0 tests ~5 min
+#   ll128odd    (1 GPU+) LL128 chains at 3 and 5 ranks sharing GPU ODD_GPU (default shots, one-shot forced), the lag knob tests ~5 min
 #   ll128verify (2 GPUs+) LL128 at auto's thresholds: GPU tests and chains (all GPUs, then GPUs PAIR), chains with
 #               LL128_SHARED_RANKS sharing GPU 0 (LL128_SHARED_ENV, e.g. PK_JAX_AR_LL128_SHOTS=2)          ~6 min
 #   chunked     (2 GPUs+) the chunk-flag all_reduce: first test alone (waits bounded at 3 s), the small-path GPU
@@ -468,7 +468,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd.json"
               stage ll128odd-chain-1shot 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} PK_JAX_AR_LL128_SHOTS=1 python3 -m pk_jax.bench multirank \
                 --ranks ${LL128_ODD_RANKS:-3 5} --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd-1shot.json"
-              stage ll128odd-lag0 120 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG-0" ;;
+              stage ll128odd-lag0 120 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG" ;;
     ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
                  # then chains with ranks sharing GPU 0
                  stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
