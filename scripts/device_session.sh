@@ -86,6 +86,8 @@
 #   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
 #   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests (18 took > 100 s), then the bench rows (fwd, fwd_bwd) ~5.5 min
 #   ulysseschunks (2 GPUs+) Ulysses forward rows per head-chunk count (ULYSSES_CHUNKS_LIST, default "8 4 16 8") ~4 min
+#   ulyssestests (2 GPUs+) Ulysses' and the windowed exchange's GPU tests on GPUs PAIR                  ~1.5 min
+#   ulyssestl   (2 GPUs+) Ulysses forward timelines at defaults, S in ULYSSES_TL_SEQS (default "8192 2048")  ~1 min each
 #   ulysseshalf (2 GPUs+) Ulysses bench rows at defaults with PK_JAX_ULYSSES_HALF_ENDS=1 (run after ulyssesdefault)  ~3 min
 #   ulyssesown  (2 GPUs+) windowed Ulysses with the own blocks placed by XLA (PK_JAX_WINDOW_OWN=xla: only peer copies on
 #               the side stream): timelines per RESERVES (default "0 16"), then bench rows per OWN_CFGS
@@ -660,6 +662,14 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                       -m gpu -q -x -rs -k "ulysses"
                     stage ulysses-default ${ULYSSES_LIMIT:-170} python3 -m pk_jax.bench context --op ulysses_attention \
                       --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-default.json" ;;
+    ulyssestests) # (2 GPUs+) Ulysses' and the windowed exchange's GPU tests on GPUs PAIR
+                  stage ulysses-tests 200 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pytest tests/gpu/test_context_gpu.py \
+                    tests/gpu/test_window_exchange_gpu.py -m gpu -q -rs -k "ulysses or window" ;;
+    ulyssestl) # (2 GPUs+) Ulysses forward timelines at defaults on GPUs PAIR (ULYSSES_TL_SEQS, default "8192 2048")
+               for seq in ${ULYSSES_TL_SEQS:-8192 2048}; do
+                 stage ulysses-timeline-$seq 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/ring_timeline.py \
+                   --op ulysses --seq $seq --heads 128 --cases fwd
+               done ;;
     ulysseschunks) # (2 GPUs+) Ulysses forward rows per head-chunk count of the windowed pipeline (ULYSSES_CHUNKS_LIST,
                    # default "8 4 16 8": 8 is the default, measured best on 2x H100 only), same turns per value
                    for c in ${ULYSSES_CHUNKS_LIST:-8 4 16 8}; do
