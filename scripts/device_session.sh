@@ -471,6 +471,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
               stage ll128odd-chain-1shot 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} PK_JAX_AR_LL128_SHOTS=1 python3 -m pk_jax.bench multirank \
                 --ranks ${LL128_ODD_RANKS:-3 5} --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd-1shot.json"
               stage ll128odd-lag 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG" ;;
+    ll128lagtests) # (2 GPUs+) the LL128 lag knob's fresh-process tests (lag 0 and 2) on every GPU
+                   stage ll128-lag-tests 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs \
+                     -k "fresh_process and LAG" ;;
     ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
                  # then chains with ranks sharing GPU 0
                  stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
