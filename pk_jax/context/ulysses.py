@@ -318,13 +318,12 @@ def _pipelined_in_place(xs: list[jax.Array], chunks: window_exchange.HeadSpans, 
 
     def finish(pending, after):
         # Every done after every start of its group (their tokens as `after`): the group's copies queue back to
-        # back, and each done waits for its own exchange only (its mark, ffi/side_stream.h). Each done also
-        # follows the previous array's own block, so that XLA places q's while k is still on the wire.
-        group, out = [p[2] for p in pending], []
-        for sent, y, token, src, dst in pending:
-            y = shift_done((y,), token, keep_alive=sent, after=(after, group, out[-1:]))[0]
-            out.append(window_exchange.place_own(sent, y, axes, src, dst) if own_on_xla else y)
-        return out
+        # back, and each done waits for its own exchange only (its mark, ffi/side_stream.h), so an own block is
+        # placed while the next array of the group is still on the wire.
+        group = [p[2] for p in pending]
+        done = [(shift_done((y,), token, keep_alive=sent, after=(after, group))[0], sent, src, dst)
+                for sent, y, token, src, dst in pending]
+        return [window_exchange.place_own(sent, y, axes, src, dst) if own_on_xla else y for y, sent, src, dst in done]
 
     tokens = lambda pending: [p[2] for p in pending]
     pending_in, pending_out = start_in(xs, 0), []
