@@ -205,8 +205,7 @@ def _four_chunks_of_ours(monkeypatch):
 def test_ulysses_windowed_compiled_order(monkeypatch):
     """The overlap survives XLA's scheduling (forward, 4 chunks, our attention kernel): before chunk k's attention,
     exactly the waits for chunks 0..k's inputs and chunks 0..k-2's outputs have run, and chunk k+1's input
-    exchanges have started, so they move under it; chunk 0's three exchanges start before its first wait (their
-    copies queue back to back while each own block is placed)."""
+    exchanges have started, so they move under it."""
     g, c, spec, attn = _four_chunks_of_ours(monkeypatch)
     f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
     hlo = f.lower(spec, spec, spec).compile().as_text()
@@ -217,7 +216,6 @@ def test_ulysses_windowed_compiled_order(monkeypatch):
                 kinds.append(kind)
     print("compiled order:", "".join(kinds))
     attn_at = [i for i, k in enumerate(kinds) if k == "A"]
-    assert kinds[:4] == ["S", "S", "S", "D"], "".join(kinds)
     assert len(attn_at) == c and kinds.count("S") == 4 * c and kinds.count("D") == 4 * c, kinds
     for k, at in enumerate(attn_at):
         before = kinds[:at]
