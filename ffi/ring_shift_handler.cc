@@ -10,8 +10,7 @@
 //       this call (pk_jax/context/ring_shift.py).
 //   pk_ring_shift_done: y_0..y_{n-1}, token, keep-alive and after operands... -> y_0..y_{n-1} (aliased)
 //       Makes XLA's stream wait for every side-stream launch issued so far on this device (one event
-//       recorded now; right with several shifts in flight too, they run in order on the side stream); after a
-//       windowed exchange, only for that exchange and what was queued before it (its mark, side_stream.h).
+//       recorded now; right with several shifts in flight too, they run in order on the side stream).
 //       The extra operands are not read: they keep x alive (XLA would reuse its memory otherwise while
 //       the side kernel still reads it) and place the wait after the step's compute.
 //   pk_exchange_start: x [, into] -> y (aliasing into), token [attrs geometry, mesh_ids, mesh_shape, group_axes]
@@ -20,7 +19,7 @@
 //       on the side stream. geometry: width, height, depth, src_pitch, src_slice, dst_pitch, dst_slice (bytes, a
 //       Block3D), src_offset, src_stride, dst_offset, dst_stride, own (WindowExchange; own 0: the own block is
 //       not copied, its window keeps `into`'s cells). Finished by
-//       pk_ring_shift_done like a shift, which waits for this exchange's mark only.
+//       pk_ring_shift_done like a shift.
 // Ranks come from the device ordinal at run time (build_group). The handlers keep host state (the
 // side stream and its events), so they are NOT command-buffer compatible.
 #include <cuda_runtime.h>
@@ -124,12 +123,9 @@ ffi::Error start(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, 
     if (reinterpret_cast<uintptr_t>(b.x[i]) % 16 || reinterpret_cast<uintptr_t>(b.y[i]) % 16)
       return ffi::Error::Internal("pk_jax ring shift: buffers must be 16-byte aligned");
   }
-  auto token = rets.get<ffi::AnyBuffer>(n);
-  if (token.has_error()) return token.error();
   try {
     SideStream& side = side_stream(ordinal);
     std::lock_guard<std::mutex> lock(side.mutex);
-    forget_exchange_mark(side, (*token)->untyped_data());  // a shift's done drains the side stream
     if (ffi::Error e = side_after_main(side, stream); e.failure()) return e;
     // Copy engines where every member is a GPU of this process (their buffers are addresses here);
     // multi-process jobs keep the kernel, which learns the peers' addresses from their mailboxes.
@@ -198,18 +194,11 @@ ffi::Error exchange_start(cudaStream_t stream, int32_t ordinal, ffi::RemainingAr
           e != cudaSuccess)
         return cuda_error("copy into y", e);
   }
-  auto token = rets.get<ffi::AnyBuffer>(1);
-  if (token.has_error()) return token.error();
   try {
     SideStream& side = side_stream(ordinal);
     std::lock_guard<std::mutex> lock(side.mutex);
-    forget_exchange_mark(side, (*token)->untyped_data());
     if (ffi::Error e = side_after_main(side, stream); e.failure()) return e;
-    if (ffi::Error e = copies_queued(side, stream, copy_engine_all_to_all(g, ordinals.data(), w, side.stream)); e.failure())
-      return e;
-    // Its done waits for this exchange only (side_stream.h): a missing mark makes it drain, so an error here is none.
-    (void)mark_exchange(side, (*token)->untyped_data());
-    return ffi::Error::Success();
+    return copies_queued(side, stream, copy_engine_all_to_all(g, ordinals.data(), w, side.stream));
   } catch (const std::exception& ex) {
     return ffi::Error::Internal(ex.what());
   }
@@ -219,19 +208,11 @@ ffi::Error done(cudaStream_t stream, int32_t ordinal, ffi::RemainingArgs args, f
   const size_t n = rets.size();
   if (n < 1 || args.size() < n + 1)
     return ffi::Error::InvalidArgument("pk_jax ring shift done: the shifted buffers and the token, then any others");
-  auto token = args.get<ffi::AnyBuffer>(n);
-  if (token.has_error()) return token.error();
   if (SideStream* side = existing_side_stream(ordinal)) {
     std::lock_guard<std::mutex> lock(side->mutex);
-    if (cudaEvent_t mark = take_exchange_mark(*side, token->untyped_data())) {  // a windowed exchange: its own mark
-      const cudaError_t e = cudaStreamWaitEvent(stream, mark, 0);
-      spare_exchange_mark(*side, mark);
-      if (e != cudaSuccess) return cuda_error("stream wait", e);
-    } else {
-      if (cudaError_t e = cudaEventRecord(side->side_done, side->stream); e != cudaSuccess) return cuda_error("event", e);
-      if (cudaError_t e = cudaStreamWaitEvent(stream, side->side_done, 0); e != cudaSuccess)
-        return cuda_error("stream wait", e);
-    }
+    if (cudaError_t e = cudaEventRecord(side->side_done, side->stream); e != cudaSuccess) return cuda_error("event", e);
+    if (cudaError_t e = cudaStreamWaitEvent(stream, side->side_done, 0); e != cudaSuccess)
+      return cuda_error("stream wait", e);
   }
   // The outputs alias the inputs (operand_output_aliases); copy only if XLA chose otherwise.
   for (size_t i = 0; i < n; ++i) {

@@ -36,46 +36,9 @@ SideStream& side_stream(int ordinal) {
   if (e == cudaSuccess) e = cudaEventCreateWithFlags(&s->side_done, cudaEventDisableTiming);
   cudaSetDevice(prev);
   check(e, "creating the stream and its events");
-  s->ordinal = ordinal;
   slot = std::move(s);
   return *slot;
 }
-
-cudaError_t mark_exchange(SideStream& s, const void* token) {
-  forget_exchange_mark(s, token);
-  cudaEvent_t mark = nullptr;
-  if (!s.spare_marks.empty()) {
-    mark = s.spare_marks.back();
-    s.spare_marks.pop_back();
-  } else {
-    int prev = 0;
-    cudaError_t e = cudaGetDevice(&prev);
-    if (e == cudaSuccess) e = cudaSetDevice(s.ordinal);
-    if (e == cudaSuccess) e = cudaEventCreateWithFlags(&mark, cudaEventDisableTiming);
-    cudaSetDevice(prev);
-    if (e != cudaSuccess) return e;
-  }
-  if (cudaError_t e = cudaEventRecord(mark, s.stream); e != cudaSuccess) {
-    s.spare_marks.push_back(mark);
-    return e;
-  }
-  s.marks[token] = mark;
-  return cudaSuccess;
-}
-
-void forget_exchange_mark(SideStream& s, const void* token) {
-  if (cudaEvent_t old = take_exchange_mark(s, token)) s.spare_marks.push_back(old);
-}
-
-cudaEvent_t take_exchange_mark(SideStream& s, const void* token) {
-  const auto it = s.marks.find(token);
-  if (it == s.marks.end()) return nullptr;
-  const cudaEvent_t mark = it->second;
-  s.marks.erase(it);
-  return mark;
-}
-
-void spare_exchange_mark(SideStream& s, cudaEvent_t mark) { s.spare_marks.push_back(mark); }
 
 SideStream* existing_side_stream(int ordinal) {
   std::lock_guard<std::mutex> lock(table_mutex);

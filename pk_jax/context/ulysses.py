@@ -317,11 +317,7 @@ def _pipelined_in_place(xs: list[jax.Array], chunks: window_exchange.HeadSpans, 
     start_out = lambda results, i, into: start(results, i, windows_out, into)
 
     def finish(pending, after):
-        # Every done after every start of its group (their tokens as `after`): the group's copies queue back to
-        # back, and each done waits for its own exchange only (its mark, ffi/side_stream.h), so an own block is
-        # placed while the next array of the group is still on the wire.
-        group = [p[2] for p in pending]
-        done = [(shift_done((y,), token, keep_alive=sent, after=(after, group))[0], sent, src, dst)
+        done = [(shift_done((y,), token, keep_alive=sent, after=after)[0], sent, src, dst)
                 for sent, y, token, src, dst in pending]
         return [window_exchange.place_own(sent, y, axes, src, dst) if own_on_xla else y for y, sent, src, dst in done]
 
