@@ -786,7 +786,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 --op ring_attention --seqs 24576 --cases fwd_bwd_causal_zigzag --ring-transports $tr \
                 --reps 10 --out "$OUT/$day-context-ring-direct-2gpu.json" ;;
     abpy) : "${AB_DIR:?set AB_DIR and AB_COMMIT (scripts/ab_prepare.sh)}" "${AB_COMMIT:?}" "${AB_ARGS:?set AB_ARGS}"
-          cp pk_jax/_pk_jax_ext*.so "$AB_DIR/pk_jax/" || exit 1
+          cp ${AB_SO:-pk_jax}/_pk_jax_ext*.so "$AB_DIR/pk_jax/" || exit 1  # AB_SO: the old side's extension folder
           for i in $(seq "${AB_TURNS:-2}"); do  # $AB_ARGS unquoted on purpose: the bench's own arguments
             stage abpy-old-$i ${AB_LIMIT:-200} env -C "$AB_DIR" PK_JAX_COMMIT="$AB_COMMIT" PYTHONPATH="$PWD/$AB_DIR" \
               python3 -m pk_jax.bench $AB_ARGS --out "$OUT/$day-abpy-old-$i.json"
