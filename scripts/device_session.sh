@@ -463,9 +463,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                   --tag "$tag" --ops pk_small_ll128 --bytes 1048576 2097152 4194304 8388608 \
                   --out "$OUT/$day-floor-ll128env-$tag.json"
               done ;;
-    ll128odd) # (1 GPU+) LL128 at odd group sizes (LL128_ODD_RANKS, default "3 5") with ranks sharing GPU 0: the chain stress
-              # at the default shots (two-shot from 256 KiB there) and with the one-shot forced; then the lag-0 knob's
-              # fresh-process tests on every GPU
+    ll128odd) # (1 GPU+) LL128 at odd group sizes (LL128_ODD_RANKS, default "3 5") with ranks sharing GPU ODD_GPU (default
+              # 0): the chain stress at the default shots (two-shot from 256 KiB there) and with the one-shot forced; then
+              # the lag knob's fresh-process tests (lag 0 and 2) on every GPU
               stage ll128odd-chain 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} python3 -m pk_jax.bench multirank --ranks ${LL128_ODD_RANKS:-3 5} \
                 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd.json"
               stage ll128odd-chain-1shot 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} PK_JAX_AR_LL128_SHOTS=1 python3 -m pk_jax.bench multirank \
