@@ -457,7 +457,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ll128env) # (2 GPUs+) LL128 floor slopes on GPUs PAIR per setting in LL128_ENVS (space-separated; each a comma-separated
               # VAR=value list, "-" for the defaults), 1-8 MiB, one fresh process each; the defaults first and last
               for cfg in - ${LL128_ENVS:?set LL128_ENVS} -; do
-                tag=$(echo "$cfg" | sed 's/PK_JAX_//g; s/[^A-Za-z0-9=]/_/g; s/=/-/g'); vars=${cfg//,/ }
+                # a results-format tag: lowercase, hyphens only (PK_JAX_SMALL_LL128_LAG=2 -> small-ll128-lag2)
+                tag=$(echo "$cfg" | sed 's/PK_JAX_//g; s/=//g; s/,/-/g; s/_/-/g' | tr 'A-Z' 'a-z'); vars=${cfg//,/ }
                 [ "$cfg" = - ] && tag=default-$SECONDS && vars=PK_JAX_LL128ENV_DEFAULTS=1  # ("env -" would empty the environment)
                 stage ll128env-$tag 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} $vars python3 scripts/latency_floor.py \
                   --tag "$tag" --ops pk_small_ll128 --bytes 1048576 2097152 4194304 8388608 \
