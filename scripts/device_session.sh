@@ -20,6 +20,8 @@
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
 #   bwdstalls   (nvidia-h100-x1) Nsight Compute stall sampling of the attention backward, ours and cuDNN's  ~5 min
+#   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
+#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N"  ~4 min
 #   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
 #               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
 #   bwdvariant  the backward variant BWD_NAME: its first look (under 80 s), its variant tests, the ring's in-place
@@ -508,6 +510,27 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  stage ncu-bwd-$who-details 60 "$NCU" -i /tmp/bwd-$who.ncu-rep --page details
                  "$NCU" -i /tmp/bwd-$who.ncu-rep --page source --csv --print-source sass > /tmp/src-bwd-$who.csv 2>&1
                  stage ncu-bwd-$who-stalls 30 python3 scripts/ncu_top_stalls.py /tmp/src-bwd-$who.csv 30
+               done ;;
+    pytests) : "${PYTESTS:?set PYTESTS to pytest arguments (files, -k ...)}"  # $PYTESTS unquoted: pytest's own arguments
+             stage pytests ${PYTESTS_LIMIT:-200} env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest $PYTESTS -m gpu -q -rs ;;
+    fwdstalls) # where the attention forward's warps wait, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (the second
+               # launch of each alone): speed of light, pipes, warp states, smem conflicts, the most sampled SASS
+               NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+               for cfg in ${FWD_NCU_CFGS:-128:4:8192:16 64:64:1024:32}; do
+                 IFS=: read -r d b sq n <<< "$cfg"
+                 for who in ours cudnn; do
+                   if [ $who = ours ]; then kern='regex:attention::Kernel'; else kern='regex:fprop|sdpa|fmha'; fi
+                   tag=fwd-$who-d$d-s$sq
+                   stage ncu-$tag 150 "$NCU" --clock-control none -f -o /tmp/$tag --kernel-name-base demangled \
+                     -k "$kern" --launch-skip 1 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                     --section WarpStateStats --section SchedulerStats --section InstructionStats \
+                     --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats \
+                     env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ${who}_fwd \
+                     --batch $b --seq $sq --heads $n --head-dim $d ${NCU_ARGS:-}
+                   stage ncu-$tag-details 60 "$NCU" -i /tmp/$tag.ncu-rep --page details
+                   "$NCU" -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > /tmp/src-$tag.csv 2>&1
+                   stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py /tmp/src-$tag.csv 40
+                 done
                done ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
              # Our kernels' base names are lcsc's `kernel`: match the demangled names (template arguments name the role).
