@@ -21,7 +21,8 @@
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
 #   bwdstalls   (nvidia-h100-x1) Nsight Compute stall sampling of the attention backward, ours and cuDNN's  ~5 min
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
-#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N"  ~4 min
+#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (the SASS
+#               with per-instruction samples: $OUT/src-fwd-<who>-d<D>-s<S>.csv)                        ~4 min
 #   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
 #               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
 #   bwdvariant  the backward variant BWD_NAME: its first look (under 80 s), its variant tests, the ring's in-place
@@ -528,8 +529,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                      env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ${who}_fwd \
                      --batch $b --seq $sq --heads $n --head-dim $d ${NCU_ARGS:-}
                    stage ncu-$tag-details 60 "$NCU" -i /tmp/$tag.ncu-rep --page details
-                   "$NCU" -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > /tmp/src-$tag.csv 2>&1
-                   stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py /tmp/src-$tag.csv 40
+                   "$NCU" -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
+                   stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv" 40
                  done
                done ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
