@@ -339,11 +339,12 @@ struct Kernel {
   // acc (+)= A B over `steps` k-steps of 16: both operands K-major tiles (rows of D along K).
   template <int N>
   __device__ static void issue_kmajor(const T* a, int a_rows, const T* b, int b_rows, float (&acc)[N / 2]) {
+    const uint64_t da0 = wgmma::desc_sw128(a, 16, 1024), db0 = wgmma::desc_sw128(b, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const int box = kk / 4, step = (kk % 4) * 16;  // k step kk: box kk / 4, 32 bytes per step inside a row
-      const uint64_t da = wgmma::desc_sw128(a + box * a_rows * kBoxCols + step, 16, 1024);
-      const uint64_t db = wgmma::desc_sw128(b + box * b_rows * kBoxCols + step, 16, 1024);
+      const uint64_t da = wgmma::desc_advance(da0, (box * a_rows * kBoxCols + step) * sizeof(T));
+      const uint64_t db = wgmma::desc_advance(db0, (box * b_rows * kBoxCols + step) * sizeof(T));
       wgmma::mma<T, N, 0, 0>(acc, da, db, kk != 0);
     }
     wgmma::commit();
@@ -352,9 +353,10 @@ struct Kernel {
   // acc (D columns) += A(registers, 64 x BM) B, B = a BM x D tile read MN-major (transpose-B bit):
   // 16 rows per k step; LBO steps to the next 64-column box.
   __device__ static void issue_rs(const uint32_t (&a)[BM / 16][4], const T* b, float (&acc)[D / 2]) {
+    const uint64_t db0 = wgmma::desc_sw128(b, BM * kBoxCols * sizeof(T), 1024);
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk) {
-      const uint64_t db = wgmma::desc_sw128(b + kk * 16 * kBoxCols, BM * kBoxCols * sizeof(T), 1024);
+      const uint64_t db = wgmma::desc_advance(db0, kk * 16 * kBoxCols * sizeof(T));
       wgmma::mma_rs<T, D, 1>(acc, a[kk], db, 1);
     }
     wgmma::commit();
@@ -365,11 +367,12 @@ struct Kernel {
   // read MN-major.
   template <int KEYS>
   __device__ static void issue_dq(const T* ds, const T* k, int key0, int box, float (&acc)[32]) {
+    const uint64_t da0 = wgmma::desc_sw128(ds + key0 * kBoxCols, BN * kBoxCols * sizeof(T), 1024);
+    const uint64_t db0 = wgmma::desc_sw128(k + box * BN * kBoxCols + key0 * kBoxCols, BN * kBoxCols * sizeof(T), 1024);
 #pragma unroll
     for (int kk = 0; kk < KEYS / 16; ++kk) {
-      const int row = key0 + kk * 16;
-      const uint64_t da = wgmma::desc_sw128(ds + row * kBoxCols, BN * kBoxCols * sizeof(T), 1024);
-      const uint64_t db = wgmma::desc_sw128(k + box * BN * kBoxCols + row * kBoxCols, BN * kBoxCols * sizeof(T), 1024);
+      const uint64_t da = wgmma::desc_advance(da0, kk * 16 * kBoxCols * sizeof(T));
+      const uint64_t db = wgmma::desc_advance(db0, kk * 16 * kBoxCols * sizeof(T));
       wgmma::mma<T, 64, 1, 1>(acc, da, db, kk != 0);
     }
     wgmma::commit();

@@ -399,12 +399,13 @@ struct Kernel {
 
   // S = Q Kᵀ for the warpgroup's 64 rows and one K tile (issued, not waited for).
   __device__ static void issue_qk(const T* q_wg, const Stage& in, float (&sc)[BKV / 2]) {
+    const uint64_t da0 = wgmma::desc_sw128(q_wg, 16, 1024), db0 = wgmma::desc_sw128(in.k, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       // K-major tiles: k step kk is box kk / 4, 32 bytes per step inside its swizzled rows.
       const int box = kk / 4, step = (kk % 4) * 16;
-      const uint64_t da = wgmma::desc_sw128(q_wg + box * BM * kBoxCols + step, 16, 1024);
-      const uint64_t db = wgmma::desc_sw128(in.k + box * BKV * kBoxCols + step, 16, 1024);
+      const uint64_t da = wgmma::desc_advance(da0, (box * BM * kBoxCols + step) * sizeof(T));
+      const uint64_t db = wgmma::desc_advance(db0, (box * BKV * kBoxCols + step) * sizeof(T));
       wgmma::mma<T, BKV, 0, 0>(sc, da, db, kk != 0);
     }
     wgmma::commit();
@@ -412,10 +413,11 @@ struct Kernel {
 
   // O += P V for one V tile, P from registers (issued, not waited for).
   __device__ static void issue_pv(const Stage& in, const uint32_t (&pa)[BKV / 16][4], float (&o)[D / 2]) {
+    // V (keys x D) is MN-major for O += P V: 16 key rows per step; LBO steps to the next 64-wide box.
+    const uint64_t db0 = wgmma::desc_sw128(in.v, BKV * kBoxCols * sizeof(T), 1024);
 #pragma unroll
     for (int kk = 0; kk < BKV / 16; ++kk) {
-      // V (keys x D) is MN-major for O += P V: 16 key rows per step; LBO steps to the next 64-wide box.
-      const uint64_t db = wgmma::desc_sw128(in.v + kk * 16 * kBoxCols, BKV * kBoxCols * sizeof(T), 1024);
+      const uint64_t db = wgmma::desc_advance(db0, kk * 16 * kBoxCols * sizeof(T));
       wgmma::mma_rs<T, D, 1>(o, pa[kk], db, 1);
     }
     wgmma::commit();

@@ -22,6 +22,14 @@ __device__ __forceinline__ uint64_t desc_sw128(const void* smem, uint32_t lbo, u
          (uint64_t((sbo >> 4) & 0x3FFF) << 32) | (uint64_t(1) << 62);
 }
 
+// The descriptor of the tile `bytes` further into shared memory (bytes: a multiple of 16). Only the start-address
+// field (bits 0-13, address >> 4) changes and it cannot carry into the LBO field: shared addresses stay below
+// 256 KiB. One 32-bit add per wgmma instead of a generic-to-shared conversion, mask and shift (desc_sw128): the
+// attention loops build 18-26 descriptors per key block.
+__device__ __forceinline__ uint64_t desc_advance(uint64_t desc, uint32_t bytes) {
+  return (desc & 0xFFFFFFFF00000000ull) | uint32_t(uint32_t(desc) + (bytes >> 4));
+}
+
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 // Waits until at most N committed groups of this warpgroup are still running.
