@@ -19,10 +19,10 @@
 #   grouped     grouped_matmul GPU tests, then its bench rows (vs ragged_dot_mgpu, jnp.dot)  ~2 min
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
-#   bwdstalls   (nvidia-h100-x1) Nsight Compute stall sampling of the attention backward, ours and cuDNN's  ~5 min
+#   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary)  ~5 min
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
 #   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (the SASS
-#               with per-instruction samples: $OUT/src-fwd-<who>-d<D>-s<S>.csv)                        ~4 min
+#               with per-instruction samples: $OUT/src-fwd-<who>-d<D>-s<S>.csv; the hot loop: ncu_loop_summary.py) ~4 min
 #   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
 #               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
 #   bwdvariant  the backward variant BWD_NAME: its first look (under 80 s), its variant tests, the ring's in-place
@@ -499,7 +499,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  done ;;
     ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
-    bwdstalls) # (nvidia-h100-x1: counters) where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128,
+    bwdstalls) # where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128,
                # the second launch of each alone): warp-state totals and the most sampled SASS instructions
                NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
                for who in ours cudnn; do
@@ -509,8 +509,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ${who}_bwd \
                    --batch 4 --seq 8192 ${NCU_ARGS:-}
                  stage ncu-bwd-$who-details 60 "$NCU" -i /tmp/bwd-$who.ncu-rep --page details
-                 "$NCU" -i /tmp/bwd-$who.ncu-rep --page source --csv --print-source sass > /tmp/src-bwd-$who.csv 2>&1
-                 stage ncu-bwd-$who-stalls 30 python3 scripts/ncu_top_stalls.py /tmp/src-bwd-$who.csv 30
+                 "$NCU" -i /tmp/bwd-$who.ncu-rep --page source --csv --print-source sass > "$OUT/src-bwd-$who.csv" 2>&1
+                 stage ncu-bwd-$who-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-bwd-$who.csv" 30
+                 stage ncu-bwd-$who-loop 30 python3 scripts/ncu_loop_summary.py "$OUT/src-bwd-$who.csv"
                done ;;
     pytests) : "${PYTESTS:?set PYTESTS to pytest arguments (files, -k ...)}"  # $PYTESTS unquoted: pytest's own arguments
              stage pytests ${PYTESTS_LIMIT:-200} env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest $PYTESTS -m gpu -q -rs ;;
@@ -531,6 +532,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                    stage ncu-$tag-details 60 "$NCU" -i /tmp/$tag.ncu-rep --page details
                    "$NCU" -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
                    stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv" 40
+                   stage ncu-$tag-loop 30 python3 scripts/ncu_loop_summary.py "$OUT/src-$tag.csv"
                  done
                done ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
