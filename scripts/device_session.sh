@@ -111,7 +111,7 @@
 #               then Nsight Compute on three of them (nvidia-h100-x1 only)                            ~5 min
 #   probe       scripts/grouped_probe.py --variants PAIR_VARIANTS $PROBE_ARGS on GPU 0 only                 ~1 min
 #   defaulttests the grouped GEMM's GPU tests and the expert FFN's at the default schedule (after a default change) ~2 min
-#   ncustalls   (nvidia-h100-x1 only) Nsight Compute's stall reasons (WarpStateStats) of grouped_probe contenders
+#   ncustalls   Nsight Compute's stall reasons (WarpStateStats) of grouped_probe contenders
 #               NCU_CONTENDERS ("|"-separated; default: E 1 static, E 1 dyn, the E 64 weight grad); NCU_SECTIONS ~5 min
 #   wgradab     the weight grad's variants (WGRAD_VARIANTS, default "pipe w128"): pairab's stages with the probe's
 #               --modes dgrad wgrad (GPU tests under each and the default, probe, bench rows)              ~5 min
@@ -207,23 +207,37 @@ variant_tests() {
   done
 }
 
-# (nvidia-h100-x1 only: counters elsewhere refused) Nsight Compute on grouped_probe contenders $1 ("|"-separated):
-# the second launch of each alone (--once), sections $2 (few: few replay passes), probe arguments $3; the details
-# page, and with SourceCounters the most sampled instructions (scripts/ncu_top_stalls.py).
-ncu_contenders() {
-  local ncu c tag cs
+# The LL128 lag knob's fresh-process tests (lag 0 and 2) on every GPU (log ll128-lag-tests).
+ll128_lag_tests() {
+  stage ll128-lag-tests 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG"
+}
+
+# Nsight Compute on one launch of a kernel: the second one matching $3 (the first is the compile run's), alone, with
+# sections $4 (few: few replay passes), XLA's command buffers off, of the command after $4. Logs ncu-$1 and its
+# details page; with SourceCounters also the SASS with per-instruction samples ($OUT/src-$1.csv), its most sampled
+# instructions (scripts/ncu_top_stalls.py) and its hot loop (scripts/ncu_loop_summary.py). The report stays on the
+# device (/tmp/$1.ncu-rep: with SourceCounters it is large; the CSV and logs hold what the sessions read).
+ncu_one() {
+  local tag=$1 limit=$2 kern=$3 sections=$4 ncu
+  shift 4
   ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  stage ncu-$tag $limit "$ncu" --clock-control none -f -o /tmp/$tag --kernel-name-base demangled -k "$kern" \
+    --launch-skip 1 -c 1 $sections env XLA_FLAGS=--xla_gpu_enable_command_buffer= "$@"
+  stage ncu-$tag-details 60 "$ncu" -i /tmp/$tag.ncu-rep --page details
+  if [[ "$sections" == *SourceCounters* ]]; then
+    "$ncu" -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
+    stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv" 30
+    stage ncu-$tag-loop 30 python3 scripts/ncu_loop_summary.py "$OUT/src-$tag.csv"
+  fi
+}
+
+# Nsight Compute (ncu_one) on grouped_probe contenders $1 ("|"-separated): the second launch of each alone (--once),
+# sections $2, probe arguments $3.
+ncu_contenders() {
+  local c cs
   IFS='|' read -ra cs <<< "$1"
   for c in "${cs[@]}"; do
-    tag=$(echo "$c" | tr ' .[]' '____')
-    stage ncu-$tag 150 "$ncu" --clock-control none -f -o "$OUT/grouped-$tag" --kernel-name-base demangled \
-      -k 'regex:grouped' --launch-skip 1 -c 1 $2 env XLA_FLAGS=--xla_gpu_enable_command_buffer= \
-      python3 scripts/grouped_probe.py --once "$c" $3
-    stage ncu-$tag-details 60 "$ncu" -i "$OUT/grouped-$tag.ncu-rep" --page details
-    if [[ "$2" == *SourceCounters* ]]; then
-      "$ncu" -i "$OUT/grouped-$tag.ncu-rep" --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
-      stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv"
-    fi
+    ncu_one grouped-$(echo "$c" | tr ' .[]' '____') 150 'regex:grouped' "$2" python3 scripts/grouped_probe.py --once "$c" $3
   done
 }
 
@@ -474,10 +488,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                 --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd.json"
               stage ll128odd-chain-1shot 200 env CUDA_VISIBLE_DEVICES=${ODD_GPU:-0} PK_JAX_AR_LL128_SHOTS=1 python3 -m pk_jax.bench multirank \
                 --ranks ${LL128_ODD_RANKS:-3 5} --steps check_small_chain --out "$OUT/$day-multirank-shared-ll128-odd-1shot.json"
-              stage ll128odd-lag 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG" ;;
-    ll128lagtests) # (2 GPUs+) the LL128 lag knob's fresh-process tests (lag 0 and 2) on every GPU
-                   stage ll128-lag-tests 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs \
-                     -k "fresh_process and LAG" ;;
+              ll128_lag_tests ;;
+    ll128lagtests) ll128_lag_tests ;;  # (2 GPUs+) the LL128 lag knob's fresh-process tests (lag 0 and 2) on every GPU
     ll128verify) # (2 GPUs+) LL128 at auto's thresholds: its GPU tests and chains on every GPU, the chains on GPUs PAIR,
                  # then chains with ranks sharing GPU 0
                  stage ll128-tests 300 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "ll128 or dims or chain"
@@ -499,40 +511,24 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  done ;;
     ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
-    bwdstalls) # where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128,
-               # the second launch of each alone): warp-state totals and the most sampled SASS instructions
-               NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    bwdstalls) # where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128, ncu_one)
                for who in ours cudnn; do
                  if [ $who = ours ]; then kern='regex:attention_bwd::Kernel'; else kern='regex:bprop'; fi
-                 stage ncu-bwd-$who 240 "$NCU" --clock-control none -f -o /tmp/bwd-$who --kernel-name-base demangled \
-                   -k "$kern" --launch-skip 1 -c 1 --section SpeedOfLight --section WarpStateStats --section SourceCounters \
-                   env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ${who}_bwd \
-                   --batch 4 --seq 8192 ${NCU_ARGS:-}
-                 stage ncu-bwd-$who-details 60 "$NCU" -i /tmp/bwd-$who.ncu-rep --page details
-                 "$NCU" -i /tmp/bwd-$who.ncu-rep --page source --csv --print-source sass > "$OUT/src-bwd-$who.csv" 2>&1
-                 stage ncu-bwd-$who-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-bwd-$who.csv" 30
-                 stage ncu-bwd-$who-loop 30 python3 scripts/ncu_loop_summary.py "$OUT/src-bwd-$who.csv"
+                 ncu_one bwd-$who 240 "$kern" "--section SpeedOfLight --section WarpStateStats --section SourceCounters" \
+                   python3 scripts/attention_ncu.py --only ${who}_bwd --batch 4 --seq 8192 ${NCU_ARGS:-}
                done ;;
     pytests) : "${PYTESTS:?set PYTESTS to pytest arguments (files, -k ...)}"  # $PYTESTS unquoted: pytest's own arguments
              stage pytests ${PYTESTS_LIMIT:-200} env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest $PYTESTS -m gpu -q -rs ;;
-    fwdstalls) # where the attention forward's warps wait, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (the second
-               # launch of each alone): speed of light, pipes, warp states, smem conflicts, the most sampled SASS
-               NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+    fwdstalls) # where the attention forward's warps wait, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (ncu_one):
+               # speed of light, pipes, warp states, smem conflicts, the SASS with its samples
                for cfg in ${FWD_NCU_CFGS:-128:4:8192:16 64:64:1024:32}; do
                  IFS=: read -r d b sq n <<< "$cfg"
                  for who in ours cudnn; do
                    if [ $who = ours ]; then kern='regex:attention::Kernel'; else kern='regex:fprop|sdpa|fmha'; fi
-                   tag=fwd-$who-d$d-s$sq
-                   stage ncu-$tag 150 "$NCU" --clock-control none -f -o /tmp/$tag --kernel-name-base demangled \
-                     -k "$kern" --launch-skip 1 -c 1 --section SpeedOfLight --section ComputeWorkloadAnalysis \
+                   ncu_one fwd-$who-d$d-s$sq 150 "$kern" "--section SpeedOfLight --section ComputeWorkloadAnalysis \
                      --section WarpStateStats --section SchedulerStats --section InstructionStats \
-                     --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats \
-                     env XLA_FLAGS=--xla_gpu_enable_command_buffer= python3 scripts/attention_ncu.py --only ${who}_fwd \
-                     --batch $b --seq $sq --heads $n --head-dim $d ${NCU_ARGS:-}
-                   stage ncu-$tag-details 60 "$NCU" -i /tmp/$tag.ncu-rep --page details
-                   "$NCU" -i /tmp/$tag.ncu-rep --page source --csv --print-source sass > "$OUT/src-$tag.csv" 2>&1
-                   stage ncu-$tag-stalls 30 python3 scripts/ncu_top_stalls.py "$OUT/src-$tag.csv" 40
-                   stage ncu-$tag-loop 30 python3 scripts/ncu_loop_summary.py "$OUT/src-$tag.csv"
+                     --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats" \
+                     python3 scripts/attention_ncu.py --only ${who}_fwd --batch $b --seq $sq --heads $n --head-dim $d ${NCU_ARGS:-}
                  done
                done ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)

@@ -26,31 +26,18 @@ __device__ __forceinline__ void mbar_expect_tx(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
                : "memory");
 }
-// mbarrier.try_wait's suspend-time hint (ns): a waiting thread sleeps until the phase completes (or this long)
-// instead of coming back after the short system default to retry. Without it the loader's and storer's lanes
-// retried every ~18 cycles: ~20 % of the attention forward's issued instructions, on the consumers' schedulers
-// (Nsight Compute, session 35). 0 builds the hint-less wait (A/B builds: -DPK_MBAR_SUSPEND_NS=0).
-#ifndef PK_MBAR_SUSPEND_NS
-#define PK_MBAR_SUSPEND_NS 0x989680  // 10 ms: CUTLASS's ClusterBarrier value
-#endif
+// mbarrier.try_wait with a suspend-time hint of 10 ms (CUTLASS's ClusterBarrier value): a waiting thread sleeps
+// until the phase completes instead of coming back after the short system default to retry. Without it the loader's
+// and storer's lanes retried every ~18 cycles: ~20 % of the attention forward's issued instructions, on the
+// consumers' schedulers (Nsight Compute, session 35).
 __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t phase) {
-#if PK_MBAR_SUSPEND_NS
   asm volatile(
       "{\n .reg .pred done;\n"
       "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, %2;\n"
-      " @!done bra WAIT_%=;\n}" ::"r"(smem_addr(bar)),
-      "r"(phase), "n"(PK_MBAR_SUSPEND_NS)
-      : "memory");
-#else
-  asm volatile(
-      "{\n .reg .pred done;\n"
-      "WAIT_%=:\n"
-      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      " mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1, 10000000;\n"
       " @!done bra WAIT_%=;\n}" ::"r"(smem_addr(bar)),
       "r"(phase)
       : "memory");
-#endif
 }
 
 // ---- bulk copies ----
