@@ -8,28 +8,17 @@ The report needs the SourceCounters section (the `ncustalls` stage's NCU_SECTION
 
 from __future__ import annotations
 
-import csv
 import sys
 
-
-def number(text: str) -> float:
-    try:
-        return float(text.replace(",", ""))
-    except ValueError:
-        return 0.0
+from ncu_loop_summary import EXECUTED, SAMPLES, number, read_rows  # the CSV's parsing, shared
 
 
 def main() -> None:
-    rows = list(csv.reader(open(sys.argv[1])))
+    rows = read_rows(sys.argv[1])
     top = int(sys.argv[2]) if len(sys.argv) > 2 else 14
-    head = next(i for i, r in enumerate(rows) if "Address" in r and "Source" in r)
-    h = rows[head]
-    samples, address, source, executed = (h.index(k) for k in (
-        "Warp Stall Sampling (All Samples)", "Address", "Source", "Instructions Executed"))
-    body = [r for r in rows[head + 1:] if len(r) > samples]
-    total = sum(number(r[samples]) for r in body) or 1.0
-    for r in sorted(body, key=lambda r: -number(r[samples]))[:top]:
-        print(f"{100 * number(r[samples]) / total:5.1f}%  {r[address]}  {r[executed]:>10}  {r[source][:100]}")
+    total = sum(number(r[SAMPLES]) for r in rows) or 1.0
+    for r in sorted(rows, key=lambda r: -number(r[SAMPLES]))[:top]:
+        print(f"{100 * number(r[SAMPLES]) / total:5.1f}%  {r['Address']}  {r[EXECUTED]:>10}  {r['Source'][:100]}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """scripts/ncu_loop_summary.py on a small Nsight Compute source CSV written here: it finds the loop by its wgmmas'
-execution count, counts its opcodes per trip and attributes samples without a stall column to "unlisted"."""
+execution count, counts its opcodes per trip and attributes samples without a stall column to "unlisted";
+scripts/ncu_top_stalls.py reads the same CSV through its parsing."""
 
 from __future__ import annotations
 
@@ -59,3 +60,17 @@ def test_opcode_skips_predicates():
     assert summary.opcode("@!P1  BRA 0x10") == "BRA"
     assert summary.opcode("  FFMA R1, R2, R3, R4") == "FFMA"
     assert summary.opcode("") == ""
+
+
+def test_top_stalls_reads_the_same_csv(tmp_path, capsys, monkeypatch):
+    """scripts/ncu_top_stalls.py parses with this module's read_rows: the most sampled instruction comes first."""
+    path = tmp_path / "src.csv"
+    write_csv(path)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    top_spec = importlib.util.spec_from_file_location("ncu_top_stalls", SCRIPT.parent / "ncu_top_stalls.py")
+    top = importlib.util.module_from_spec(top_spec)
+    top_spec.loader.exec_module(top)
+    monkeypatch.setattr("sys.argv", ["ncu_top_stalls.py", str(path), "2"])
+    top.main()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2 and "0x60" in lines[0] and "WARPGROUP.DEPBAR" in lines[0] and "0x40" in lines[1]
