@@ -42,6 +42,7 @@ extern "C" XLA_FFI_Error* PkMoeCombine(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkMoeDispatchMatmul(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkRingShiftStart(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkRingShiftDone(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* PkUninitialized(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* PkExchangeStart(XLA_FFI_CallFrame*);
 
 namespace {
@@ -127,6 +128,7 @@ NB_MODULE(_pk_jax_ext, m) {
     d["pk_ring_shift_start"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftStart));
     d["pk_ring_shift_done"] = handler_capsule(reinterpret_cast<void*>(&PkRingShiftDone));
     d["pk_exchange_start"] = handler_capsule(reinterpret_cast<void*>(&PkExchangeStart));
+    d["pk_uninitialized"] = handler_capsule(reinterpret_cast<void*>(&PkUninitialized));
     return d;
   });
   m.def("initialize", [](const std::vector<int>& ordinals, const std::vector<int64_t>& ids) {

@@ -89,6 +89,7 @@
 #   moesort     (2 GPUs+) MoE dispatch / combine with the routing's counted positions: E 8 timelines, rows at H 4096 ~2 min
 #   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests (18 took > 100 s), then the bench rows (fwd, fwd_bwd) ~5.5 min
 #   ulysseschunks (2 GPUs+) Ulysses forward rows per head-chunk count (ULYSSES_CHUNKS_LIST, default "8 4 16 8") ~4 min
+#   ulyssesprefill (2 GPUs+) Ulysses forward rows per own-block prefill count (ULYSSES_PREFILL_LIST, default "4 0 7 4 0") ~1 min each
 #   ulyssestests (2 GPUs+) Ulysses' and the windowed exchange's GPU tests on GPUs PAIR                  ~1.5 min
 #   ulyssestl   (2 GPUs+) Ulysses forward timelines at defaults, S in ULYSSES_TL_SEQS (default "8192 2048")  ~1 min each
 #   ulysseshalf (2 GPUs+) Ulysses bench rows at defaults with PK_JAX_ULYSSES_HALF_ENDS=1 (run after ulyssesdefault)  ~3 min
@@ -702,6 +703,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                      stage ulysses-chunks$c-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_CHUNKS=$c python3 -m pk_jax.bench context \
                        --op ulysses_attention --cases fwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-chunks$c-$SECONDS.json"
                    done ;;
+    ulyssesprefill) # (2 GPUs+) Ulysses forward rows per PK_JAX_ULYSSES_PREFILL value (ULYSSES_PREFILL_LIST, default
+                    # "4 0 7 4 0": 4 is the default, 0 places every own block between the attention kernels), same turns
+                    for p in ${ULYSSES_PREFILL_LIST:-4 0 7 4 0}; do
+                      stage ulysses-prefill$p-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_PREFILL=$p \
+                        python3 -m pk_jax.bench context --op ulysses_attention --cases ${ULYSSES_CASES:-fwd} --reps ${ULYSSES_REPS:-10} \
+                        --out "$OUT/$day-context-ulysses-prefill$p-$SECONDS.json"
+                    done ;;
     ulysseshalf) # (2 GPUs+) Ulysses at defaults with half-width first and last chunks (PK_JAX_ULYSSES_HALF_ENDS=1: 9 chunks)
                  stage ulysses-half ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_HALF_ENDS=1 python3 -m pk_jax.bench context \
                    --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-half.json" ;;

@@ -418,6 +418,29 @@ def test_ulysses_windowed_half_ends(monkeypatch, g, n, kv_heads, layout, causal)
     assert str(jax.make_jaxpr(f)(q, k, v)).count("pk_exchange_start[") == 4 * 3
 
 
+@pytest.mark.parametrize("prefill,g,layout,causal", [("0", 2, "zigzag", True), ("2", 2, "contiguous", False),
+                                                     ("7", 4, "contiguous", True)])
+def test_ulysses_prefilled_own_blocks(monkeypatch, prefill, g, layout, causal):
+    """PK_JAX_ULYSSES_PREFILL=p: the own input blocks of chunks 1 .. min(p, c-1) are placed into buffers of their own
+    (pk_uninitialized) ahead of chunk 0's wait, and those chunks' exchanges then fill the rest (forward: q, k, v;
+    backward: dO); forward and gradients equal to the reference."""
+    from pk_jax.context import ring_shift, ulysses
+
+    monkeypatch.setenv(ulysses.PREFILL_VAR, prefill)
+    monkeypatch.setenv(ulysses.CHUNKS_VAR, "4")
+    monkeypatch.setenv(ulysses.A2A_VAR, "async")
+    monkeypatch.setenv(ring_shift.ENGINE_VAR, "copy")
+    n, kv_heads = 4 * g, 4 * g
+    q, k, v, d_out = random_qkv(g + 23, 2, g * T_LOCAL, n, kv_heads, 16)
+    attn = lambda a, b, c: pk_jax.ulysses_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 1e-5)
+    f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    early = min(int(prefill), 3)
+    assert str(jax.make_jaxpr(f)(q, k, v)).count("pk_uninitialized[") == 3 * early
+    bwd = str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(q, k, v))
+    assert bwd.count("pk_uninitialized[") == 3 * early + early
+
+
 def _eqns(jaxpr):
     """Every equation of a jaxpr and of the jaxprs inside its equations' parameters."""
     from jax.extend.core import jaxprs_in_params

@@ -76,6 +76,8 @@ LOCAL_VAR = "PK_JAX_ULYSSES_LOCAL"
 RESERVE_VAR = "PK_JAX_ULYSSES_RESERVE_SMS"
 OWN_VAR = "PK_JAX_WINDOW_OWN"
 HALF_ENDS_VAR = "PK_JAX_ULYSSES_HALF_ENDS"
+PREFILL_VAR = "PK_JAX_ULYSSES_PREFILL"
+DEFAULT_PREFILL = 4  # chunks whose own blocks fit under chunk 0's exchange at G 2 (see own_prefill)
 BWD_BARRIER_VAR = "PK_JAX_ULYSSES_BWD_BARRIER"
 
 
@@ -151,6 +153,18 @@ def own_on_xla() -> bool:
     return choice_setting(OWN_VAR, "xla", ("xla", "copy"), owner="pk_jax.ulysses_attention") == "xla"
 
 
+def own_prefill() -> int:
+    """$PK_JAX_ULYSSES_PREFILL (default DEFAULT_PREFILL), read when traced: with own blocks placed by XLA, how many
+    chunks after the first get their own blocks placed while chunk 0's exchange is on the wire, where XLA's stream
+    has nothing else to do. Placing one own block reads and writes 1/G of a chunk's array in HBM (~3 TB/s); chunk
+    0's exchange sends (G-1)/G of three arrays over NVLink (~370 GB/s), so at G 2 about four chunks' three own blocks
+    fit under it. Each one placed early leaves XLA's stream between two attention kernels (at S 2048 / 8192, 2x
+    H200: ~22 / 81 us per block, 3 blocks per chunk). The price: those chunks' exchange buffers are held from the
+    start (at B16 S 8192 H128 D128, 0.75 GiB per chunk)."""
+    return int_setting(PREFILL_VAR, DEFAULT_PREFILL, minimum=0, owner="pk_jax.ulysses_attention",
+                       what="a count of head chunks")
+
+
 def chunk_heads(x: jax.Array, g: int, c: int, i: int) -> jax.Array:
     """Chunk i of c of every member's block of heads: (B, T, heads, H) -> (B, T, heads / c, H), member j's
     block of heads/G cut into c runs, run i of every block kept in member order (so an all-to-all over the
@@ -215,8 +229,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, axis_name: AxisN
     pk_reserve = reserve if local_kernel() else None
     cfg = _Local(bool(causal), scale, layout, implementation, g, pk_reserve)
     if mode == "async" and g > 1:  # the custom VJP takes the settings as static (hashable) arguments
+        own_xla = windowed and own_on_xla()
         static = dataclasses.replace(cfg, scale=None if scale is None else float(scale), windowed=windowed,
-                                     own_on_xla=windowed and own_on_xla(), chunks=chunks if windowed else None)
+                                     own_on_xla=own_xla, chunks=chunks if windowed else None,
+                                     prefill=own_prefill() if own_xla else 0)
         return _ulysses_async(q, k, v, normalize_axis_name(axis_name), c, static)
     a2a = (lambda x, split, concat: all_to_all(x, axis_name, split, concat, tiled=True)) if mode != "lax" else \
         (lambda x, split, concat: jax.lax.all_to_all(x, axis_name, split, concat, tiled=True))
@@ -242,6 +258,7 @@ class _Local:
     windowed: bool = False  # the async pipeline's exchanges are windowed all-to-alls (_windowed), both ways
     own_on_xla: bool = False  # windowed, each own block placed on XLA's stream (own_on_xla())
     chunks: window_exchange.HeadSpans | None = None  # windowed: the head chunks (_chunks)
+    prefill: int = 0  # own_on_xla: chunks after the first whose own input blocks are placed under chunk 0's exchange
 
     def __call__(self, q, k, v):
         from pk_jax.attention import _kernel_attention, _kernel_refusal, _offset_array  # it imports this package
@@ -293,40 +310,51 @@ def _windowed(xs: list[jax.Array], g: int, chunks: window_exchange.HeadSpans) ->
 
 
 def _pipelined_in_place(xs: list[jax.Array], chunks: window_exchange.HeadSpans, compute, axes,
-                        own_on_xla: bool) -> list[jax.Array]:
+                        own_on_xla: bool, prefill: int = 0) -> list[jax.Array]:
     """_pipelined with windowed all-to-alls: chunk i's inputs read from the whole (B, T, heads, D) xs, its results
     (B, S, w, D) written into their heads of the whole outputs (B, T, heads, D), so no head-chunk slice, no assembly of
     the arrivals in source order and no unchunk pass. Same order on the side stream as _pipelined: chunk i+1's inputs
     and chunk i-1's results move under chunk i's compute; each wait drains the side stream, so the results of chunk
     i-2 have landed once chunk i's inputs have (their wait is placed there: it costs nothing then). own_on_xla: the
-    side stream carries only the peer blocks; each own block is placed on XLA's stream once its exchange landed."""
+    side stream carries only the peer blocks; each own block is placed on XLA's stream once its exchange landed,
+    except the inputs of chunks 1 .. prefill: those are placed into buffers of their own (window_exchange.uninitialized)
+    after chunk 0's exchange has started and before its wait (own_prefill), and their exchanges fill the rest."""
     g, c = group_size(axes), len(chunks.spans)
     windows_in = lambda shape, i: window_exchange.heads_in(shape, g, chunks, i)
     windows_out = lambda shape, i: window_exchange.heads_out(shape, g, chunks, i)
 
-    def start(arrays, i, windows, into=None):
+    def start(arrays, i, windows, into=None, placed=False):
         pending = []
         for x, acc in zip(arrays, into or [None] * len(arrays)):
             src, dst, shape = windows(x.shape, i)
             y, token = window_exchange.window_all_to_all_start(x, axes, src=src, dst=dst, out_shape=shape, into=acc,
                                                                own=not own_on_xla)
-            pending.append((x, y, token, src, dst))
+            pending.append((x, y, token, src, dst, own_on_xla and not placed))
         return pending
 
-    start_in = lambda arrays, i: start(arrays, i, windows_in)
     start_out = lambda results, i, into: start(results, i, windows_out, into)
 
     def finish(pending, after):
-        done = [(shift_done((y,), token, keep_alive=sent, after=after)[0], sent, src, dst)
-                for sent, y, token, src, dst in pending]
-        return [window_exchange.place_own(sent, y, axes, src, dst) if own_on_xla else y for y, sent, src, dst in done]
+        done = [(shift_done((y,), token, keep_alive=sent, after=after)[0], sent, src, dst, place)
+                for sent, y, token, src, dst, place in pending]
+        return [window_exchange.place_own(sent, y, axes, src, dst) if place else y for y, sent, src, dst, place in done]
+
+    def prefilled(arrays, i):  # chunk i's exchange buffers with this member's own blocks already in place
+        out = []
+        for x in arrays:
+            src, dst, shape = windows_in(x.shape, i)
+            out.append(window_exchange.place_own(x, window_exchange.uninitialized(x, shape), axes, src, dst))
+        return out
 
     tokens = lambda pending: [p[2] for p in pending]
-    pending_in, pending_out = start_in(xs, 0), []
+    pending_in, pending_out = start(xs, 0, windows_in), []
+    # Placed once chunk 0's copies are on the wire (after its starts), and before its wait (its `after`).
+    early = {i: prefilled(after_token(xs, *tokens(pending_in)), i) for i in range(1, min(prefill, c - 1) + 1)}
+    start_in = lambda arrays, i: start(arrays, i, windows_in, early.get(i), placed=i in early)
     outs = None  # the whole outputs so far (chunk 0's exchange starts them)
     res = None
     for i in range(c):
-        ins = finish(pending_in, () if res is None else res)
+        ins = finish(pending_in, list(early.values()) if res is None else res)
         if pending_out:  # chunk i-2's results: landed with the wait above
             outs = finish(pending_out, ins)
         issued = []
@@ -357,7 +385,7 @@ def _async_forward(q, k, v, axes, c: int, local: _Local, keep_vjps: bool):
         return [out]
 
     if local.windowed:
-        return _pipelined_in_place([q, k, v], local.chunks, compute, axes, local.own_on_xla)[0], vjps
+        return _pipelined_in_place([q, k, v], local.chunks, compute, axes, local.own_on_xla, local.prefill)[0], vjps
     chunks = [[chunk_heads(x, g, c, i) for x in (q, k, v)] for i in range(c)]
     return unchunk_heads([o for (o,) in _pipelined(chunks, compute, axes)], g), vjps
 
@@ -384,7 +412,7 @@ def _async_bwd(axes, c, local, residuals, d_out):
         d_out = lax.optimization_barrier((d_out, list(chunk_outs)))[0]
     vjp = lambda i, xs: list(vjps[i](xs[0]))
     if local.windowed:
-        return tuple(_pipelined_in_place([d_out], local.chunks, vjp, axes, local.own_on_xla))
+        return tuple(_pipelined_in_place([d_out], local.chunks, vjp, axes, local.own_on_xla, local.prefill))
     grads = _pipelined([[chunk_heads(d_out, g, c, i)] for i in range(c)], vjp, axes)
     return tuple(unchunk_heads([gr[j] for gr in grads], g) for j in range(3))
 

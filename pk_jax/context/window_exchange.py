@@ -212,6 +212,32 @@ if _ext.available():
     mlir.register_lowering(pk_exchange_start_p, _cuda, platform="cuda")
 
 
+# --- a buffer to place blocks into before its exchange starts -------------------------------------------------------
+
+pk_uninitialized_p = core.Primitive("pk_uninitialized")
+
+
+def uninitialized(like: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """An array of `shape` and like's dtype and sharding axes whose contents are unspecified (zeros off GPUs): on
+    GPUs no kernel writes it (ffi/uninitialized_handler.cc), so placing a block into it and passing it as an
+    exchange's `into` costs only the block. `like` is never read."""
+    return pk_uninitialized_p.bind(like, shape=tuple(int(n) for n in shape))
+
+
+def _uninitialized_abstract(like, *, shape):
+    return like.update(shape=shape)  # keeps dtype and (under shard_map) the varying axes
+
+
+pk_uninitialized_p.def_abstract_eval(_uninitialized_abstract)
+pk_uninitialized_p.def_impl(functools.partial(dispatch.apply_primitive, pk_uninitialized_p))
+mlir.register_lowering(pk_uninitialized_p, mlir.lower_fun(lambda like, *, shape: jnp.zeros(shape, like.dtype),
+                                                           multiple_results=False))
+if _ext.available():
+    # Side-effecting so that XLA never merges two of them (each is filled in place by its own exchange).
+    mlir.register_lowering(pk_uninitialized_p, jax.ffi.ffi_lowering("pk_uninitialized", has_side_effect=True),
+                           platform="cuda")
+
+
 @dataclasses.dataclass(frozen=True)
 class HeadSpans:
     """How Ulysses' pipeline cuts every member's block of heads: into `units` equal units, chunk i holding units

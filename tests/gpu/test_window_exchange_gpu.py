@@ -223,6 +223,26 @@ def test_ulysses_windowed_compiled_order(monkeypatch):
         assert before.count("S") >= 3 * min(k + 2, c) + k, (k, "".join(kinds))
 
 
+def test_ulysses_prefill_placed_under_the_first_exchange(monkeypatch):
+    """PK_JAX_ULYSSES_PREFILL (default 4; 3 of 4 chunks here): in the compiled forward, every placement of an own
+    block into a pk_uninitialized buffer runs after chunk 0's three exchange starts and before its first wait, so it
+    fills time XLA's stream spends waiting and leaves the stream between the attention kernels."""
+    import re
+
+    g, c, spec, attn = _four_chunks_of_ours(monkeypatch)
+    f = jax.jit(jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp")))
+    lines = f.lower(spec, spec, spec).compile().as_text()
+    lines = lines[lines.index("ENTRY"):].splitlines()
+    at = lambda target: [i for i, ln in enumerate(lines) if f'custom_call_target="{target}"' in ln]
+    buffers = [lines[i].split("=")[0].strip() for i in at("pk_uninitialized")]
+    assert len(buffers) == 3 * (c - 1), buffers
+    users = [i for i, ln in enumerate(lines) for b in buffers
+             if re.search(re.escape(b) + r"\b", ln.split("=", 1)[-1]) and not ln.strip().startswith(b + " ")]
+    starts, dones = at("pk_exchange_start"), at("pk_ring_shift_done")
+    print("placements at", users, "starts", starts[:3], "first wait", dones[0])
+    assert len(users) >= len(buffers) and all(starts[2] < i < dones[0] for i in users), (users, starts[:3], dones[0])
+
+
 def test_ulysses_windowed_backward_after_every_forward_chunk(monkeypatch):
     """fwd+bwd (4 chunks, our attention kernels) with PK_JAX_ULYSSES_BWD_BARRIER=chunks: every chunk's forward
     attention runs before the first backward kernel in the compiled order, so the backward's exchanges do not
