@@ -234,8 +234,8 @@ mlir.register_lowering(pk_uninitialized_p, mlir.lower_fun(lambda like, *, shape:
                                                            multiple_results=False))
 if _ext.available():
     # Side-effecting so that XLA never merges two of them (each is filled in place by its own exchange).
-    mlir.register_lowering(pk_uninitialized_p, jax.ffi.ffi_lowering("pk_uninitialized", has_side_effect=True),
-                           platform="cuda")
+    mlir.register_lowering(pk_uninitialized_p, lambda ctx, like, *, shape: jax.ffi.ffi_lowering(
+        "pk_uninitialized", has_side_effect=True)(ctx, like), platform="cuda")
 
 
 @dataclasses.dataclass(frozen=True)
