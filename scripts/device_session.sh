@@ -90,6 +90,7 @@
 #   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests (18 took > 100 s), then the bench rows (fwd, fwd_bwd) ~5.5 min
 #   ulysseschunks (2 GPUs+) Ulysses forward rows per head-chunk count (ULYSSES_CHUNKS_LIST, default "8 4 16 8") ~4 min
 #   ulyssesprefill (2 GPUs+) Ulysses forward rows per own-block prefill count (ULYSSES_PREFILL_LIST, default "4 0 7 4 0") ~1 min each
+#   ulyssesenvs (2 GPUs+) Ulysses rows per entry of ULYSSES_ENVS ("VAR=VAL,VAR=VAL" or "-" for the defaults)   ~1 min each (fwd)
 #   ulyssestests (2 GPUs+) Ulysses' and the windowed exchange's GPU tests on GPUs PAIR                  ~1.5 min
 #   ulyssestl   (2 GPUs+) Ulysses forward timelines at defaults, S in ULYSSES_TL_SEQS (default "8192 2048")  ~1 min each
 #   ulysseshalf (2 GPUs+) Ulysses bench rows at defaults with PK_JAX_ULYSSES_HALF_ENDS=1 (run after ulyssesdefault)  ~3 min
@@ -710,6 +711,15 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                         python3 -m pk_jax.bench context --op ulysses_attention --cases ${ULYSSES_CASES:-fwd} --reps ${ULYSSES_REPS:-10} \
                         --out "$OUT/$day-context-ulysses-prefill$p-$SECONDS.json"
                     done ;;
+    ulyssesenvs) # (2 GPUs+) Ulysses rows (ULYSSES_CASES, default fwd) once per entry of ULYSSES_ENVS: space-separated entries,
+                 # each a comma-separated list of VAR=VALUE settings ("-" for the defaults), in that order
+                 for entry in ${ULYSSES_ENVS:?set ULYSSES_ENVS, e.g. "- PK_JAX_ULYSSES_HALF_ENDS=1"}; do
+                   tag=$(echo "$entry" | tr -c 'A-Za-z0-9\n' '-' | sed 's/PK-JAX-ULYSSES-//g'); settings=${entry//,/ }
+                   [ "$entry" = - ] && tag=defaults
+                   stage ulysses-env-$tag-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} ${settings/#-/} \
+                     python3 -m pk_jax.bench context --op ulysses_attention --cases ${ULYSSES_CASES:-fwd} --reps ${ULYSSES_REPS:-10} \
+                     --out "$OUT/$day-context-ulysses-env-$tag-$SECONDS.json"
+                 done ;;
     ulysseshalf) # (2 GPUs+) Ulysses at defaults with half-width first and last chunks (PK_JAX_ULYSSES_HALF_ENDS=1: 9 chunks)
                  stage ulysses-half ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_HALF_ENDS=1 python3 -m pk_jax.bench context \
                    --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-half.json" ;;
