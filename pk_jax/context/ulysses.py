@@ -21,13 +21,16 @@ The windowed pipeline (pk_jax/context/window_exchange.py): chunk i is read from 
 and its output written into its heads of the whole result; only peer blocks travel on the side stream (flagged to
 prefer overlap with compute, they run beside an attention kernel holding every SM), and each own block is placed on
 XLA's stream ($PK_JAX_WINDOW_OWN, default "xla": a local strided copy on the side stream waited for free SMs and
-held up the peer copies behind it). On 2x H100 (2026-11-26), 8 chunks, cuDNN between: forward 1.68 / 1.46 / 1.27x
-the lax composition at S 2048 / 4096 / 8192 (one pk exchange each way: 1.33 / 1.23 / 1.16x), fwd+bwd 1.31 / 1.24 /
-1.14x (1.25 / 1.18x). The shift-based async chunks lost to one exchange on 4x H100 (per chunk a slice of every array
-and a select assembling the arrivals cost more than the overlap saved; docs/benchmarks.md), and chunks of one batch
-element (every block contiguous after a transpose) lost on 2x H100 (0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 makes
-the first and last chunks half as wide: less exchange exposed before the first attention and after the last (on
-2x H200, 2026-11-26, 0.01-0.02x ahead in five rows of one run: within noise, so opt-in).
+held up the peer copies behind it); the own input blocks of the first chunks after chunk 0 are placed while chunk
+0's exchange is on the wire ($PK_JAX_ULYSSES_PREFILL, own_prefill). On 2x H100 (2026-11-26), 8 chunks, cuDNN between:
+forward 1.68 / 1.46 / 1.27x the lax composition at S 2048 / 4096 / 8192 (one pk exchange each way: 1.33 / 1.23 /
+1.16x), fwd+bwd 1.31 / 1.24 / 1.14x (1.25 / 1.18x). The shift-based async chunks lost to one exchange on 4x H100
+(per chunk a slice of every array and a select assembling the arrivals cost more than the overlap saved;
+docs/benchmarks.md), and chunks of one batch element (every block contiguous after a transpose) lost on 2x H100
+(0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 makes the first and last chunks half as wide: less exchange exposed before the first attention and after the last (on
+2x H200, 2026-11-26, 0.01-0.02x ahead in five rows of one run: within noise, so opt-in; with the prefill, 2026-11-28,
+0-0.03x behind). On 2x H200 (2026-11-28, three runs) the defaults give 1.73-1.77 / 1.43-1.44 / 1.18-1.20x forward at
+S 2048 / 4096 / 8192, against 1.66-1.67 / 1.40 / 1.16-1.17x with no prefill.
 $PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels (they can leave SMs free for the SM shift); the
 default is jax.nn.dot_product_attention (cuDNN on GPUs). Same result for every setting (the same per-head attention).
 """
