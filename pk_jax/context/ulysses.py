@@ -27,10 +27,11 @@ forward 1.68 / 1.46 / 1.27x the lax composition at S 2048 / 4096 / 8192 (one pk 
 1.16x), fwd+bwd 1.31 / 1.24 / 1.14x (1.25 / 1.18x). The shift-based async chunks lost to one exchange on 4x H100
 (per chunk a slice of every array and a select assembling the arrivals cost more than the overlap saved;
 docs/benchmarks.md), and chunks of one batch element (every block contiguous after a transpose) lost on 2x H100
-(0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 makes the first and last chunks half as wide: less exchange exposed before the first attention and after the last (on
-2x H200, 2026-11-26, 0.01-0.02x ahead in five rows of one run: within noise, so opt-in; with the prefill, 2026-11-28,
-0-0.03x behind). On 2x H200 (2026-11-28, three runs) the defaults give 1.73-1.77 / 1.43-1.44 / 1.18-1.20x forward at
-S 2048 / 4096 / 8192, against 1.66-1.67 / 1.40 / 1.16-1.17x with no prefill.
+(0.95-1.05x). $PK_JAX_ULYSSES_HALF_ENDS=1 makes the first and last chunks half as wide: less exchange exposed
+before the first attention and after the last (on 2x H200, 2026-11-26, 0.01-0.02x ahead in five rows of one run:
+within noise, so opt-in; with the prefill, 2026-11-28, 0-0.03x behind). On 2x H200 (2026-11-28, three runs) the
+defaults give 1.73-1.77 / 1.43-1.44 / 1.18-1.20x forward at S 2048 / 4096 / 8192, against 1.66-1.67 / 1.40 /
+1.16-1.17x with no prefill.
 $PK_JAX_ULYSSES_LOCAL=pk makes the local attention our kernels (they can leave SMs free for the SM shift); the
 default is jax.nn.dot_product_attention (cuDNN on GPUs). Same result for every setting (the same per-head attention).
 """
