@@ -127,7 +127,10 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
       for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
     }
   };
-  const int warpgroup = threadIdx.x / 128;
+  // Broadcast from lane 0 (CUTLASS's canonical_warp_group_idx) so that ptxas knows it is warp-uniform: what a
+  // consumer derives from it (its shared-memory tiles, its wgmma descriptors) may then live in uniform registers
+  // instead of being moved there (R2UR) in front of every wgmma.
+  const int warpgroup = __shfl_sync(0xffffffffu, int(threadIdx.x / 128), 0);
   if (warpgroup == 0) {
     wgmma::setmaxnreg_dec<K::kProducerRegs>();
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
