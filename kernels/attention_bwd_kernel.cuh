@@ -131,6 +131,7 @@ struct Kernel {
   // every warp reading b (its dQ wgmma retired) has passed since.
   static constexpr int kDsBufs = 2;
   static constexpr int kConsumerWarpgroups = WGS;
+  static constexpr bool kUniformWarpgroup = true;  // pk/lcsc.cuh UniformWarpgroup
   // The split must fit what the CTA holds from its launch: __launch_bounds__(384, 1) gives every thread
   // 168 registers (ptxas -v: "Used 168 registers"), 384 * 168 = 64512, and setmaxnreg.inc blocks until
   // the CTA's pool has the registers: 128 * 40 + 256 * 232 = 64512 exactly (as the forward and the

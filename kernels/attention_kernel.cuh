@@ -131,6 +131,7 @@ struct Kernel {
   static_assert(BKV % 16 == 0 && BKV <= 256, "key block: whole wgmma k-steps, one TMA box of rows");
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
+  static constexpr bool kUniformWarpgroup = true;  // pk/lcsc.cuh UniformWarpgroup
   // S (BKV/2) + O (D/2) + P (BKV/4) fp32/16-bit registers and the row state; three consumers share the 64K
   // registers of 512 threads (128 x 32 + 384 x 160 = 65536).
   static constexpr int kProducerRegs = WGS == 3 ? 32 : 40;
