@@ -19,6 +19,7 @@
 #   grouped     grouped_matmul GPU tests, then its bench rows (vs ragged_dot_mgpu, jnp.dot)  ~2 min
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
+#   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
 #   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary)  ~5 min
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
 #   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (the SASS
@@ -209,6 +210,20 @@ variant_tests() {
   done
 }
 
+# so_ab TAG LIMIT BENCH_ARGS...: the bench once per extension folder in $AB_PREBUILT, in AB_TURNS turns (default 2),
+# logs and JSON <TAG>-<folder>-<turn>; the first extension is restored after.
+so_ab() {
+  local tag=$1 limit=$2; shift 2
+  : "${AB_PREBUILT:?set AB_PREBUILT to two or more prebuilt extension folders}"
+  for i in $(seq "${AB_TURNS:-2}"); do
+    for pre in $AB_PREBUILT; do
+      cp "$pre"/_pk_jax_ext*.so pk_jax/ && stage $tag-${pre##*/}-$i $limit python3 -m pk_jax.bench "$@" \
+        --out "$OUT/$day-$tag-${pre##*/}-$i.json"
+    done
+  done
+  local first=${AB_PREBUILT%% *}; cp "$first"/_pk_jax_ext*.so pk_jax/
+}
+
 # The LL128 lag knob's fresh-process tests (lag 0 and 2) on every GPU (log ll128-lag-tests).
 ll128_lag_tests() {
   stage ll128-lag-tests 240 python3 -m pytest tests/gpu/test_small_collectives_gpu.py -m gpu -q -rs -k "fresh_process and LAG"
@@ -303,13 +318,11 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
           stage ulysses-default-timeline 90 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/ring_timeline.py \
             --op ulysses --seq 8192 --heads 128 --cases fwd ;;
     groupedab) # the grouped_matmul rows once per extension in AB_PREBUILT (e.g. ".prebuilt/x .prebuilt/h"), each
-               # with its own jnp.dot / ragged_dot baselines in the same run; the first extension is restored after
-               : "${AB_PREBUILT:?groupedab: set AB_PREBUILT to two or more prebuilt extension folders}"
-               for pre in $AB_PREBUILT; do
-                 cp "$pre"/_pk_jax_ext*.so pk_jax/ && stage grouped-${pre##*/} ${GROUPED_LIMIT:-200} python3 -m pk_jax.bench moe \
-                   --op grouped_matmul --reps 10 --out "$OUT/$day-moe-grouped-${pre##*/}.json"
-               done
-               set -- $AB_PREBUILT; cp "$1"/_pk_jax_ext*.so pk_jax/ ;;
+               # with its own jnp.dot / ragged_dot baselines in the same run
+               AB_TURNS=1 so_ab grouped ${GROUPED_LIMIT:-200} moe --op grouped_matmul --reps 10 ;;
+    soab) # any bench rows ($AB_ARGS) once per extension in AB_PREBUILT per turn (AB_TURNS, default 2): an A/B of builds
+          # with the same Python tree, the baselines in every run
+          so_ab "${AB_TAG:-soab}" ${AB_LIMIT:-200} ${AB_ARGS:?soab: set AB_ARGS to the bench arguments} ;;
     fwdvariant) : "${FWD_NAME:?set FWD_NAME to a forward variant (pk_jax.attention.FWD_VARIANTS)}"
            stage "$FWD_NAME-first" 90 env PK_JAX_ATTENTION_FWD_DEBUG=1 timeout 80 python3 -m pytest tests/gpu/test_attention_gpu.py \
              -m gpu -q -x -rs -k "first_look and $FWD_NAME"
