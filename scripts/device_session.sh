@@ -91,7 +91,7 @@
 #   ulyssesdefault (2 GPUs+) Ulysses at defaults: its GPU tests (18 took > 100 s), then the bench rows (fwd, fwd_bwd) ~5.5 min
 #   ulysseschunks (2 GPUs+) Ulysses forward rows per head-chunk count (ULYSSES_CHUNKS_LIST, default "8 4 16 8") ~4 min
 #   ulyssesprefill (2 GPUs+) Ulysses forward rows per own-block prefill count (ULYSSES_PREFILL_LIST, default "4 0 7 4 0") ~1 min each
-#   ulyssesenvs (2 GPUs+) Ulysses rows per entry of ULYSSES_ENVS ("VAR=VAL,VAR=VAL" or "-" for the defaults)   ~1 min each (fwd)
+#   ulyssesenvs (2 GPUs+) Ulysses rows per entry of ULYSSES_ENVS ("VAR=VAL,VAR=VAL" or "-" for the defaults) ~1 min each (fwd)
 #   ulyssestests (2 GPUs+) Ulysses' and the windowed exchange's GPU tests on GPUs PAIR                  ~1.5 min
 #   ulyssestl   (2 GPUs+) Ulysses forward timelines at defaults, S in ULYSSES_TL_SEQS (default "8192 2048")  ~1 min each
 #   ulysseshalf (2 GPUs+) Ulysses bench rows at defaults with PK_JAX_ULYSSES_HALF_ENDS=1 (run after ulyssesdefault)  ~3 min
@@ -222,6 +222,24 @@ so_ab() {
     done
   done
   local first=${AB_PREBUILT%% *}; cp "$first"/_pk_jax_ext*.so pk_jax/
+}
+
+# A results-format tag for a comma-separated list of settings: lowercase, hyphens only
+# (PK_JAX_SMALL_LL128_LAG=2 -> small-ll128-lag2, PK_JAX_ULYSSES_HALF_ENDS=1,PK_JAX_WINDOW_OWN=copy ->
+# ulysses-half-ends1-window-owncopy).
+env_tag() { echo "$1" | sed 's/PK_JAX_//g; s/=//g; s/,/-/g; s/_/-/g' | tr 'A-Z' 'a-z'; }
+
+# Ulysses bench rows (ULYSSES_CASES, default fwd) on GPUs PAIR once per entry of $1 (space-separated; each a
+# comma-separated VAR=VALUE list, "-" for the defaults), in that order; logs and JSON ulysses-<tag>-<seconds>.
+ulysses_env_rows() {
+  local entry tag vars
+  for entry in $1; do
+    tag=$(env_tag "${entry//PK_JAX_ULYSSES_/}"); vars=${entry//,/ }
+    [ "$entry" = - ] && tag=defaults && vars=  # ("env -" would empty the environment)
+    stage ulysses-$tag-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} $vars \
+      python3 -m pk_jax.bench context --op ulysses_attention --cases ${ULYSSES_CASES:-fwd} --reps ${ULYSSES_REPS:-10} \
+      --out "$OUT/$day-context-ulysses-$tag-$SECONDS.json"
+  done
 }
 
 # The LL128 lag knob's fresh-process tests (lag 0 and 2) on every GPU (log ll128-lag-tests).
@@ -489,8 +507,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     ll128env) # (2 GPUs+) LL128 floor slopes on GPUs PAIR per setting in LL128_ENVS (space-separated; each a comma-separated
               # VAR=value list, "-" for the defaults), 1-8 MiB, one fresh process each; the defaults first and last
               for cfg in - ${LL128_ENVS:?set LL128_ENVS} -; do
-                # a results-format tag: lowercase, hyphens only (PK_JAX_SMALL_LL128_LAG=2 -> small-ll128-lag2)
-                tag=$(echo "$cfg" | sed 's/PK_JAX_//g; s/=//g; s/,/-/g; s/_/-/g' | tr 'A-Z' 'a-z'); vars=${cfg//,/ }
+                tag=$(env_tag "$cfg"); vars=${cfg//,/ }
                 [ "$cfg" = - ] && tag=default-$SECONDS && vars=PK_JAX_LL128ENV_DEFAULTS=1  # ("env -" would empty the environment)
                 stage ll128env-$tag 45 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} $vars python3 scripts/latency_floor.py \
                   --tag "$tag" --ops pk_small_ll128 --bytes 1048576 2097152 4194304 8388608 \
@@ -713,26 +730,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                done ;;
     ulysseschunks) # (2 GPUs+) Ulysses forward rows per head-chunk count of the windowed pipeline (ULYSSES_CHUNKS_LIST,
                    # default "8 4 16 8": 8 is the default, measured best on 2x H100 only), same turns per value
-                   for c in ${ULYSSES_CHUNKS_LIST:-8 4 16 8}; do
-                     stage ulysses-chunks$c-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_CHUNKS=$c python3 -m pk_jax.bench context \
-                       --op ulysses_attention --cases fwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-chunks$c-$SECONDS.json"
-                   done ;;
+                   ulysses_env_rows "$(printf 'PK_JAX_ULYSSES_CHUNKS=%s ' ${ULYSSES_CHUNKS_LIST:-8 4 16 8})" ;;
     ulyssesprefill) # (2 GPUs+) Ulysses forward rows per PK_JAX_ULYSSES_PREFILL value (ULYSSES_PREFILL_LIST, default
                     # "4 0 7 4 0": 4 is the default, 0 places every own block between the attention kernels), same turns
-                    for p in ${ULYSSES_PREFILL_LIST:-4 0 7 4 0}; do
-                      stage ulysses-prefill$p-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} PK_JAX_ULYSSES_PREFILL=$p \
-                        python3 -m pk_jax.bench context --op ulysses_attention --cases ${ULYSSES_CASES:-fwd} --reps ${ULYSSES_REPS:-10} \
-                        --out "$OUT/$day-context-ulysses-prefill$p-$SECONDS.json"
-                    done ;;
+                    ulysses_env_rows "$(printf 'PK_JAX_ULYSSES_PREFILL=%s ' ${ULYSSES_PREFILL_LIST:-4 0 7 4 0})" ;;
     ulyssesenvs) # (2 GPUs+) Ulysses rows (ULYSSES_CASES, default fwd) once per entry of ULYSSES_ENVS: space-separated entries,
                  # each a comma-separated list of VAR=VALUE settings ("-" for the defaults), in that order
-                 for entry in ${ULYSSES_ENVS:?set ULYSSES_ENVS, e.g. "- PK_JAX_ULYSSES_HALF_ENDS=1"}; do
-                   tag=$(echo "$entry" | tr -c 'A-Za-z0-9\n' '-' | sed 's/PK-JAX-ULYSSES-//g'); settings=${entry//,/ }
-                   [ "$entry" = - ] && tag=defaults
-                   stage ulysses-env-$tag-$SECONDS ${ULYSSES_LIMIT:-120} env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} ${settings/#-/} \
-                     python3 -m pk_jax.bench context --op ulysses_attention --cases ${ULYSSES_CASES:-fwd} --reps ${ULYSSES_REPS:-10} \
-                     --out "$OUT/$day-context-ulysses-env-$tag-$SECONDS.json"
-                 done ;;
+                 ulysses_env_rows "${ULYSSES_ENVS:?set ULYSSES_ENVS, e.g. "- PK_JAX_ULYSSES_HALF_ENDS=1"}" ;;
     ulysseshalf) # (2 GPUs+) Ulysses at defaults with half-width first and last chunks (PK_JAX_ULYSSES_HALF_ENDS=1: 9 chunks)
                  stage ulysses-half ${ULYSSES_LIMIT:-170} env PK_JAX_ULYSSES_HALF_ENDS=1 python3 -m pk_jax.bench context \
                    --op ulysses_attention --cases fwd fwd_bwd --reps ${ULYSSES_REPS:-10} --out "$OUT/$day-context-ulysses-half.json" ;;
