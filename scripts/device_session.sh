@@ -166,7 +166,7 @@
 #               S 24576 non-causal fwd+bwd                                                               ~5 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
-#   (CONTEXT_LIMIT / CONTEXT_REPS, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
+#   (CONTEXT_LIMIT / CONTEXT_REPS / CONTEXT_ARGS (e.g. "--op ring_attention") / CONTEXT_TAG, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
 #   one out.tgz)
 #   gputests    every GPU test this machine can run (tests/gpu/run.sh -x)                 2 GPUs+: long
 set -o pipefail
@@ -430,8 +430,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                        stage grouped-var 220 env PK_JAX_BENCH_GROUPED_VARIANTS="dyn dyn+narrow dyn+narrow+pipe" \
                          python3 -m pk_jax.bench moe --op grouped_matmul --reps 10 --variants --out "$OUT/$day-moe-grouped-variants.json"
                      fi ;;
-    context) stage context ${CONTEXT_LIMIT:-240} python3 -m pk_jax.bench context --reps ${CONTEXT_REPS:-20} \
-               --out "$OUT/$day-context.json" ;;
+    context) stage context${CONTEXT_TAG:+-$CONTEXT_TAG} ${CONTEXT_LIMIT:-240} python3 -m pk_jax.bench context \
+               --reps ${CONTEXT_REPS:-20} ${CONTEXT_ARGS:-} --out "$OUT/$day-context${CONTEXT_TAG:+-$CONTEXT_TAG}.json" ;;
     moe) stage moe ${MOE_LIMIT:-240} python3 -m pk_jax.bench moe --out "$OUT/$day-moe.json" ;;
     expertffn) stage ffn-tests 150 python3 -m pytest tests/gpu/test_expert_ffn_gpu.py -m gpu -x -q -rs
                stage grouped-tests 150 env PK_JAX_GROUPED_VARIANT=default python3 -m pytest \
