@@ -164,6 +164,7 @@
 #               GPUs PAIR at S 12288 (3072-row pairs; fwd too, 20 reps), all at S 49152 (6144 rows)   ~5 min
 #   ringpk      (2 GPUs+; 4 for the G 4 rows) transports default / pk-direct: G 4 S 12288 fwd+bwd both masks, GPUs PAIR
 #               S 24576 non-causal fwd+bwd                                                               ~5 min
+#   ringmix     (4 GPUs) cudnn-fwd / dq-direct vs the defaults: GPU tests, S 12288 fwd+bwd at G 4 and on GPUs PAIR ~6 min
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS / CONTEXT_ARGS (e.g. "--op ring_attention") / CONTEXT_TAG, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -864,6 +865,16 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
             stage ringpk-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
               --op ring_attention --seqs 24576 --cases fwd_bwd_contiguous --ring-transports default pk-direct --reps 5 \
               --out "$OUT/$day-context-ring-pk-direct-2gpu.json" ;;
+    ringmix) # (2 GPUs+; 4 for the G 4 rows) cudnn-fwd (forward pairs on cuDNN, backward pairs on our kernel) and
+             # dq-direct against the defaults: their GPU tests, then G 4 S 12288 fwd+bwd and the GPUs PAIR rows
+             stage ringmix-tests 200 env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest tests/gpu/test_context_gpu.py -m gpu \
+               -q -x -rs -k "cudnn-fwd or deferred_sums"
+             stage ringmix 200 python3 -m pk_jax.bench context --op ring_attention --seqs 12288 --cases \
+               fwd_bwd_contiguous fwd_bwd_causal_zigzag --ring-transports default direct cudnn-fwd --reps 20 \
+               --out "$OUT/$day-context-ring-mix.json"
+             stage ringmix-2gpu 150 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 -m pk_jax.bench context \
+               --op ring_attention --seqs 12288 --cases fwd_bwd_causal_zigzag --ring-transports default direct cudnn-fwd \
+               --reps 20 --out "$OUT/$day-context-ring-mix-2gpu.json" ;;
     latfloor2) # (4 GPUs) the floor slopes at defaults on GPUs PAIR only: issue 25's 2-GPU rows on a 4-GPU machine
                stage floor-default-2gpu 120 env CUDA_VISIBLE_DEVICES=${PAIR:-0,1} python3 scripts/latency_floor.py \
                  --tag default --ops pk_auto psum --bytes $FLOOR_BYTES --out "$OUT/$day-floor-default-2gpu.json" ;;

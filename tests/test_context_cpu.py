@@ -823,13 +823,33 @@ def test_ring_cudnn_splits_bottom_right_pairs_from_min_rows(monkeypatch):
     n = cudnn_block.SPLIT_MIN_ROWS
     q = jax.ShapeDtypeStruct((1, n, 2, 64), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((1, 2 * n, 2, 64), jnp.bfloat16)
-    cases = {"cudnn": (True, False), "cudnn-split": (True, True), "cudnn-whole": (False, False), "pk": (False, False)}
+    cases = {"cudnn": (True, False), "cudnn-split": (True, True), "cudnn-whole": (False, False), "pk": (False, False),
+             "cudnn-fwd": (True, False)}
     for local, (at_min, below) in cases.items():
         monkeypatch.setenv(cudnn_block.LOCAL_VAR, local)
         assert cudnn_block.takes(q, k, True, "bottom_right") is at_min, local
         assert cudnn_block.takes(q, k, True, "bottom_right", rows=n - 1) is below, local
         assert cudnn_block.takes(q, k, True, "diagonal", rows=1) is (local != "pk"), local
         assert cudnn_block.takes(q, k, True, "shifted") is False, local
+        # A backward pair: as the forward's, except that cudnn-fwd keeps every one on our kernel.
+        assert cudnn_block.takes(q, k, False, "all", backward=True) is (local not in ("pk", "cudnn-fwd")), local
+
+
+@pytest.mark.parametrize("g,layout,causal,merge", [(4, "zigzag", True, "dq-direct"), (2, "contiguous", False, "dq")])
+def test_ring_cudnn_fwd_route(monkeypatch, g, layout, causal, merge):
+    """PK_JAX_RING_LOCAL=cudnn-fwd (cuDNN's calls stood in for): the forward's pairs go to cuDNN as with "cudnn",
+    no backward pair does (our kernel's path, here its XLA lowering), with either dQ merge; result and gradients
+    equal the whole-sequence reference."""
+    from pk_jax.context import block_accumulate, cudnn_block
+
+    masks, bwd_masks = _fake_cudnn(monkeypatch)
+    monkeypatch.setenv(cudnn_block.LOCAL_VAR, "cudnn-fwd")
+    monkeypatch.setenv(block_accumulate.ACC_VAR, merge)
+    q, k, v, d_out = random_qkv(g * 13 + causal, 2, g * T_LOCAL, 4, 2, 16, jnp.bfloat16)
+    attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
+    assert_all_close(sharded(attn, g, layout, q, k, v, d_out), reference(q, k, v, d_out, causal), 3e-2)
+    assert masks, "no forward pair went to cuDNN"
+    assert not bwd_masks, "a backward pair went to cuDNN"
 
 
 @pytest.mark.parametrize("g,layout,causal", [(4, "zigzag", True), (4, "contiguous", False), (2, "contiguous", True)])

@@ -122,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["pk", "pk-copy", "pk-acc", "pk-copy-acc", "pk-dq", "pk-copy-dq", "pk-copy-dq-cudnn",
                             "pk-copy-dq-cudnn-bf16hops", "pk-copy-dq-cudnn-deferred", "pk-copy-dq-cudnn-split",
                             "pk-copy-dq-cudnn-deferred-split", "default", "direct", "split", "whole", "pk-direct",
-                            "xla"],
+                            "cudnn-fwd", "cudnn-fwd-dq", "xla"],
                    help="context: ring rows timed with each transport in the same turns (the first is ours_ms; "
                         "default: the environment's settings; -copy: $PK_JAX_RING_SHIFT_ENGINE=copy, -acc: "
                         "$PK_JAX_RING_MERGE=kernel, -dq: =dq, -cudnn: $PK_JAX_RING_LOCAL=cudnn, without: =pk; "
@@ -130,7 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "without it the pk-* transports are eager), -split: "
                         "$PK_JAX_RING_LOCAL=cudnn-split; default: the settings as they are; direct / split / whole: "
                         "the defaults with $PK_JAX_RING_MERGE=dq-direct / $PK_JAX_RING_LOCAL=cudnn-split / "
-                        "cudnn-whole; pk-direct: the defaults with $PK_JAX_RING_LOCAL=pk and dq-direct), e.g. "
+                        "cudnn-whole; pk-direct: the defaults with $PK_JAX_RING_LOCAL=pk and dq-direct; cudnn-fwd(-dq): "
+                        "$PK_JAX_RING_LOCAL=cudnn-fwd with dq-direct (dq)), e.g. "
                         "--ring-transports default whole split")
     p.add_argument("--seqs", type=int, nargs="+", default=None, help="attention, context: only these sequence lengths")
     p.add_argument("--compute-floor", action="store_true",

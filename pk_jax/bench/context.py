@@ -171,6 +171,10 @@ TRANSPORTS["whole"] = {"PK_JAX_RING_LOCAL": "cudnn-whole"}
 # "pk-direct": the defaults with every pair on our kernels and dq-direct: no cuDNN per-call work (its memsets, dO.O
 # pass and dQ conversion), which bounds the 4-GPU fwd+bwd rows (docs/benchmarks.md, session 22).
 TRANSPORTS["pk-direct"] = {"PK_JAX_RING_LOCAL": "pk", "PK_JAX_RING_MERGE": "dq-direct"}
+# "cudnn-fwd": the forward's pairs on cuDNN (its forward is the faster), the backward's on our kernel with dq-direct
+# (no cuDNN per-call backward work); "cudnn-fwd-dq": the same with the dQ added by the conversion kernel ("dq").
+TRANSPORTS["cudnn-fwd"] = {"PK_JAX_RING_LOCAL": "cudnn-fwd", "PK_JAX_RING_MERGE": "dq-direct"}
+TRANSPORTS["cudnn-fwd-dq"] = {"PK_JAX_RING_LOCAL": "cudnn-fwd", "PK_JAX_RING_MERGE": "dq"}
 TRANSPORTS["xla"] = {"PK_JAX_RING_TRANSPORT": "xla", "PK_JAX_RING_LOCAL": "pk"}
 
 

@@ -43,15 +43,17 @@ from pk_jax._env import choice_setting
 from pk_jax.context.online_softmax import merge
 
 LOCAL_VAR = "PK_JAX_RING_LOCAL"
-LOCALS = ("pk", "cudnn", "cudnn-split", "cudnn-whole")
+LOCALS = ("pk", "cudnn", "cudnn-split", "cudnn-whole", "cudnn-fwd")
 SPLIT_MIN_ROWS = 4096  # "cudnn" splits a bottom-right pair for cuDNN from this many query rows (see above)
 
 
 def ring_local() -> str:
     """$PK_JAX_RING_LOCAL, read when traced: "cudnn" (default: this module wherever takes() accepts a pair; the
     "bottom_right" pairs as two cuDNN calls each from SPLIT_MIN_ROWS query rows), "pk" (our attention kernels for
-    every pair), "cudnn-split" (every bottom-right pair split for cuDNN) or "cudnn-whole" (none: they stay on our
-    kernel)."""
+    every pair), "cudnn-split" (every bottom-right pair split for cuDNN), "cudnn-whole" (none: they stay on our
+    kernel) or "cudnn-fwd" (the forward's pairs as "cudnn", every backward pair on our kernel: no per-call dO.O
+    pass, memsets or dQ conversion of cuDNN's backward; with $PK_JAX_RING_MERGE=dq-direct the pair adds its dQ in
+    place)."""
     return choice_setting(LOCAL_VAR, "cudnn", LOCALS, owner="pk_jax.ring_attention")
 
 
@@ -75,19 +77,23 @@ def _on_gpu(d: int) -> bool:
     return d <= _max_head_dim()
 
 
-def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None, rows: int | None = None) -> bool:
+def takes(q: jax.Array, k: jax.Array, causal: bool, visible: str | None, rows: int | None = None, *,
+          backward: bool = False) -> bool:
     """Whether cuDNN runs this pair (q (B, Tq, N, H); rows: the pair's query rows where q holds more, else Tq):
     selected, a CUDA GPU with cuDNN, 16-bit inputs, a head dim cuDNN takes (a multiple of 8, up to _max_head_dim()),
     no shift kernel needing SMs beside it, and a mask it can express (none, or causal on a diagonal pair) or split
-    into two it can (a bottom-right pair, by ring_local() and its rows)."""
+    into two it can (a bottom-right pair, by ring_local() and its rows); backward: a pair of the backward pass
+    ("cudnn-fwd" keeps those on our kernel)."""
     from pk_jax.context.ring_shift import shift_sms
 
     d = q.shape[-1]
     local = ring_local()
     rows = q.shape[1] if rows is None else rows
-    split = local == "cudnn-split" or (local == "cudnn" and rows >= SPLIT_MIN_ROWS)
+    if local == "pk" or (local == "cudnn-fwd" and backward):
+        return False
+    split = local == "cudnn-split" or (local in ("cudnn", "cudnn-fwd") and rows >= SPLIT_MIN_ROWS)
     masks = ("all", "diagonal", "bottom_right") if split else ("all", "diagonal")
-    return (local != "pk" and q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
+    return (q.dtype in (jnp.bfloat16, jnp.float16) and k.dtype == q.dtype and d % 8 == 0
             and (not causal or visible in masks) and shift_sms() == 0 and _on_gpu(d))
 
 

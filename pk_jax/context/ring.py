@@ -195,7 +195,7 @@ def _block_backward(q, k, v, do, lse, delta, scale: float, causal: bool, q_offse
     array and step at 4 GPUs, S 12288), and a fresh part can leave for the next member as it is (exactly)."""
     from pk_jax.attention import _kernel_refusal, backward_kernel_enabled, pk_attention_bwd_p
 
-    if out is not None and cudnn_block.takes(q, k, causal, visible):
+    if out is not None and cudnn_block.takes(q, k, causal, visible, backward=True):
         return cudnn_block.backward(q, k, v, out, do, lse, scale=scale, causal=causal, visible=visible)
     if _kernel_refusal(q, k, scale) is not None or not backward_kernel_enabled():
         return block_attention_bwd(q, k, v, do, lse, delta, scale=scale, causal=causal, q_offset=q_offset,
@@ -381,7 +381,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                     and _kernel_refusal(q, k, scale) is None and backward_kernel_enabled())
     in_place = dq_in_kernel and merge_in_kernel() == "dq-direct"
     # The pairs on cuDNN (cudnn_block) read the final output; without them it stays out of the steps' inputs.
-    out_for_pairs = out if cudnn_block.takes(q, k, False, "all") else None
+    out_for_pairs = out if cudnn_block.takes(q, k, False, "all", backward=True) else None
 
     def pair_bwd(p: BlockPair, kv, state, local, reserve: int):
         q, do, lse, delta, out = local
@@ -403,7 +403,7 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
             dq, (dk, dv) = state
             sl_q = lambda x: _slice(x, p.q_start, p.q_len)
             sl_kv = lambda x: _slice(x, p.kv_start, p.kv_len)
-            on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible, rows=p.q_len)
+            on_cudnn = cudnn_block.takes(q, kv[0], causal, p.visible, rows=p.q_len, backward=True)
             if dq_in_kernel and isinstance(p.q_start, int) and not on_cudnn:  # the dQ conversion adds in place
                 offsets = _offsets(p.q_offset, p.kv_offset)
                 base = (dq.base if dq.base is not None else zero_q()) if isinstance(dq, RowSum) else dq
@@ -463,7 +463,8 @@ def _bwd_rule(axes, causal, layout, scale, res, d_out):
                 dq, c = run(pairs_at(step), kv, (dq, (None, None)), local, busy(step))
                 return dq, contribution(c)
             _, (low, high) = zigzag_whole_chunks(g=g, t_local=q.shape[1], rank=rank)
-            if deferred and cudnn_block.takes(q, kv[0], causal, "all"):  # the pair's dQ leaves the cond as a part
+            # On cuDNN, the pair's dQ leaves the cond as a part.
+            if deferred and cudnn_block.takes(q, kv[0], causal, "all", backward=True):
                 return visiting_part(step, kv, dq, local, low, high)
             dq, c = zigzag_visiting_cond(
                 g=g, rank=rank, step=step, operand=as_array(dq),

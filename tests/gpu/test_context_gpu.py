@@ -5,6 +5,8 @@ a bench-sized shape through the chunked per-block attention."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,7 +201,8 @@ def test_ring_attention_on_a_sub_axis(sp_first):
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
 def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causal, merge):
     """PK_JAX_RING_SUMS=deferred (pk_jax/context/row_sum.py, lse_parts.py): blocks merged and gradient parts summed
-    once at the end, with the pairs on cuDNN (the default) and on our kernels (PK_JAX_RING_LOCAL=pk); bf16, GQA,
+    once at the end, with the pairs on cuDNN (the default), on our kernels (PK_JAX_RING_LOCAL=pk) and the forward's
+    on cuDNN, the backward's on our kernels (cudnn-fwd); bf16, GQA,
     a length that is not a power of two, on every GPU; forward and gradients vs the float32 reference; on our
     kernels the same bits on a second call (cuDNN's backward adds dQ with atomics). merge "dq-direct"
     (PK_JAX_RING_MERGE): the pairs on our backward kernel read their q / dO rows in place (zigzag chunks of 96
@@ -209,10 +212,10 @@ def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causa
     monkeypatch.setenv("PK_JAX_RING_MERGE", merge)
     g = group_sizes()[-1]
     q, k, v, d_out = random_qkv(g * 7 + causal, 2, g * 192, 8, 2, 128)
-    for local in ("cudnn", "pk"):
+    for local in ("cudnn", "pk", "cudnn-fwd"):
         monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
         attn = lambda a, b, c: pk_jax.ring_attention(a, b, c, "sp", causal=causal, layout=layout)
-        if merge == "dq-direct" and (local == "pk" or (causal and layout == "zigzag")):  # a pair on our kernel
+        if merge == "dq-direct" and (local != "cudnn" or (causal and layout == "zigzag")):  # a pair on our kernel
             f = jax.shard_map(attn, mesh=mesh(g), in_specs=P(None, "sp"), out_specs=P(None, "sp"))
             bf16 = [x.astype(jnp.bfloat16) for x in (q, k, v)]
             assert "in_place=True" in str(jax.make_jaxpr(lambda q, k, v: jax.vjp(f, q, k, v)[1](q))(*bf16))
@@ -224,13 +227,14 @@ def test_ring_attention_deferred_sums_match_reference(monkeypatch, layout, causa
             assert all(np.array_equal(a, b) for a, b in zip(got, again)), "deferred on our kernels: bits changed"
 
 
-@pytest.mark.parametrize("local", ["cudnn", "cudnn-split"])
+@pytest.mark.parametrize("local", ["cudnn", "cudnn-split", "cudnn-fwd"])
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", True), ("zigzag", False)])
 def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal, local):
     """PK_JAX_RING_LOCAL=cudnn (the default, pk_jax/context/cudnn_block.py): the pairs cuDNN can mask run on it,
     forward with its LSE and backward fed the whole row's output and LSE; on every GPU, bf16, GQA, head dim 128,
     a length that is not a power of two; forward and gradients vs the float32 reference; the program calls cuDNN.
-    cudnn-split (opt-in): the bottom-right pairs as two cuDNN calls each, and no pair on our kernel."""
+    cudnn-split (opt-in): the bottom-right pairs as two cuDNN calls each, and no pair on our kernel. cudnn-fwd
+    (opt-in): the forward's pairs on cuDNN, every backward pair on our backward kernel."""
     monkeypatch.setenv("PK_JAX_RING_LOCAL", local)
     g = group_sizes()[-1]
     q, k, v, d_out = random_qkv(g * 5 + causal, 2, g * 192, 8, 2, 128)
@@ -243,5 +247,7 @@ def test_ring_attention_on_cudnn_matches_reference(monkeypatch, layout, causal, 
     assert "__cudnn" in hlo, "no cuDNN call in the ring's program"
     if local == "cudnn-split":  # the bottom-right pairs split for cuDNN too: none is left on our kernel
         assert 'custom_call_target="pk_attention' not in hlo, "a pair left on our kernel"
+    if local == "cudnn-fwd":  # the forward on cuDNN, no cuDNN backward
+        assert not re.search(r"__cudnn\$fmha\w*Backward", hlo) and 'custom_call_target="pk_attention_bwd' in hlo
     got = sharded(attn, g, layout, jnp.bfloat16, q, k, v, d_out)
     assert_close(got, reference(q, k, v, d_out, causal), TOL[jnp.bfloat16], f"ring on cuDNN G={g} {layout} {causal}")
