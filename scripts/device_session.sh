@@ -165,6 +165,7 @@
 #   ringpk      (2 GPUs+; 4 for the G 4 rows) transports default / pk-direct: G 4 S 12288 fwd+bwd both masks, GPUs PAIR
 #               S 24576 non-causal fwd+bwd                                                               ~5 min
 #   ringmix     (4 GPUs) cudnn-fwd / dq-direct vs the defaults: GPU tests, S 12288 fwd+bwd at G 4 and on GPUs PAIR ~6 min
+#   bench       any bench rows: BENCH_ARGS (the bench's arguments), BENCH_TAG (file name), BENCH_LIMIT
 #   topo        nvidia-smi and the GPU link topology                                       ~5 s
 #   a2a         (2 GPUs+) the all-to-all transfer pattern: its GPU tests, then bench transfer --quick   ~2 min
 #   (CONTEXT_LIMIT / CONTEXT_REPS / CONTEXT_ARGS (e.g. "--op ring_attention") / CONTEXT_TAG, MOE_LIMIT, ULYSSES_LIMIT / ULYSSES_REPS, ARPIPE_DEADLINE, MOEOVERLAP_DEADLINE size those stages; PACK=1 returns $OUT as
@@ -550,6 +551,8 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  ncu_one bwd-$who 240 "$kern" "--section SpeedOfLight --section WarpStateStats --section SourceCounters" \
                    python3 scripts/attention_ncu.py --only ${who}_bwd --batch 4 --seq 8192 ${NCU_ARGS:-}
                done ;;
+    bench) stage bench-${BENCH_TAG:-rows} ${BENCH_LIMIT:-200} python3 -m pk_jax.bench ${BENCH_ARGS:?bench: set BENCH_ARGS} \
+             --out "$OUT/$day-${BENCH_TAG:-rows}.json" ;;  # any bench rows, e.g. BENCH_ARGS="attention --seqs 16384"
     pytests) : "${PYTESTS:?set PYTESTS to pytest arguments (files, -k ...)}"  # $PYTESTS unquoted: pytest's own arguments
              stage pytests ${PYTESTS_LIMIT:-200} env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest $PYTESTS -m gpu -q -rs ;;
     fwdstalls) # where the attention forward's warps wait, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (ncu_one):
