@@ -47,6 +47,8 @@ CASES = [
     (1, 200, 2, 400, 2, 128, True, 0, 100),      # keys 100.. : key blocks 1, 2 and 3 partly / wholly unseen
     (2, 640, 4, 512, 4, 128, True, 100, 37),     # diagonal through unaligned blocks
     (1, 2048, 16, 2048, 2, 64, True, 0, 0),      # larger, GQA
+    (2, 1024, 16, 2048, 16, 128, False, 0, 0),   # 512 tasks: every CTA switches key blocks (K and V reloaded)
+    (2, 2048, 16, 2048, 8, 64, True, 0, 0),      # 256 causal tasks, claimed from the task counter, GQA
 ]
 
 

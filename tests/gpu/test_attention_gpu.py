@@ -45,6 +45,7 @@ CASES = [
     (1, 384, 4, 384, 2, 64, True, 0, 200),       # rows 0..199 see no key: out 0, lse -inf
     (2, 640, 4, 512, 4, 128, True, 100, 37),     # diagonal through unaligned blocks
     (1, 4096, 16, 4096, 16, 128, True, 0, 0),    # a large causal case
+    (2, 1024, 16, 1024, 8, 128, False, 0, 0),    # 256 tasks: every CTA switches tasks (Q reloaded), no mask
 ]
 
 
