@@ -554,7 +554,9 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
     bench) stage bench-${BENCH_TAG:-rows} ${BENCH_LIMIT:-200} python3 -m pk_jax.bench ${BENCH_ARGS:?bench: set BENCH_ARGS} \
              --out "$OUT/$day-${BENCH_TAG:-rows}.json" ;;  # any bench rows, e.g. BENCH_ARGS="attention --seqs 16384"
     pytests) : "${PYTESTS:?set PYTESTS to pytest arguments (files, -k ...)}"  # $PYTESTS unquoted: pytest's own arguments
-             stage pytests ${PYTESTS_LIMIT:-200} env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest $PYTESTS -m gpu -q -rs ;;
+             # PYTESTS_K: a -k expression with spaces (e.g. "fa3 or bwd"), which $PYTESTS cannot carry
+             stage pytests ${PYTESTS_LIMIT:-200} env PK_JAX_TIMEOUT_MS=5000 python3 -m pytest $PYTESTS \
+               ${PYTESTS_K:+-k "$PYTESTS_K"} -m gpu -q -rs ;;
     fwdstalls) # where the attention forward's warps wait, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (ncu_one):
                # speed of light, pipes, warp states, smem conflicts, the SASS with its samples
                for cfg in ${FWD_NCU_CFGS:-128:4:8192:16 64:64:1024:32}; do
