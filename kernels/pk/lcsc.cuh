@@ -94,7 +94,7 @@ struct CounterAlways<K, std::void_t<decltype(K::kCounterAlways)>> : std::bool_co
 // canonical_warp_group_idx), so ptxas knows it is warp-uniform and what a consumer derives from it (its shared-memory
 // tiles, its wgmma descriptors) can live in uniform registers instead of being moved there (R2UR) before every wgmma.
 // The attention kernels set it (one H200, 2026-11-28: R2UR 212 -> 119 in the D 128 forward, +4 % geomean); the
-// GEMMs are not yet measured with it.
+// GEMMs do not (with it everywhere: 1.000 vs 1.003 x jnp.dot over 17 shapes, one turn: no gain).
 template <class K, class = void>
 struct UniformWarpgroup : std::false_type {};
 template <class K>
