@@ -472,7 +472,9 @@ struct Kernel {
       blocks_pipelined(g, s, st, w, q_wg, row0, lane, o, m, l);
     else
       blocks_in_turn(g, s, st, w, q_wg, row0, lane, o, m, l);
-    if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);  // this warp's last read of Q is done
+    // This warp's last read of Q is done (blocks_fa3 released it after its last S, so the loader fetches the next
+    // task's Q under this tile's last softmax, P V and finish_rows).
+    if (!kFa3Mainloop && lane == 0) tma::mbar_arrive(&s.q_slot.empty);
     finish_rows(g, s, st, w, row0, lane, o, m, l);
   }
 
@@ -624,10 +626,15 @@ struct Kernel {
 
   // Variant fa3: per block, one turn issues [Q Kᵀ of kb, P V of kb - 1]; wait for Q Kᵀ only, release K,
   // softmax of kb under P V of kb - 1 (and under the other consumer's turn), then wait for P V, release
-  // V, rescale O (blocks_pipelined's order, with turns and split releases).
+  // V, rescale O (blocks_pipelined's order, with turns and split releases). Q is released as soon as the last
+  // S is done (q_slot.empty): Q is single-buffered, so a release at the task's end left the consumers waiting
+  // a whole Q load (TMA latency) at every task switch.
   __device__ static void blocks_fa3(const Globals& g, Shared& s, ConsumerState& st, const Work& w, const T* q_wg,
                                     int row0, int lane, float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
-    if (w.kv_blocks == 0) return;
+    if (w.kv_blocks == 0) {
+      if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);
+      return;
+    }
     float sc[BKV / 2], corr[2];
     uint32_t pa[BKV / 16][4];
     RingPos<STAGES> cur = st.pos;  // the block whose P is in `pa`
@@ -638,7 +645,10 @@ struct Kernel {
     turn_pass(next_wg(st.warpgroup));
     wgmma::wait<0>();
     wgmma::fence_operands(sc);
-    if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
+    if (lane == 0) {
+      tma::mbar_arrive(&s.ring.empty[cur.stage]);
+      if (w.kv_blocks == 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
+    }
     if (block_needs_mask(g, w, 0)) mask(g, w, 0, row0, lane, sc);
     softmax_scores(g, sc, m, l, corr);  // O is still zero: nothing to rescale
     to_a_fragments(sc, pa);
@@ -655,7 +665,10 @@ struct Kernel {
       turn_pass(next_wg(st.warpgroup));
       wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
       wgmma::fence_operands(sc);
-      if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);
+      if (lane == 0) {
+        tma::mbar_arrive(&s.ring.empty[next.stage]);
+        if (kb == w.kv_blocks - 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
+      }
       if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
       softmax_scores(g, sc, m, l, corr);
       wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
