@@ -645,10 +645,8 @@ struct Kernel {
     turn_pass(next_wg(st.warpgroup));
     wgmma::wait<0>();
     wgmma::fence_operands(sc);
-    if (lane == 0) {
-      tma::mbar_arrive(&s.ring.empty[cur.stage]);
-      if (w.kv_blocks == 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
-    }
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
+    if (lane == 0 && w.kv_blocks == 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
     if (block_needs_mask(g, w, 0)) mask(g, w, 0, row0, lane, sc);
     softmax_scores(g, sc, m, l, corr);  // O is still zero: nothing to rescale
     to_a_fragments(sc, pa);
@@ -665,10 +663,8 @@ struct Kernel {
       turn_pass(next_wg(st.warpgroup));
       wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
       wgmma::fence_operands(sc);
-      if (lane == 0) {
-        tma::mbar_arrive(&s.ring.empty[next.stage]);
-        if (kb == w.kv_blocks - 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
-      }
+      if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);
+      if (lane == 0 && kb == w.kv_blocks - 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
       if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
       softmax_scores(g, sc, m, l, corr);
       wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
