@@ -46,6 +46,7 @@ CASES = [
     (2, 640, 4, 512, 4, 128, True, 100, 37),     # diagonal through unaligned blocks
     (1, 4096, 16, 4096, 16, 128, True, 0, 0),    # a large causal case
     (2, 1024, 16, 1024, 8, 128, False, 0, 0),    # 256 tasks: every CTA switches tasks (Q reloaded), no mask
+    (2, 1024, 16, 512, 4, 128, True, 0, 600),    # 256 tasks, half of them without a key (O = 0 after a carried task)
 ]
 
 
