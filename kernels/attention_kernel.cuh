@@ -129,6 +129,11 @@ struct Kernel {
   static constexpr int WGS = VARIANT == kFwdFa3W3 && D == 64 ? 3 : 2, BM = 64 * WGS;
   static constexpr int BKV = VARIANT == kFwdFa3N160 ? 160 : VARIANT == kFwdFa3N176 ? 176 : 128;  // keys per block
   static_assert(BKV % 16 == 0 && BKV <= 256, "key block: whole wgmma k-steps, one TMA box of rows");
+  // Two-warpgroup fa3 mainloops carry a task's last P V into the next task: it is issued in the same turn as the
+  // next task's first Q Kᵀ, and the task's rows are finished after it (blocks_fa3_carry; consumer_finish flushes
+  // the CTA's last task). Without the carry each task switch ran that P V, finish_rows and the next first Q Kᵀ
+  // one after another with the tensor cores half idle: ~2 key blocks of fixed cost per task (sessions 36-37).
+  static constexpr bool kCarry = kFa3Mainloop && WGS == 2;
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
   static constexpr bool kUniformWarpgroup = true;  // pk/lcsc.cuh UniformWarpgroup
@@ -174,11 +179,23 @@ struct Kernel {
     RingPos<STAGES> pos;
     uint32_t q_phase;
   };
+  // kCarry: the task whose last P V is pending. o, pa, m and l are the running task's registers themselves
+  // (blocks_fa3_carry works in them), carried from one consumer call to the next.
+  struct Pending {
+    float o[D / 2];
+    uint32_t pa[BKV / 16][4];
+    float m[2], l[2];
+    Work w;
+    int row0;
+    RingPos<STAGES> pos;  // the stage of its last V
+    bool live;            // false before the CTA's first task (its first turn then issues a discarded P V)
+  };
   struct ConsumerState {
     int warpgroup;
     RingPos<STAGES> pos;
     uint32_t q_phase, o_phase;
     bool turns_started;  // kPingpong: the first warpgroup's first turn has been granted
+    Pending prev;        // kCarry only
   };
   struct StorerState {
     uint32_t o_phase;
@@ -436,10 +453,8 @@ struct Kernel {
     const Work w = work_of(g, task);
     const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int row0 = w.q0 + st.warpgroup * 64 + warp * 16 + lane / 4;  // the thread's rows: row0, row0 + 8
-    float o[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
-    float m[2] = {-CUDART_INF_F, -CUDART_INF_F}, l[2] = {0.f, 0.f};
+    float o[D / 2], m[2], l[2];
+    start_rows(o, m, l);
     wait_cons(g, s, &s.q_slot.full, st.q_phase, "q_slot.full", -1);
     st.q_phase ^= 1;
     const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
@@ -462,6 +477,9 @@ struct Kernel {
           own.kv_blocks = own_kv_blocks(g, w, st.warpgroup);
           blocks_fa3(g, s, st, own, q_wg, row0, lane, o, m, l);
           blocks_idle(g, s, st, w.kv_blocks - own.kv_blocks);
+        } else if constexpr (kCarry) {
+          blocks_fa3_carry(g, s, st, w, q_wg, row0, lane);
+          return;  // this task's rows are finished after its last P V, in the next call (or consumer_finish)
         } else {
           blocks_fa3(g, s, st, w, q_wg, row0, lane, o, m, l);
         }
@@ -645,11 +663,82 @@ struct Kernel {
     turn_pass(next_wg(st.warpgroup));
     wgmma::wait<0>();
     wgmma::fence_operands(sc);
+    first_scores(g, s, w, row0, lane, cur, sc, m, l, corr);
+    to_a_fragments(sc, pa);
+    blocks_fa3_rest(g, s, st, w, q_wg, row0, lane, cur, sc, corr, pa, o, m, l);
+    last_pv(g, s, cur, lane, pa, o);
+    cur.advance();
+    st.pos = cur;
+  }
+
+  // kCarry: blocks_fa3 with the previous task's last P V issued in this task's first turn, after its first Q Kᵀ
+  // (so block 0's softmax runs under it), and the previous task's rows finished once it is done. This task's last
+  // P V is left pending in st.prev. The CTA's first task issues a P V whose product is discarded (no previous
+  // task): a wgmma issued under a condition makes ptxas serialize the warpgroup's wgmmas (C7519).
+  __device__ static void blocks_fa3_carry(const Globals& g, Shared& s, ConsumerState& st, const Work& w,
+                                          const T* q_wg, int row0, int lane) {
+    Pending& p = st.prev;
+    float(&o)[D / 2] = p.o;
+    float(&m)[2] = p.m;
+    float(&l)[2] = p.l;
+    if (w.kv_blocks == 0) {  // rows that see no key (offsets): O = 0, LSE = -inf, after the pending task's
+      if (lane == 0) tma::mbar_arrive(&s.q_slot.empty);
+      flush_pending(g, s, st);
+      start_rows(o, m, l);
+      finish_rows(g, s, st, w, row0, lane, o, m, l);
+      return;
+    }
+    float sc[BKV / 2], corr[2];
+    RingPos<STAGES> cur = st.pos;  // the block whose P is in `pa`
+    wait_cons(g, s, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
+    if (p.live) wait_cons(g, s, &s.v_full[p.pos.stage], p.pos.phase, "v_full", p.pos.stage);
+    turn_wait(st.warpgroup);
+    wgmma::fence();
+    issue_qk(q_wg, s.stage[cur.stage], sc);
+    wgmma::fence();
+    issue_pv(s.stage[p.pos.stage], p.pa, o);  // the previous task's last P V
+    turn_pass(next_wg(st.warpgroup));
+    wgmma::wait<1>();  // S of block 0 is done; the previous P V may still run
+    wgmma::fence_operands(sc);
+    float m_prev[2] = {m[0], m[1]}, l_prev[2] = {l[0], l[1]};
+    m[0] = m[1] = -CUDART_INF_F;
+    l[0] = l[1] = 0.f;
+    first_scores(g, s, w, row0, lane, cur, sc, m, l, corr);
+    wgmma::wait<0>();
+    wgmma::fence_operands(o);
+    if (p.live) {
+      if (lane == 0) tma::mbar_arrive(&s.v_empty[p.pos.stage]);
+      finish_rows(g, s, st, p.w, p.row0, lane, o, m_prev, l_prev);
+    }
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    to_a_fragments(sc, p.pa);
+    blocks_fa3_rest(g, s, st, w, q_wg, row0, lane, cur, sc, corr, p.pa, o, m, l);
+    p.pos = cur;
+    p.w = w;
+    p.row0 = row0;
+    p.live = true;
+    cur.advance();
+    st.pos = cur;
+  }
+
+  // fa3, block 0 after its S has landed: release K (and Q when it is the task's last block), mask, softmax.
+  __device__ __forceinline__ static void first_scores(const Globals& g, Shared& s, const Work& w, int row0, int lane,
+                                                      const RingPos<STAGES>& cur, float (&sc)[BKV / 2],
+                                                      float (&m)[2], float (&l)[2], float (&corr)[2]) {
     if (lane == 0) tma::mbar_arrive(&s.ring.empty[cur.stage]);
     if (lane == 0 && w.kv_blocks == 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
     if (block_needs_mask(g, w, 0)) mask(g, w, 0, row0, lane, sc);
     softmax_scores(g, sc, m, l, corr);  // O is still zero: nothing to rescale
-    to_a_fragments(sc, pa);
+  }
+
+  // fa3, blocks 1 .. kv_blocks - 1 (P of block 0 in `pa`, its stage `cur`): on return `pa` holds the last block's P
+  // and `cur` its stage, whose P V is not yet issued.
+  __device__ __forceinline__ static void blocks_fa3_rest(const Globals& g, Shared& s, ConsumerState& st,
+                                                         const Work& w, const T* q_wg, int row0, int lane,
+                                                         RingPos<STAGES>& cur, float (&sc)[BKV / 2],
+                                                         float (&corr)[2], uint32_t (&pa)[BKV / 16][4],
+                                                         float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
     for (int kb = 1; kb < w.kv_blocks; ++kb) {
       RingPos<STAGES> next = cur;
       next.advance();
@@ -674,14 +763,39 @@ struct Kernel {
       to_a_fragments(sc, pa);
       cur = next;
     }
-    wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+  }
+
+  // A task's last P V, outside the turns (its V at stage `at`), waited for; V released.
+  __device__ __forceinline__ static void last_pv(const Globals& g, Shared& s, const RingPos<STAGES>& at, int lane,
+                                                 const uint32_t (&pa)[BKV / 16][4], float (&o)[D / 2]) {
+    wait_cons(g, s, &s.v_full[at.stage], at.phase, "v_full", at.stage);
     wgmma::fence();
-    issue_pv(s.stage[cur.stage], pa, o);
+    issue_pv(s.stage[at.stage], pa, o);
     wgmma::wait<0>();
     wgmma::fence_operands(o);
-    if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
-    cur.advance();
-    st.pos = cur;
+    if (lane == 0) tma::mbar_arrive(&s.v_empty[at.stage]);
+  }
+
+  // kCarry: the pending task's last P V and its rows (after the CTA's last task, or before a task without keys).
+  __device__ static void flush_pending(const Globals& g, Shared& s, ConsumerState& st) {
+    Pending& p = st.prev;
+    if (!p.live) return;
+    last_pv(g, s, p.pos, threadIdx.x % 32, p.pa, p.o);
+    finish_rows(g, s, st, p.w, p.row0, threadIdx.x % 32, p.o, p.m, p.l);
+    p.live = false;
+  }
+
+  // lcsc.cuh calls this after the consumer's last task.
+  __device__ static void consumer_finish(const Globals& g, Shared& s, ConsumerState& st) {
+    if constexpr (kCarry) flush_pending(g, s, st);
+  }
+
+  // A task's row state before its first block: O = 0, no maximum, no sum.
+  __device__ __forceinline__ static void start_rows(float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
+    m[0] = m[1] = -CUDART_INF_F;
+    l[0] = l[1] = 0.f;
   }
 
   // fa3w3, a warpgroup whose 64 rows all lie past the query sequence (the last 192-row tile of Tq = 1024: two of its
