@@ -22,7 +22,7 @@
 #   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
 #   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary)  ~5 min
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
-#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (the SASS
+#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's (FWD_NCU_WHO), per FWD_NCU_CFGS "D:B:S:N" (the SASS
 #               with per-instruction samples: $OUT/src-fwd-<who>-d<D>-s<S>.csv; the hot loop: ncu_loop_summary.py) ~4 min
 #   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
 #               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
@@ -561,7 +561,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                # speed of light, pipes, warp states, smem conflicts, the SASS with its samples
                for cfg in ${FWD_NCU_CFGS:-128:4:8192:16 64:64:1024:32}; do
                  IFS=: read -r d b sq n <<< "$cfg"
-                 for who in ours cudnn; do
+                 for who in ${FWD_NCU_WHO:-ours cudnn}; do
                    if [ $who = ours ]; then kern='regex:attention::Kernel'; else kern='regex:fprop|sdpa|fmha'; fi
                    ncu_one fwd-$who-d$d-s$sq 150 "$kern" "--section SpeedOfLight --section ComputeWorkloadAnalysis \
                      --section WarpStateStats --section SchedulerStats --section InstructionStats \
