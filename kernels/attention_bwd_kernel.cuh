@@ -405,9 +405,11 @@ struct Kernel {
       if (idle_keys(g, w, wg)) {
         for (int it = 0; it < w.iters; ++it) idle_pair(g, s, st);
       } else {
+        // The loader's order (the group's heads outer, query blocks inner), the block counted without a division.
+        int m = w.m_begin;
         for (int it = 0; it < w.iters; ++it) {
-          const int m = w.m_begin + it % w.m_count;
           block_pair(g, s, st, w, m, key_row, lane, dk, dv);
+          if (++m == w.m_begin + w.m_count) m = w.m_begin;
         }
       }
       if (lane == 0) tma::mbar_arrive(&s.kv_slot.empty);  // this warp's last read of K and V is done

@@ -172,6 +172,7 @@ struct Kernel {
     uint64_t v_full[STAGES];         // V landed
     uint64_t v_empty[kSplitRelease ? STAGES : 1];  // kSplitRelease: both consumers are done with V
     Handoff q_slot;                  // full: Q landed; empty: both consumers' last S is done
+    Work work;                       // the task whose Q is in q: written by the loader before q_slot.full's arrival
     Handoff o_slot[WGS];
     DebugRecord stuck[DEBUG ? WGS : 1];  // DEBUG: the wait a consumer timed out on (what == nullptr: none)
   };
@@ -235,6 +236,21 @@ struct Kernel {
       const long long j_max = w.q_offset + last_row - w.kv_offset;
       w.kv_blocks = j_max < 0 ? 0 : int(j_max / BKV + 1 < all ? j_max / BKV + 1 : all);
     }
+    return w;
+  }
+
+  // A Work read from shared memory, broadcast from lane 0: ptxas then keeps its fields in uniform registers, as it
+  // does for work_of's (warp-uniform arithmetic on the task). Read plainly, they were per-thread values to it and the
+  // key-block loop converted them back every block (749 -> 798 instructions, 37 R2UR; -2 to -5 % measured).
+  __device__ static Work broadcast_work(const Work& in) {
+    Work w;
+    w.q0 = __shfl_sync(0xffffffff, in.q0, 0);
+    w.head = __shfl_sync(0xffffffff, in.head, 0);
+    w.kv_head = __shfl_sync(0xffffffff, in.kv_head, 0);
+    w.batch = __shfl_sync(0xffffffff, in.batch, 0);
+    w.q_offset = __shfl_sync(0xffffffff, in.q_offset, 0);
+    w.kv_offset = __shfl_sync(0xffffffff, in.kv_offset, 0);
+    w.kv_blocks = __shfl_sync(0xffffffff, in.kv_blocks, 0);
     return w;
   }
 
@@ -317,6 +333,7 @@ struct Kernel {
     }
     const Work w = work_of(g, task);
     tma::mbar_wait(&s.q_slot.empty, st.q_phase ^ 1);
+    s.work = w;
     tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
     load_boxes(s.q, &g.q, BM, w.head, w.q0, w.batch, &s.q_slot.full);
     st.q_phase ^= 1;
@@ -336,6 +353,7 @@ struct Kernel {
   __device__ static void loader_split(const Globals& g, Shared& s, LoaderState& st, int task) {
     const Work w = work_of(g, task);
     wait_bar(g, s, &s.q_slot.empty, st.q_phase ^ 1, "q_slot.empty", -1);
+    s.work = w;  // read by the consumers once Q has landed (see consumer)
     tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
     load_boxes(s.q, &g.q, BM, w.head, w.q0, w.batch, &s.q_slot.full);
     st.q_phase ^= 1;
@@ -461,13 +479,16 @@ struct Kernel {
   }
 
   __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int task) {
-    const Work w = work_of(g, task);
-    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
-    const int row0 = w.q0 + st.warpgroup * 64 + warp * 16 + lane / 4;  // the thread's rows: row0, row0 + 8
     float o[D / 2], m[2], l[2];
     start_rows(o, m, l);
     wait_cons(g, s, &s.q_slot.full, st.q_phase, "q_slot.full", -1);
     st.q_phase ^= 1;
+    // The task's work as the loader wrote it before Q's arrival (the arrival releases it, this wait acquires it; it
+    // is rewritten only after this task's last S). work_of here cost ~130 instructions (three divisions by runtime
+    // values, two global loads of the offsets) between one task's last turn and the next one's first (session 39).
+    const Work w = broadcast_work(s.work);
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int row0 = w.q0 + st.warpgroup * 64 + warp * 16 + lane / 4;  // the thread's rows: row0, row0 + 8
     const T* q_wg = s.q + st.warpgroup * 64 * kBoxCols;  // the warpgroup's 64 rows of each Q box
     if constexpr (kPingpong) {
       if (!st.turns_started) {  // once per kernel: the last consumer grants itself the first turn
@@ -854,12 +875,14 @@ struct Kernel {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       l[h] = quad_sum(l[h]);
-      const float inv = l[h] > 0.f ? 1.f / l[h] : 0.f;
+      // One MUFU each (rcp / lg2 approx): IEEE 1 / l and logf took ~30 instructions per row half with slow-path
+      // branches, once per task between two turns. l >= 1 where positive (the row maximum's own term).
+      const float inv = l[h] > 0.f ? __fdividef(1.f, l[h]) : 0.f;
 #pragma unroll
       for (int i = 0; i < D / 2; ++i)
         if (row_half(i) == h) o[i] *= inv;
       const int row = row0 + 8 * h;
-      block_lse[h] = l[h] > 0.f ? m[h] * g.scale + logf(l[h]) : -CUDART_INF_F;
+      block_lse[h] = l[h] > 0.f ? m[h] * g.scale + __logf(l[h]) : -CUDART_INF_F;
       if (g.acc_mode == 0 && g.lse != nullptr && lane % 4 == 0 && row < g.tq)
         g.lse[(size_t(w.batch) * g.heads + w.head) * g.lse_seq + row] = block_lse[h];
     }
