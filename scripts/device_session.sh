@@ -22,7 +22,8 @@
 #   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
 #   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary)  ~5 min
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
-#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's (FWD_NCU_WHO), per FWD_NCU_CFGS "D:B:S:N" (the SASS
+#   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's (FWD_NCU_WHO), per FWD_NCU_CFGS "D:B:S:N" (two of
+#               ours: scripts/ncu_per_task.py on them, the shorter first; the SASS
 #               with per-instruction samples: $OUT/src-fwd-<who>-d<D>-s<S>.csv; the hot loop: ncu_loop_summary.py) ~4 min
 #   fwdvariant  the forward variant FWD_NAME: its first look (bounded waits), its float32-reference and same-bits
 #               tests, then rows beside the default (FWD_CASES / FWD_SEQS / FWD_DIMS; FWD_OTHERS: more variants) ~6 min
@@ -559,8 +560,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                ${PYTESTS_K:+-k "$PYTESTS_K"} -m gpu -q -rs ;;
     fwdstalls) # where the attention forward's warps wait, ours and cuDNN's, per FWD_NCU_CFGS "D:B:S:N" (ncu_one):
                # speed of light, pipes, warp states, smem conflicts, the SASS with its samples
+               ours_csvs=()
                for cfg in ${FWD_NCU_CFGS:-128:4:8192:16 64:64:1024:32}; do
                  IFS=: read -r d b sq n <<< "$cfg"
+                 ours_csvs+=("$OUT/src-fwd-ours-d$d-s$sq.csv")
                  for who in ${FWD_NCU_WHO:-ours cudnn}; do
                    if [ $who = ours ]; then kern='regex:attention::Kernel'; else kern='regex:fprop|sdpa|fmha'; fi
                    ncu_one fwd-$who-d$d-s$sq 150 "$kern" "--section SpeedOfLight --section ComputeWorkloadAnalysis \
@@ -568,7 +571,10 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                      --section MemoryWorkloadAnalysis --section SourceCounters --section LaunchStats" \
                      python3 scripts/attention_ncu.py --only ${who}_fwd --batch $b --seq $sq --heads $n --head-dim $d ${NCU_ARGS:-}
                  done
-               done ;;
+               done
+               # two configurations of ours, shorter first and with as many tasks: where the per-task cost goes
+               [ ${#ours_csvs[@]} -eq 2 ] && [[ " ${FWD_NCU_WHO:-ours cudnn} " == *" ours "* ]] && \
+                 stage fwd-per-task 30 python3 scripts/ncu_per_task.py "${ours_csvs[@]}" ;;
     attnncu) NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
              # Our kernels' base names are lcsc's `kernel`: match the demangled names (template arguments name the role).
              # Session 23 caught no cuDNN kernel with 'flash_bprop' and -c 2 (both launches were ours): match more names,

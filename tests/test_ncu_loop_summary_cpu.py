@@ -1,6 +1,6 @@
 """scripts/ncu_loop_summary.py on a small Nsight Compute source CSV written here: it finds the loop by its wgmmas'
 execution count, counts its opcodes per trip and attributes samples without a stall column to "unlisted";
-scripts/ncu_top_stalls.py reads the same CSV through its parsing."""
+scripts/ncu_top_stalls.py reads the same CSV through its parsing; scripts/ncu_per_task.py classes two such CSVs."""
 
 from __future__ import annotations
 
@@ -74,3 +74,29 @@ def test_top_stalls_reads_the_same_csv(tmp_path, capsys, monkeypatch):
     top.main()
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 2 and "0x60" in lines[0] and "WARPGROUP.DEPBAR" in lines[0] and "0x40" in lines[1]
+
+
+def test_per_task_classes_instructions_by_count_growth(tmp_path, capsys, monkeypatch):
+    """scripts/ncu_per_task.py: the long run's loop counts grow (x4 here), the per-task ones do not; the task run with
+    many samples is listed, its samples summed over its instructions."""
+    short, long = tmp_path / "short.csv", tmp_path / "long.csv"
+    write_csv(short)
+    with open(short) as f:
+        rows = list(csv.reader(f))
+    for r in rows[2:]:
+        if int(r[3]) >= 990:  # the loop body: 4x the executions and samples at the longer length
+            r[2], r[3] = str(4 * int(r[2])), str(4 * int(r[3]))
+    with open(long, "w", newline="") as f:
+        csv.writer(f).writerows(rows)
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))
+    spec_task = importlib.util.spec_from_file_location("ncu_per_task", SCRIPT.parent / "ncu_per_task.py")
+    per_task = importlib.util.module_from_spec(spec_task)
+    spec_task.loader.exec_module(per_task)
+    assert per_task.kind(100, 100) == "task" and per_task.kind(1000, 4000) == "loop" and per_task.kind(0, 0) == "never"
+    monkeypatch.setattr("sys.argv", ["ncu_per_task.py", str(short), str(long), "--min-samples", "10"])
+    per_task.main()
+    out = capsys.readouterr().out.splitlines()
+    classes = {line.split()[0]: line.split()[2] for line in out[:2]}
+    assert classes == {"loop": "795", "task": "15"}  # 300 + 50 + 400 + 45 + 0 in the loop, 3 x 5 once per task
+    task_run = next(line for line in out if line.startswith("task ") and "executed" in line)
+    assert "0x10-0x30" in task_run and "executed         100         100" in task_run and "samples       15       15" in task_run
