@@ -20,7 +20,8 @@
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
 #   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
-#   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary)  ~5 min
+#   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary;
+#               BWD_NCU_ARGS, else NCU_ARGS: attention_ncu.py's shape, e.g. "--seq 16384 --batch 2 --causal")  ~5 min
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
 #   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's (FWD_NCU_WHO), per FWD_NCU_CFGS "D:B:S:N" (two of
 #               ours: scripts/ncu_per_task.py on them, the shorter first; the SASS
@@ -550,7 +551,7 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                for who in ours cudnn; do
                  if [ $who = ours ]; then kern='regex:attention_bwd::Kernel'; else kern='regex:bprop'; fi
                  ncu_one bwd-$who 240 "$kern" "--section SpeedOfLight --section WarpStateStats --section SourceCounters" \
-                   python3 scripts/attention_ncu.py --only ${who}_bwd --batch 4 --seq 8192 ${NCU_ARGS:-}
+                   python3 scripts/attention_ncu.py --only ${who}_bwd --batch 4 --seq 8192 ${BWD_NCU_ARGS:-${NCU_ARGS:-}}
                done ;;
     bench) stage bench-${BENCH_TAG:-rows} ${BENCH_LIMIT:-200} python3 -m pk_jax.bench ${BENCH_ARGS:?bench: set BENCH_ARGS} \
              --out "$OUT/$day-${BENCH_TAG:-rows}.json" ;;  # any bench rows, e.g. BENCH_ARGS="attention --seqs 16384"
