@@ -22,6 +22,8 @@
 #   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
 #   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary;
 #               BWD_NCU_ARGS, else NCU_ARGS: attention_ncu.py's shape, e.g. "--seq 16384 --batch 2 --causal")  ~5 min
+#   attntimeline device 0's kernels of one attention fwd+bwd, ours and cuDNN's, per ATTN_TL_CFGS "B:S:N:D[:causal]"
+#               (scripts/attention_timeline.py; default 4:16384:16:128:causal)  ~1 min each
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
 #   fwdstalls   Nsight Compute on the attention forward, ours and cuDNN's (FWD_NCU_WHO), per FWD_NCU_CFGS "D:B:S:N" (two of
 #               ours: scripts/ncu_per_task.py on them, the shorter first; the SASS
@@ -547,6 +549,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  done ;;
     ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
+    attntimeline) # device 0's kernels of one attention call, ours and cuDNN's, per ATTN_TL_CFGS "B:S:N:D[:causal]"
+               # (fwd+bwd: scripts/attention_timeline.py --grads), summed per kernel name
+               for cfg in ${ATTN_TL_CFGS:-4:16384:16:128:causal}; do
+                 IFS=: read -r b sq n d flag <<< "$cfg"
+                 stage attntimeline-$b-$sq-$n-$d${flag:+-$flag} 90 python3 scripts/attention_timeline.py --grads \
+                   --batch $b --seq $sq --heads $n --head-dim $d ${flag:+--$flag}
+               done ;;
     bwdstalls) # where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128, ncu_one)
                for who in ours cudnn; do
                  if [ $who = ours ]; then kern='regex:attention_bwd::Kernel'; else kern='regex:bprop'; fi
