@@ -22,6 +22,8 @@
 #   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
 #   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary;
 #               BWD_NCU_ARGS, else NCU_ARGS: attention_ncu.py's shape, e.g. "--seq 16384 --batch 2 --causal")  ~5 min
+#   attnpower   SM clock, power and throttle reasons under ours and cuDNN's attention run back to back, per
+#               ATTN_POWER_CFGS "B:S:N:D[:causal][:grads]" (scripts/attention_power.py; ATTN_POWER_ARGS)  ~40 s each
 #   attntimeline device 0's kernels of one attention fwd+bwd, ours and cuDNN's, per ATTN_TL_CFGS "B:S:N:D[:causal]"
 #               (scripts/attention_timeline.py; default 4:16384:16:128:causal)  ~1 min each
 #   pytests     the GPU tests named by PYTESTS (pytest arguments; PYTESTS_LIMIT seconds, default 200)
@@ -549,6 +551,13 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  done ;;
     ringtimeline) stage ringtimeline 150 env PK_JAX_RING_TRANSPORT=pk python3 scripts/ring_timeline.py \
                     --cases fwd_causal_zigzag fwd_contiguous fwd_bwd_causal_zigzag fwd_bwd_contiguous ;;
+    attnpower) # SM clock / power / throttle reasons while ours and cuDNN's attention run back to back, per
+               # ATTN_POWER_CFGS "B:S:N:D[:flag...]" (flags: causal, grads; scripts/attention_power.py)
+               for cfg in ${ATTN_POWER_CFGS:-4:16384:16:128:causal:grads}; do
+                 IFS=: read -r b sq n d flags <<< "$cfg"
+                 stage attnpower-${cfg//:/-} 120 python3 scripts/attention_power.py --batch $b --seq $sq --heads $n \
+                   --head-dim $d ${ATTN_POWER_ARGS:-} $(for f in ${flags//:/ }; do echo --$f; done)
+               done ;;
     attntimeline) # device 0's kernels of one attention call, ours and cuDNN's, per ATTN_TL_CFGS "B:S:N:D[:causal]"
                # (fwd+bwd: scripts/attention_timeline.py --grads), summed per kernel name
                for cfg in ${ATTN_TL_CFGS:-4:16384:16:128:causal}; do
