@@ -5,8 +5,9 @@ than in a one-call trace: this shows whether that is where a bench row's gap com
 
     python3 scripts/attention_power.py --batch 4 --seq 16384 --causal --grads --seconds 6
 
-Per side: calls per second, the median / min SM clock (MHz), median power (W), temperature and the throttle
-reasons seen, sampled every 50 ms after a 1 s settle; the two sides alternate --turns times."""
+Per side: milliseconds per op (--count input sets per program, as the bench rotates them), the median / min SM clock
+(MHz), median power (W), temperature and the throttle reasons seen, sampled every 50 ms after a 1 s settle; the two
+sides alternate --turns times."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ import subprocess
 import time
 
 import jax
-import jax.numpy as jnp
 
-from attention_timeline import program
+from attention_timeline import input_sets, program
 
 
 def query_fields() -> str:
@@ -67,20 +67,20 @@ def main() -> None:
     ap.add_argument("--grads", action="store_true")
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--turns", type=int, default=2)
+    ap.add_argument("--count", type=int, default=1, help="input sets (calls) per program, as the bench rotates them")
     a = ap.parse_args()
     shape = (a.batch, a.seq, a.heads, a.head_dim)
-    keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, d_out = (jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16) for key in keys)
+    sets = input_sets(shape, a.count)
     fields = query_fields()
     fns = {impl: program(impl, a.causal, a.grads) for impl in ("pk", "cudnn")}
     for fn in fns.values():
-        jax.block_until_ready(fn(q, k, v, d_out))
-    print(f"{list(shape)} causal={a.causal} grads={a.grads}")
+        jax.block_until_ready(fn(sets))
+    print(f"{list(shape)} causal={a.causal} grads={a.grads} count={a.count}")
     for turn in range(a.turns):
         for impl, fn in fns.items():
-            r = sample(lambda fn=fn: fn(q, k, v, d_out), a.seconds, fields)
-            print(f"  turn {turn} {impl:5s} {r['ms_per_call']:8.3f} ms/call  SM clock median {r['clock_med']:6.0f} "
-                  f"min {r['clock_min']:6.0f} MHz  power {r['power_med']:5.0f} W  temp max {r['temp_max']:3.0f} C  "
+            r = sample(lambda fn=fn: fn(sets), a.seconds, fields)
+            print(f"  turn {turn} {impl:5s} {r['ms_per_call'] / a.count:8.3f} ms/op  "
+                  f"SM clock median {r['clock_med']:6.0f} min {r['clock_min']:6.0f} MHz  power {r['power_med']:5.0f} W  temp max {r['temp_max']:3.0f} C  "
                   f"reasons {r['reasons']}  ({r['samples']} samples)", flush=True)
 
 
