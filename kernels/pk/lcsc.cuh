@@ -90,6 +90,15 @@ struct CounterAlways : std::false_type {};
 template <class K>
 struct CounterAlways<K, std::void_t<decltype(K::kCounterAlways)>> : std::bool_constant<K::kCounterAlways> {};
 
+// K::kSingleWalk (default false): a kernel whose task_counter(g) may be null walks its tasks in one loop that takes
+// each task from the counter's queue or from the static order (a uniform branch per task), so the body (the consumer)
+// is compiled once. Two walks cost the attention forward 12-64 bytes of spills per variant (session 40), as they did
+// the grouped GEMM (kCounterAlways). No clusters, no comm SMs.
+template <class K, class = void>
+struct SingleWalk : std::false_type {};
+template <class K>
+struct SingleWalk<K, std::void_t<decltype(K::kSingleWalk)>> : std::bool_constant<K::kSingleWalk> {};
+
 // K::kUniformWarpgroup (default false): the warpgroup index is broadcast from lane 0 (CUTLASS's
 // canonical_warp_group_idx), so ptxas knows it is warp-uniform and what a consumer derives from it (its shared-memory
 // tiles, its wgmma descriptors) can live in uniform registers instead of being moved there (R2UR) before every wgmma.
@@ -122,19 +131,34 @@ __device__ __forceinline__ void compute(const typename K::Globals& g, typename K
   K::begin(g, s);
   // One walk over this CTA's tasks for each role; `claims` marks the loader (the one that claims).
   auto each_task = [&](bool claims, bool whole_warp, auto&& body) {
-    if constexpr (K::kTaskCounter) {
+    if constexpr (SingleWalk<K>::value) {
+      static_assert(K::kTaskCounter && !CounterAlways<K>::value && ClusterSize<K>::value == 1 &&
+                    !K::kHasCommunicator, "kSingleWalk: a task counter that may be null, no clusters, no comm SMs");
       uint32_t* counter = K::task_counter(g);
-      if (CounterAlways<K>::value || counter) {  // null: this launch keeps the static order
-        TaskQueue<kQueueDepth>& queue = task_queue<K>();
-        RingPos<kQueueDepth> pos;
-        for (int t; (t = claims ? queue.claim(pos, counter, K::num_tasks(g)) : queue.take(pos, whole_warp)) >= 0;)
-          body(t);
-        return;
+      TaskQueue<kQueueDepth>& queue = task_queue<K>();
+      RingPos<kQueueDepth> pos;
+      const int total = K::num_tasks(g);
+      for (int next = int(blockIdx.x);; next += int(gridDim.x)) {  // next: the static order's task
+        const int t = counter ? (claims ? queue.claim(pos, counter, total) : queue.take(pos, whole_warp))
+                              : (next < total ? next : -1);
+        if (t < 0) return;
+        body(t);
       }
-    }
-    if constexpr (!CounterAlways<K>::value) {
-      constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
-      for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
+    } else {
+      if constexpr (K::kTaskCounter) {
+        uint32_t* counter = K::task_counter(g);
+        if (CounterAlways<K>::value || counter) {  // null: this launch keeps the static order
+          TaskQueue<kQueueDepth>& queue = task_queue<K>();
+          RingPos<kQueueDepth> pos;
+          for (int t; (t = claims ? queue.claim(pos, counter, K::num_tasks(g)) : queue.take(pos, whole_warp)) >= 0;)
+            body(t);
+          return;
+        }
+      }
+      if constexpr (!CounterAlways<K>::value) {
+        constexpr int C = ClusterSize<K>::value;  // a cluster's CTAs walk one list
+        for (int t : TaskRange{(int(blockIdx.x) - comm) / C, (int(gridDim.x) - comm) / C, K::num_tasks(g)}) body(t);
+      }
     }
   };
   const int warpgroup =
