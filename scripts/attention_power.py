@@ -80,7 +80,8 @@ def main() -> None:
         for impl, fn in fns.items():
             r = sample(lambda fn=fn: fn(sets), a.seconds, fields)
             print(f"  turn {turn} {impl:5s} {r['ms_per_call'] / a.count:8.3f} ms/op  "
-                  f"SM clock median {r['clock_med']:6.0f} min {r['clock_min']:6.0f} MHz  power {r['power_med']:5.0f} W  temp max {r['temp_max']:3.0f} C  "
+                  f"SM clock median {r['clock_med']:6.0f} min {r['clock_min']:6.0f} MHz  power {r['power_med']:5.0f} W  "
+                  f"temp max {r['temp_max']:3.0f} C  "
                   f"reasons {r['reasons']}  ({r['samples']} samples)", flush=True)
 
 
