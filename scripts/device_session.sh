@@ -20,8 +20,9 @@
 #   sdpa        the cuDNN default of the library attention: its tests, Ulysses' reference tests, an S 8192 timeline ~4 min
 #   groupedab   grouped_matmul bench rows once per extension in AB_PREBUILT (A/B of two builds, same machine) ~2x2 min
 #   soab        bench rows AB_ARGS once per extension in AB_PREBUILT, AB_TURNS turns (A/B of builds, same Python)
-#   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (+ the loop summary;
-#               BWD_NCU_ARGS, else NCU_ARGS: attention_ncu.py's shape, e.g. "--seq 16384 --batch 2 --causal")  ~5 min
+#   bwdstalls   Nsight Compute stall sampling of the attention backward, ours and cuDNN's (BWD_NCU_WHO; + the loop
+#               summary, memory): B4 S8192 with BWD_NCU_ARGS (else NCU_ARGS), e.g. "--seq 16384 --batch 2 --causal", or
+#               per BWD_NCU_CFGS "B:S:N:D:K[:causal]", two of ours then classed by scripts/ncu_per_task.py  ~5 min
 #   attnpower   SM clock, power and throttle reasons under ours and cuDNN's attention run back to back, per
 #               ATTN_POWER_CFGS "B:S:N:D[:causal][:grads]" (scripts/attention_power.py; ATTN_POWER_ARGS)  ~40 s each
 #   attntimeline device 0's kernels of one attention fwd+bwd, ours and cuDNN's, per ATTN_TL_CFGS "B:S:N:D[:causal]"
@@ -565,12 +566,23 @@ for s in ${STAGES:-matmul ranks2 multirank2 layouts}; do
                  stage attntimeline-$b-$sq-$n-$d${flag:+-$flag} 90 python3 scripts/attention_timeline.py --grads \
                    --batch $b --seq $sq --heads $n --head-dim $d ${flag:+--$flag}
                done ;;
-    bwdstalls) # where the attention backward's warps wait, ours and cuDNN's (B4 S8192 N16 D128, ncu_one)
-               for who in ours cudnn; do
-                 if [ $who = ours ]; then kern='regex:attention_bwd::Kernel'; else kern='regex:bprop'; fi
-                 ncu_one bwd-$who 240 "$kern" "--section SpeedOfLight --section WarpStateStats --section SourceCounters" \
-                   python3 scripts/attention_ncu.py --only ${who}_bwd --batch 4 --seq 8192 ${BWD_NCU_ARGS:-${NCU_ARGS:-}}
-               done ;;
+    bwdstalls) # where the attention backward's warps wait, ours and cuDNN's (ncu_one): B4 S8192 N16 D128 and
+               # BWD_NCU_ARGS, or per BWD_NCU_CFGS "B:S:N:D:K[:causal]" (K: kv heads), then with two of ours
+               # scripts/ncu_per_task.py on them (shorter first, as many tasks)
+               bwd_csvs=()
+               for cfg in ${BWD_NCU_CFGS:-default}; do
+                 if [ "$cfg" = default ]; then tag=; shape="--batch 4 --seq 8192 ${BWD_NCU_ARGS:-${NCU_ARGS:-}}"
+                 else IFS=: read -r b sq n d kh flag <<< "$cfg"; tag=-${cfg//:/-}
+                      shape="--batch $b --seq $sq --heads $n --head-dim $d --kv-heads $kh ${flag:+--$flag}"; fi
+                 for who in ${BWD_NCU_WHO:-ours cudnn}; do
+                   if [ $who = ours ]; then kern='regex:attention_bwd::Kernel'; else kern='regex:bprop'; fi
+                   ncu_one bwd-$who$tag 240 "$kern" "--section SpeedOfLight --section WarpStateStats --section SourceCounters \
+                     --section MemoryWorkloadAnalysis" python3 scripts/attention_ncu.py --only ${who}_bwd $shape
+                 done
+                 bwd_csvs+=("$OUT/src-bwd-ours$tag.csv")
+               done
+               [ ${#bwd_csvs[@]} -eq 2 ] && [[ " ${BWD_NCU_WHO:-ours cudnn} " == *" ours "* ]] && \
+                 stage bwd-per-task 30 python3 scripts/ncu_per_task.py "${bwd_csvs[@]}" ;;
     bench) stage bench-${BENCH_TAG:-rows} ${BENCH_LIMIT:-200} python3 -m pk_jax.bench ${BENCH_ARGS:?bench: set BENCH_ARGS} \
              --out "$OUT/$day-${BENCH_TAG:-rows}.json" ;;  # any bench rows, e.g. BENCH_ARGS="attention --seqs 16384"
     pytests) : "${PYTESTS:?set PYTESTS to pytest arguments (files, -k ...)}"  # $PYTESTS unquoted: pytest's own arguments
