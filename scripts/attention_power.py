@@ -18,7 +18,7 @@ import time
 
 import jax
 
-from attention_timeline import input_sets, program
+from attention_timeline import add_program_arguments, input_sets, program
 
 
 def query_fields() -> str:
@@ -59,15 +59,9 @@ def sample(run, seconds: float, fields: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=16384)
-    ap.add_argument("--heads", type=int, default=16)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--causal", action="store_true")
-    ap.add_argument("--grads", action="store_true")
+    add_program_arguments(ap)
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--turns", type=int, default=2)
-    ap.add_argument("--count", type=int, default=1, help="input sets (calls) per program, as the bench rotates them")
     a = ap.parse_args()
     shape = (a.batch, a.seq, a.heads, a.head_dim)
     sets = input_sets(shape, a.count)

@@ -47,8 +47,8 @@ def per_kernel(evs: list[tuple[str, str, float, float]]) -> list[tuple[str, int,
     return sorted(((n, int(c), t) for n, (c, t) in tot.items()), key=lambda r: -r[2])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_program_arguments(ap: argparse.ArgumentParser) -> None:
+    """The shape (B, S, N, D), mask, gradients and input sets of the programs (shared with attention_power.py)."""
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=16384)
     ap.add_argument("--heads", type=int, default=16)
@@ -56,6 +56,11 @@ def main() -> None:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--grads", action="store_true")
     ap.add_argument("--count", type=int, default=1, help="input sets (calls) per program, as the bench rotates them")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_program_arguments(ap)
     ap.add_argument("--min-us", type=float, default=5.0)
     a = ap.parse_args()
     shape = (a.batch, a.seq, a.heads, a.head_dim)
