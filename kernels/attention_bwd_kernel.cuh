@@ -100,15 +100,14 @@ struct Work {
   int iters;     // group * m_count block pairs
 };
 
-// Under a causal mask variant 2 claims its tasks at run time (lcsc's task counter), one counter pair per
-// kernel: the next task and the CTAs done; zero at module load, reset by each launch's last CTA
+// Under a causal mask variant 2 claims its tasks at run time (lcsc's task counter), from the kernel's own counter
+// pair (kernel_counter_pair, pk/task_queue.cuh): the next task and the CTAs done; zero at module load, reset by each
+// launch's last CTA
 // (storer_finish), so graph replays start from zero (one launch of a kernel at a time per device, as the
 // grouped GEMM's counters). A key block's work shrinks with its position, and the
 // static round robin leaves CTAs far apart (GQA 8:1 at S 16384: 1,024 tasks of up to 2,048 block pairs on
 // 132 CTAs). Measured on nvidia-h200 (2026-11-24): claiming took causal fwd+bwd from 0.65 to 0.89x cuDNN
 // (GQA, S 16384) and 0.86 to 0.88 (S 16384), but non-causal from 1.01 to 0.92, so non-causal stays static.
-template <class K>
-__device__ uint32_t g_task_counter[2];
 
 // DEBUG_: every mbarrier wait is bounded (Globals::debug_timeout_ns); one that times out prints which
 // role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
@@ -641,7 +640,9 @@ struct Kernel {
   }
   __device__ static void communicator(const Globals&, CommShared&, lcsc::CommRole) {}
   __device__ static void begin(const Globals&, Shared&) {}
-  __device__ static uint32_t* task_counter(const Globals& g) { return g.causal ? g_task_counter<Kernel> : nullptr; }
+  __device__ static uint32_t* task_counter(const Globals& g) {
+    return g.causal ? kernel_counter_pair<Kernel> : nullptr;
+  }
   __device__ static void pusher(const Globals&, Shared&) {}
   __device__ static void finish(const Globals&) {}
 };

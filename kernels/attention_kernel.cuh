@@ -107,17 +107,15 @@ struct NoRing {
   __device__ static void finish(const Globals&) {}
 };
 
-// Under a causal mask the fa3 mainloops claim their tasks at run time (lcsc's task counter), one counter pair per
-// kernel as in the backward (attention_bwd::g_task_counter: the next task and the CTAs done; zero at module load,
-// reset by each launch's last CTA in storer_finish). Tasks are still taken heaviest first, but a CTA takes the next
+// Under a causal mask the fa3 mainloops claim their tasks at run time (lcsc's task counter), from the kernel's own
+// counter pair as the backward does (kernel_counter_pair in pk/task_queue.cuh, reset by each launch's last CTA in
+// storer_finish). Tasks are still taken heaviest first, but a CTA takes the next
 // one when it is free, so the tasks in flight stay a window of the task order and share their sections' K and V in
 // L2. With the static round robin the CTAs drifted apart (a causal task's length depends on its tile), spread over
 // many sections, and read K and V from HBM: one H200, B4 S16384 N16 D128 causal, Nsight Compute: L2 hit rate 63 %
 // and DRAM 32 % of peak (cuDNN: 96 % and 3 %; ours without a mask: 96 % and 3 %), and under the 700 W cap the SM clock
 // fell to ~1440 MHz against cuDNN's ~1630 (session 40, scripts/attention_power.py). Without a mask every task has
 // the same length and the static order keeps the CTAs together.
-template <class K>
-__device__ uint32_t g_task_counter[2];
 
 // PIPELINED_: the consumers overlap one block's softmax with the previous block's P V (blocks_pipelined).
 // VARIANT_: FwdVariant (see the top of the file; variants >= 2 take their own schedule and ignore
@@ -154,7 +152,7 @@ struct Kernel {
   static constexpr int kProducerRegs = WGS == 3 ? 32 : 40;
   static constexpr int kConsumerRegs = WGS == 3 ? 160 : 232;
   static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
-  static constexpr bool kTaskCounter = kFa3Mainloop && !Ext::kHasCommunicator;  // causal calls (g_task_counter)
+  static constexpr bool kTaskCounter = kFa3Mainloop && !Ext::kHasCommunicator;  // causal calls (task_counter)
   static constexpr bool kSingleWalk = kTaskCounter;  // pk/lcsc.cuh: one consumer body for both task orders
   static constexpr bool kHasPusher = false;
   static constexpr uint32_t kQBytes = uint32_t(BM * D) * sizeof(T);
@@ -1000,7 +998,7 @@ struct Kernel {
   }
   __device__ static void begin(const Globals&, Shared&) {}
   __device__ static uint32_t* task_counter(const Globals& g) {
-    return kTaskCounter && g.causal ? g_task_counter<Kernel> : nullptr;
+    return kTaskCounter && g.causal ? kernel_counter_pair<Kernel> : nullptr;
   }
   __device__ static void pusher(const Globals&, Shared&) {}
   __device__ static void finish(const Globals& g) { Ext::finish(g); }

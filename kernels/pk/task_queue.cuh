@@ -42,6 +42,11 @@ struct TaskQueue {
   }
 };
 
+// A kernel's own counter pair {next task, CTAs done}, one per kernel type K (zero at module load): its
+// task_counter(g) returns it, and finish_counter_pair below resets it at the end of each launch.
+template <class K>
+__device__ uint32_t kernel_counter_pair[2];
+
 // A kernel-owned counter pair {next task, CTAs done} (one launch of the kernel at a time per device): called by
 // one thread of every CTA once its loader's last claim is taken (the storer, after the -1), it counts the CTA
 // done, and the launch's last CTA zeroes both, so the next launch (or graph replay) claims from 0.
