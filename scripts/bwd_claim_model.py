@@ -55,7 +55,7 @@ def row(batch: int, seq: int, heads: int, kv_heads: int, block_keys: int, ctas: 
     auto = tail_pairs_auto(pairs, key_blocks, ctas)
     ratios = [makespan_ratio(batch, seq, heads, kv_heads, block_keys, ctas, t) for t in (0, auto, pairs)]
     return (f"B{batch:<3} S{seq:<6} N{heads:<3} KV{kv_heads:<3} keys/block {block_keys:<4} pairs {pairs:<5} "
-            f"tail {auto:<4} pairs {ratios[0]:.4f}  auto {ratios[1]:.4f}  all {ratios[2]:.4f}")
+            f"tail {auto:<4} pair order {ratios[0]:.4f}  auto {ratios[1]:.4f}  all {ratios[2]:.4f}")
 
 
 def main() -> None:
