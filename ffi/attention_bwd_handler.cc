@@ -2,9 +2,11 @@
 // Operands q (B, Tq, N, D), k and v (B, Tk, Nkv, D), dout (B, Tq, N, D), lse2 and delta (B, N, Tq_pad)
 // float32 (Tq_pad = Tq rounded up to 64; see attention_bwd.cuh for their contents), offsets int32[2]
 // (q_offset, kv_offset); results dq (B, Tq, N, D) in the input dtype or float32, dk and dv (B, Tk, Nkv, D)
-// in the input dtype, and dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk order: the
+// in the input dtype, dq_acc (B, N, Tq_pad, D) float32 (dQ / scale in the kernel's chunk order: the
 // kernel's scratch, which a second kernel turns into dq when `convert_dq` is 1; with 0 dq is left unwritten
-// and pk_jax/attention.py converts dq_acc with XLA, the A/B baseline); `variant` the backward variant
+// and pk_jax/attention.py converts dq_acc with XLA, the A/B baseline), and dkv_acc, float32 (2, B, Tk, Nkv, D)
+// scratch for `head_split` > 1 (GQA: each kv head's query heads over head_split tasks, their dK / dV partials
+// summed there; (1,) otherwise); `variant` the backward variant
 // (0 base, 1 dqfirst, 2 l2order_dqfirst, 3 w3: kernels/attention_bwd_kernel.cuh). Stateless per call (tensor
 // maps rebuilt, dq_acc zeroed on the stream each time), so it can be captured into command buffers.
 // `pk_attention_bwd_accumulate` (below): the same, with dQ added into ring attention's float32 dQ state in place.
@@ -60,7 +62,7 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
                     ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
                     ffi::Result<ffi::AnyBuffer>& dk, ffi::Result<ffi::AnyBuffer>& dv, ffi::Result<ffi::AnyBuffer>& dq_acc,
                     float scale, int32_t causal, int32_t reserve_sms, int32_t variant, DqTarget dq_target,
-                    InPlace in_place = {}) {
+                    InPlace in_place = {}, int32_t head_split = 1, ffi::AnyBuffer* dkv_acc = nullptr) {
   const auto dq = q.dimensions(), dkk = k.dimensions();
   if (dq.size() != 4 || dkk.size() != 4)
     return ffi::Error::InvalidArgument("pk_jax attention backward: q and k must be 4-D (batch, seq, heads, head_dim)");
@@ -96,7 +98,16 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
   if (variant < 0 || variant > 3)
     return ffi::Error::InvalidArgument(
         "pk_jax attention backward: variant must be 0..3 (base, dqfirst, l2order_dqfirst, w3)");
+  if (head_split < 1 || (n % nkv == 0 && (n / nkv) % head_split != 0))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: head_split " + std::to_string(head_split) +
+                                       " must divide heads / kv_heads");
+  if (head_split > 1 && (dkv_acc == nullptr || !same_dims(dkv_acc->dimensions(), {2, b, tk, nkv, d}) ||
+                         dkv_acc->element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument("pk_jax attention backward: with head_split " + std::to_string(head_split) +
+                                       " dkv_acc must be float32 (2, batch, tk, kv_heads, head_dim)");
   pk::attention_bwd::Problem p{};
+  p.head_split = head_split;
+  if (head_split > 1) p.dkv_acc = static_cast<float*>(dkv_acc->untyped_data());
   const auto t = q.element_type();
   if (!pk::to_elem_type(t, p.type) || p.type == pk::ElemType::kF32 || k.element_type() != t ||
       v.element_type() != t || dout.element_type() != t || dk->element_type() != t || dv->element_type() != t)
@@ -137,8 +148,9 @@ ffi::Error backward(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi:
 ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer dout, ffi::AnyBuffer lse2, ffi::AnyBuffer delta, ffi::AnyBuffer offsets,
                          ffi::Result<ffi::AnyBuffer> dq_out, ffi::Result<ffi::AnyBuffer> dk,
-                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc, float scale,
-                         int32_t causal, int32_t reserve_sms, int32_t variant, int32_t convert_dq) {
+                         ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> dq_acc,
+                         ffi::Result<ffi::AnyBuffer> dkv_acc, float scale, int32_t causal, int32_t reserve_sms,
+                         int32_t variant, int32_t convert_dq, int32_t head_split) {
   const auto dq = q.dimensions();
   if (dq.size() != 4 || !same_dims(dq_out->dimensions(), {dq[0], dq[1], dq[2], dq[3]}) ||
       (dq_out->element_type() != q.element_type() && dq_out->element_type() != ffi::DataType::F32))
@@ -150,7 +162,8 @@ ffi::Error attention_bwd(cudaStream_t stream, int32_t ordinal, ffi::AnyBuffer q,
   if (!pk::to_elem_type(dq_out->element_type(), type))
     return ffi::Error::InvalidArgument("pk_jax attention backward: dq must be bfloat16, float16 or float32");
   return backward(stream, ordinal, q, k, v, dout, lse2, delta, offsets, dk, dv, dq_acc, scale, causal, reserve_sms,
-                  variant, DqTarget{dq_out->untyped_data(), type, 0, false, convert_dq == 1});
+                  variant, DqTarget{dq_out->untyped_data(), type, 0, false, convert_dq == 1}, InPlace{}, head_split,
+                  &*dkv_acc);
 }
 
 // pk_attention_bwd_accumulate: the same kernels, with dQ added into ring attention's float32 dQ state in place:
@@ -209,11 +222,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwd, attention_bwd,
                                   .Ret<ffi::AnyBuffer>()  // dk
                                   .Ret<ffi::AnyBuffer>()  // dv
                                   .Ret<ffi::AnyBuffer>()  // dq_acc (scratch)
+                                  .Ret<ffi::AnyBuffer>()  // dkv_acc (scratch; (1,) without a head split)
                                   .Attr<float>("scale")
                                   .Attr<int32_t>("causal")
                                   .Attr<int32_t>("reserve_sms")
                                   .Attr<int32_t>("variant")
-                                  .Attr<int32_t>("convert_dq"),
+                                  .Attr<int32_t>("convert_dq")
+                                  .Attr<int32_t>("head_split"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PkAttentionBwdAccumulate, attention_bwd_accumulate,

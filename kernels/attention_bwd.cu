@@ -63,6 +63,7 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   g.k = make_tensor_map_bthd(p.k, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
   g.v = make_tensor_map_bthd(p.v, p.type, p.batch, p.tk, p.kv_heads, D, K::BN);
   g.lse2 = p.lse2, g.delta = p.delta, g.dq_acc = p.dq_acc, g.dk = p.dk, g.dv = p.dv;
+  g.head_split = p.head_split, g.dkv_acc = p.dkv_acc;
   g.offsets = p.offsets;
   g.batch = p.batch, g.tq = p.tq, g.tk = p.tk, g.heads = p.heads, g.kv_heads = p.kv_heads, g.tq_pad = p.tq_pad;
   g.scale = p.scale;
@@ -76,8 +77,17 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
     e = cudaMemsetAsync(p.dq_acc, 0, acc_bytes, stream);
     if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: zeroing dQ: ") + cudaGetErrorString(e));
   }
+  const size_t kv_elems = size_t(p.batch) * p.tk * p.kv_heads * D;
+  if (p.head_split > 1) {
+    e = cudaMemsetAsync(p.dkv_acc, 0, 2 * kv_elems * sizeof(float), stream);
+    if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: zeroing dK / dV: ") + cudaGetErrorString(e));
+  }
   e = lcsc::launch<K>(g, compute_sms, stream);
   if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward launch: ") + cudaGetErrorString(e));
+  if (p.head_split > 1) {
+    e = launch_dkv_convert(p.dkv_acc, p.dk, p.dv, kv_elems, p.type, stream);
+    if (e != cudaSuccess) throw std::runtime_error(std::string("pk_jax attention backward: dK / dV conversion: ") + cudaGetErrorString(e));
+  }
 }
 
 template <typename T, int D, int VARIANT>
@@ -136,6 +146,11 @@ void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
   if (p.offsets == nullptr || p.lse2 == nullptr || p.delta == nullptr || (p.dq_acc == nullptr && p.dq_state == nullptr) ||
       p.dk == nullptr || p.dv == nullptr)
     throw std::invalid_argument("pk_jax attention backward: a buffer is missing");
+  const int group = p.heads / p.kv_heads;
+  if (p.head_split < 1 || group % p.head_split != 0 || (p.head_split > 1 && p.dkv_acc == nullptr))
+    throw std::invalid_argument("pk_jax attention backward: head_split " + std::to_string(p.head_split) +
+                                " must divide heads / kv_heads (" + std::to_string(group) +
+                                "), with dkv_acc scratch when above 1");
   if (p.q_rows < 0 || p.q_row0 < 0 || (p.q_rows > 0 ? p.q_rows : p.tq) < p.q_row0 + p.tq)
     throw std::invalid_argument("pk_jax attention backward: query rows [" + std::to_string(p.q_row0) + ", " +
                                 std::to_string(p.q_row0 + p.tq) + ") are not within q's " + std::to_string(p.q_rows));

@@ -29,6 +29,10 @@ struct Problem {
   float scale;    // > 0
   bool causal;
   int variant;    // 0 base, 1 dqfirst, 2 l2order_dqfirst (attention_bwd_kernel.cuh)
+  // GQA head split (attention_bwd_kernel.cuh Globals::head_split): 1, or a divisor of heads / kv_heads; above 1,
+  // dkv_acc is float32 (2, batch, tk, kv_heads, head_dim) scratch, zeroed by launch(), converted into dk and dv.
+  int head_split = 1;
+  float* dkv_acc = nullptr;
 };
 
 // Loads and configures every backward kernel on the current device (see lcsc::configure).
@@ -37,7 +41,8 @@ cudaError_t configure();
 cudaError_t configure_once(int ordinal);
 // Multiprocessor count of GPU `ordinal` (cached), 0 if it could not be configured.
 int num_sms(int ordinal);
-// Zeroes dq_acc (unless dq_state is set) and launches the kernel on `stream`. Throws std::invalid_argument naming the argument
+// Zeroes dq_acc (unless dq_state is set) and dkv_acc (head_split > 1), launches the kernel on `stream`, and with a
+// head split converts dkv_acc into dk and dv. Throws std::invalid_argument naming the argument
 // for shapes/types it does not take, std::runtime_error for CUDA failures.
 void launch(const Problem& p, int compute_sms, cudaStream_t stream);
 

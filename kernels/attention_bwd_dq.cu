@@ -2,6 +2,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -74,10 +75,22 @@ cudaError_t launch_out(const DqConvert& c, cudaStream_t stream) {
   return c.head_dim == 64 ? launch_typed<Out, 64>(c, stream) : launch_typed<Out, 128>(c, stream);
 }
 
+// dk, dv = dkv_acc's two halves cast to Out, four elements per thread and step (count is a multiple of 64: D | it).
+template <typename Out>
+__global__ void __launch_bounds__(kThreads) dkv_convert_kernel(const float4* __restrict__ acc, Out* __restrict__ dk,
+                                                               Out* __restrict__ dv, size_t quads) {
+  for (size_t i = blockIdx.x * size_t(kThreads) + threadIdx.x; i < 2 * quads; i += size_t(gridDim.x) * kThreads) {
+    const float4 v = acc[i];
+    Out* out = i < quads ? dk + 4 * i : dv + 4 * (i - quads);
+    *reinterpret_cast<uint2*>(out) = make_uint2(pack2<Out>(v.x, v.y), pack2<Out>(v.z, v.w));
+  }
+}
+
 template <typename Out>
 cudaError_t load_out() {
   cudaFuncAttributes a;
   cudaError_t e = cudaFuncGetAttributes(&a, dq_convert_kernel<Out, 64>);
+  if (e == cudaSuccess && !std::is_same_v<Out, float>) e = cudaFuncGetAttributes(&a, dkv_convert_kernel<Out>);
   return e == cudaSuccess ? cudaFuncGetAttributes(&a, dq_convert_kernel<Out, 128>) : e;
 }
 
@@ -94,6 +107,21 @@ cudaError_t launch_dq_convert(const DqConvert& c, cudaStream_t stream) {
     case ElemType::kF16: return launch_out<__half>(c, stream);
     default: return launch_out<float>(c, stream);
   }
+}
+
+cudaError_t launch_dkv_convert(const float* dkv_acc, void* dk, void* dv, size_t count, ElemType type,
+                               cudaStream_t stream) {
+  if (dkv_acc == nullptr || dk == nullptr || dv == nullptr || count % 4 || type == ElemType::kF32)
+    return cudaErrorInvalidValue;
+  const size_t quads = count / 4;
+  const unsigned grid = unsigned(std::min<size_t>((2 * quads + kThreads - 1) / kThreads, 132 * 16));
+  const float4* acc = reinterpret_cast<const float4*>(dkv_acc);
+  if (type == ElemType::kBF16)
+    dkv_convert_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(acc, static_cast<__nv_bfloat16*>(dk),
+                                                                     static_cast<__nv_bfloat16*>(dv), quads);
+  else
+    dkv_convert_kernel<__half><<<grid, kThreads, 0, stream>>>(acc, static_cast<__half*>(dk), static_cast<__half*>(dv), quads);
+  return cudaGetLastError();
 }
 
 cudaError_t configure_dq_convert() {

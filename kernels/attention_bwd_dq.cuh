@@ -2,7 +2,7 @@
 // wgmma accumulator order -> (B, Tq, N, D) row-major, times scale, in bf16 / f16 / f32. One CTA per 64-row
 // block of a head: the block (64 x D floats, contiguous) is read coalesced into shared memory, then each row
 // leaves as one contiguous D-element run. XLA's fusion of the same 10-D transpose ran at ~0.3 TB/s
-// (3.8 ms per ring step at 4 GPUs, S 12288: docs/NOTES.md session 13).
+// (3.8 ms per ring step at 4 GPUs, S 12288: docs/NOTES.md session 13). Also the head split's dK / dV cast.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -22,6 +22,9 @@ struct DqConvert {
 
 // Launches the conversion on `stream` (after the backward kernel, same stream).
 cudaError_t launch_dq_convert(const DqConvert& c, cudaStream_t stream);
+// A head split's float32 dK / dV sums (dkv_acc: dK's `count` elements, then dV's) -> dk and dv in `type`.
+cudaError_t launch_dkv_convert(const float* dkv_acc, void* dk, void* dv, size_t count, ElemType type,
+                               cudaStream_t stream);
 // Loads its kernels on the current device (with the backward kernels, before any cross-GPU wait).
 cudaError_t configure_dq_convert();
 

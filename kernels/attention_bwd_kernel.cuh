@@ -63,6 +63,11 @@ struct Globals {
   int q_row0, dq_row0, dq_direct;
   void* dk;                   // (B, Tk, Nkv, D), the input dtype
   void* dv;
+  // Head split (GQA): each (batch, kv head, key block) is head_split tasks of group / head_split query heads each.
+  // With head_split > 1 the tasks add their dK (scaled) and dV partials into dkv_acc, float32 (2, B, Tk, Nkv, D)
+  // zeroed by the host (dK then dV), which the host converts into dk and dv after the kernel.
+  int head_split;
+  float* dkv_acc;
   const int* offsets;  // device int32[2]: q_offset, kv_offset
   int batch, tq, tk, heads, kv_heads, tq_pad;
   float scale, scale_log2;
@@ -94,10 +99,11 @@ struct Globals {
 struct Work {
   int n0, kv_head, batch;
   int q_offset, kv_offset;
-  int group;     // query heads per kv head
+  int head0;     // first query head of the task (kv_head * group + its share of the group)
+  int heads;     // query heads walked: group / head_split
   int m_begin;   // first query block any row of which sees a key of this block
   int m_count;   // query blocks visited per head (m_begin .. m_begin + m_count - 1)
-  int iters;     // group * m_count block pairs
+  int iters;     // heads * m_count block pairs
 };
 
 // Under a causal mask variant 2 claims its tasks at run time (lcsc's task counter), from the kernel's own counter
@@ -193,24 +199,30 @@ struct Kernel {
 
   __host__ __device__ static int kv_blocks(const Globals& g) { return (g.tk + BN - 1) / BN; }
   __host__ __device__ static int q_blocks(const Globals& g) { return (g.tq + BM - 1) / BM; }
-  __host__ __device__ static int num_tasks(const Globals& g) { return kv_blocks(g) * g.kv_heads * g.batch; }
+  __host__ __device__ static int num_tasks(const Globals& g) {
+    return kv_blocks(g) * g.kv_heads * g.batch * g.head_split;
+  }
 
   // Key blocks in ascending order: with a causal mask the first ones see the most query blocks, so
   // the heavy tasks start first and the persistent CTAs' last wave holds light ones.
+  // A unit is (batch, kv head, share of the group): unit = (batch * kv_heads + kv head) * head_split + share.
   __device__ static Work work_of(const Globals& g, int task) {
     Work w;
+    int unit;
     if constexpr (kKeyBlocksFastest) {
-      const int blocks = kv_blocks(g), pair = task / blocks;  // pair: batch * kv_heads + kv head
-      w.n0 = (task - pair * blocks) * BN;
-      w.kv_head = pair % g.kv_heads;
-      w.batch = pair / g.kv_heads;
+      const int blocks = kv_blocks(g);
+      unit = task / blocks;
+      w.n0 = (task - unit * blocks) * BN;
     } else {
-      const int per_block = g.kv_heads * g.batch;
+      const int per_block = g.kv_heads * g.batch * g.head_split;
+      unit = task % per_block;
       w.n0 = (task / per_block) * BN;
-      w.kv_head = (task % per_block) % g.kv_heads;
-      w.batch = (task % per_block) / g.kv_heads;
     }
-    w.group = g.heads / g.kv_heads;
+    const int pair = unit / g.head_split, group = g.heads / g.kv_heads;
+    w.kv_head = pair % g.kv_heads;
+    w.batch = pair / g.kv_heads;
+    w.heads = group / g.head_split;
+    w.head0 = w.kv_head * group + (unit - pair * g.head_split) * w.heads;
     w.q_offset = g.offsets[0];
     w.kv_offset = g.offsets[1];
     const int all = q_blocks(g);
@@ -222,7 +234,7 @@ struct Kernel {
       else if (q_min > 0) w.m_begin = int(q_min / BM);
     }
     w.m_count = all - w.m_begin;
-    w.iters = w.group * w.m_count;
+    w.iters = w.heads * w.m_count;
     return w;
   }
 
@@ -302,10 +314,9 @@ struct Kernel {
     load_boxes(s.k, &g.k, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
     load_boxes(s.v, &g.v, BN, w.kv_head, w.n0, w.batch, &s.kv_slot.full);
     st.kv_phase ^= 1;
-    const int head0 = w.kv_head * w.group;
     // Rolled loops and one row index for lse2 and delta: the producer warpgroup has 40 registers.
 #pragma unroll 1
-    for (int head = head0; head < head0 + w.group; ++head) {
+    for (int head = w.head0; head < w.head0 + w.heads; ++head) {
 #pragma unroll 1
       for (int m = w.m_begin; m < w.m_begin + w.m_count; ++m) {
         // tq_pad is a multiple of BM: rows row .. row + BM of lse2 / delta exist.
@@ -586,11 +597,15 @@ struct Kernel {
     }
   }
 
-  // dK (scaled) and dV rows straight from the accumulators to global memory (keys past Tk skipped).
+  // dK (scaled) and dV rows straight from the accumulators to global memory (keys past Tk skipped); with a head
+  // split, float2 reduce-adds of the task's partials into dkv_acc (a task that saw no query adds nothing).
   __device__ static void store_dkv(const Globals& g, const Work& w, int key_row, int lane, const float (&dk)[D / 2],
                                    const float (&dv)[D / 2]) {
+    const bool split = g.head_split > 1;
+    if (split && w.iters == 0) return;
     T* dk_out = static_cast<T*>(g.dk);
     T* dv_out = static_cast<T*>(g.dv);
+    const size_t dv_acc = size_t(g.batch) * g.tk * g.kv_heads * D;  // dV's offset in dkv_acc
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int key = w.n0 + key_row + 8 * h;
@@ -600,8 +615,13 @@ struct Kernel {
       for (int i = 0; i < D / 2; i += 2)
         if (row_half(i) == h) {
           const int col = col_of(i, lane);
-          *reinterpret_cast<uint32_t*>(dk_out + base + col) = pack2<T>(dk[i] * g.scale, dk[i + 1] * g.scale);
-          *reinterpret_cast<uint32_t*>(dv_out + base + col) = pack2<T>(dv[i], dv[i + 1]);
+          if (split) {
+            atomicAdd(reinterpret_cast<float2*>(g.dkv_acc + base + col), make_float2(dk[i] * g.scale, dk[i + 1] * g.scale));
+            atomicAdd(reinterpret_cast<float2*>(g.dkv_acc + dv_acc + base + col), make_float2(dv[i], dv[i + 1]));
+          } else {
+            *reinterpret_cast<uint32_t*>(dk_out + base + col) = pack2<T>(dk[i] * g.scale, dk[i + 1] * g.scale);
+            *reinterpret_cast<uint32_t*>(dv_out + base + col) = pack2<T>(dv[i], dv[i + 1]);
+          }
         }
     }
   }
@@ -610,8 +630,7 @@ struct Kernel {
   __device__ static void storer(const Globals& g, Shared& s, StorerState& st, int task) {
     const Work w = work_of(g, task);
     note(s.progress.storer_task, task);
-    const int head0 = w.kv_head * w.group;
-    for (int head = head0; head < head0 + w.group; ++head) {
+    for (int head = w.head0; head < w.head0 + w.heads; ++head) {
       float* block = g.dq_acc + row_index(g, w, head, w.m_begin) * D;
       for (int m = 0; m < w.m_count; ++m, block += BM * D) {
         for (int wg = 0; wg < WGS; ++wg) {

@@ -38,7 +38,7 @@ from jax._src import config, core, dispatch
 from jax.interpreters import batching, mlir
 
 from pk_jax import _ext, sdpa
-from pk_jax._env import choice_setting
+from pk_jax._env import choice_setting, int_setting
 from pk_jax.context.block_attention import block_attention, block_attention_bwd
 
 KERNEL_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -103,6 +103,9 @@ FWD_W3_CAUSAL_MIN_KEYS = 4096
 BWD_VARIANT_VAR = "PK_JAX_ATTENTION_BWD_VARIANT"
 BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst", "w3")  # index = the bwd handler's `variant` attribute
 DEFAULT_BWD_VARIANT = "l2order_dqfirst"
+# GQA head split (kernels/attention_bwd_kernel.cuh Globals::head_split): a backward task walks group / split of its kv
+# head's query heads, and the split tasks' dK / dV partials are summed in float32 scratch, then cast (see bwd_head_split).
+BWD_HEAD_SPLIT_VAR = "PK_JAX_ATTENTION_BWD_HEAD_SPLIT"
 DQ_CONVERT_VAR = "PK_JAX_ATTENTION_DQ_CONVERT"  # "kernel" (default) or "xla": see dq_convert()
 DQ_CONVERTS = ("kernel", "xla")
 
@@ -188,6 +191,15 @@ def bwd_variant(tk: int | None = None, head_dim: int | None = None, causal: bool
     lowered; unset or empty: default_bwd_variant for a call over tk keys, DEFAULT_BWD_VARIANT when tk is not given)."""
     default = DEFAULT_BWD_VARIANT if tk is None else default_bwd_variant(tk, head_dim, causal)
     return choice_setting(BWD_VARIANT_VAR, default, BWD_VARIANTS, owner="pk_jax.attention")
+
+
+def bwd_head_split(heads: int, kv_heads: int, causal: bool) -> int:
+    """How many backward tasks share one kv head's query heads ($PK_JAX_ATTENTION_BWD_HEAD_SPLIT, read when a program
+    is lowered: the largest count dividing both it and heads / kv_heads; unset or empty: 1, one task walks all of
+    them). Above 1, dK and dV are float32 sums of the tasks' partials: with more than two, their bits may differ
+    between runs (adds in run-dependent order; two adds onto zero commute)."""
+    split = int_setting(BWD_HEAD_SPLIT_VAR, 1, minimum=1, owner="pk_jax.attention", what="a count of tasks per kv head")
+    return math.gcd(split, heads // kv_heads)
 
 
 def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
@@ -296,8 +308,11 @@ def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reser
             tq=np.int64(lse.shape[-1] if in_place else 0), q_row0=np.int64(row_start if in_place else 0),
             direct=np.int32(in_place), **attrs)
         return dq, dk, dv
-    dq, dk, dv, dq_acc = jax.ffi.ffi_call("pk_attention_bwd", (jax.ShapeDtypeStruct(q.shape, dq_dtype), *grads))(
-        q, k, v, dout, lse2, delta, offsets, convert_dq=np.int32(in_kernel), **attrs)
+    split = bwd_head_split(n, k.shape[2], bool(causal))
+    dkv_scratch = jax.ShapeDtypeStruct((2, *k.shape) if split > 1 else (1,), jnp.float32)
+    dq, dk, dv, dq_acc, _ = jax.ffi.ffi_call("pk_attention_bwd", (jax.ShapeDtypeStruct(q.shape, dq_dtype), *grads,
+                                                                  dkv_scratch))(
+        q, k, v, dout, lse2, delta, offsets, convert_dq=np.int32(in_kernel), head_split=np.int32(split), **attrs)
     if not in_kernel:
         dq = dq_from_chunks(dq_acc, tq, scale).astype(dq_dtype)
     if dq_into is not None:  # the A/B baseline of the conversion: XLA converts, XLA adds

@@ -202,6 +202,23 @@ def test_bwd_variant_var_and_bench_selection(monkeypatch):
     assert len({_label(n) for n in ["bwd_dqfirst", "bwd_l2order_dqfirst", "l2order", "fa3n160", "fa3n176"]}) == 5
 
 
+def test_bwd_head_split_var(monkeypatch):
+    """$PK_JAX_ATTENTION_BWD_HEAD_SPLIT: tasks per kv head's query heads, cut to a divisor of the group (gcd), so one
+    setting serves GQA and plain rows alike; unset: 1; not a positive integer: ValueError naming the variable."""
+    from pk_jax.attention import BWD_HEAD_SPLIT_VAR, bwd_head_split
+
+    monkeypatch.delenv(BWD_HEAD_SPLIT_VAR, raising=False)
+    assert bwd_head_split(16, 2, True) == 1
+    monkeypatch.setenv(BWD_HEAD_SPLIT_VAR, "8")
+    assert [bwd_head_split(n, kv, True) for n, kv in [(16, 2), (16, 16), (8, 2), (12, 2)]] == [8, 1, 4, 2]
+    monkeypatch.setenv(BWD_HEAD_SPLIT_VAR, "2")
+    assert bwd_head_split(16, 2, False) == 2 and bwd_head_split(16, 16, False) == 1
+    for bad in ("0", "two"):
+        monkeypatch.setenv(BWD_HEAD_SPLIT_VAR, bad)
+        with pytest.raises(ValueError, match=BWD_HEAD_SPLIT_VAR):
+            bwd_head_split(16, 2, True)
+
+
 @pytest.mark.parametrize("tk,d,causal,want", [(4096, 64, True, "w3"), (16384, 64, False, "w3"), (4096, 64, False, None),
                                              (2048, 64, True, None), (16384, 128, True, None), (65536, 128, False, None)])
 def test_default_bwd_variant_by_shape(tk, d, causal, want, monkeypatch):
