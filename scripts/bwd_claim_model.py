@@ -7,7 +7,8 @@ or per-pair fixed cost, every pair alike) and prints each order's makespan over 
 perfect balance):
   pairs  every pair's key blocks in turn, heaviest first (main's order: Kernel::work_of, variants >= 2);
   auto   the last ceil(4 x CTAs / key blocks) pairs key block slowest (branch bwdtail's tail_pairs rule);
-  all    every pair key block slowest (one heaviest-first list; the least L2 sharing of Q / dO and dQ rows).
+  all    every pair key block slowest (one heaviest-first list; the least L2 sharing of Q / dO and dQ rows);
+  head split 2 / group: pair order with each pair's query heads over 2 or `group` units (branch bwdsplit).
 The model leaves out L2, and L2 decided it: measured on one H100 (session 42, docs/design-attention.md "the claim
 order's tail"), auto lost 5-24 % on the causal GQA rows and all lost on every row, where the model promised up to
 14 %. Use it for the balance side of an order, beside a measurement of what the order does to L2.
@@ -35,16 +36,19 @@ def claim_order(pairs: int, key_blocks: int, tail: int) -> list[tuple[int, int]]
 
 
 def makespan_ratio(batch: int, seq: int, heads: int, kv_heads: int, block_keys: int, ctas: int, tail: int,
-                   block_queries: int = 64) -> float:
-    """Makespan / mean work per CTA for a causal self-attention backward (Tq = Tk = seq, no offsets)."""
+                   block_queries: int = 64, split: int = 1) -> float:
+    """Makespan / mean work per CTA for a causal self-attention backward (Tq = Tk = seq, no offsets). split: the
+    head split (branch bwdsplit, Globals::head_split): each pair is `split` units of group / split query heads, in
+    turn, each unit's key blocks fastest (tail 0 only)."""
     key_blocks, query_blocks, group = -(-seq // block_keys), -(-seq // block_queries), heads // kv_heads
     pairs = batch * kv_heads
     work = [group * (query_blocks - (b * block_keys) // block_queries) for b in range(key_blocks)]
-    free = [(0, i) for i in range(min(ctas, pairs * key_blocks))]
+    units = pairs * split
+    free = [(0, i) for i in range(min(ctas, units * key_blocks))]
     end = 0
-    for _, b in claim_order(pairs, key_blocks, min(tail, pairs)):
+    for _, b in claim_order(units, key_blocks, min(tail, units)):
         t, i = heapq.heappop(free)
-        t += work[b]
+        t += work[b] / split
         end = max(end, t)
         heapq.heappush(free, (t, i))
     return end / (pairs * sum(work) / len(free))
@@ -54,8 +58,11 @@ def row(batch: int, seq: int, heads: int, kv_heads: int, block_keys: int, ctas: 
     pairs, key_blocks = batch * kv_heads, -(-seq // block_keys)
     auto = tail_pairs_auto(pairs, key_blocks, ctas)
     ratios = [makespan_ratio(batch, seq, heads, kv_heads, block_keys, ctas, t) for t in (0, auto, pairs)]
+    splits = [makespan_ratio(batch, seq, heads, kv_heads, block_keys, ctas, 0, split=math.gcd(s, heads // kv_heads))
+              for s in (2, heads // kv_heads)]
     return (f"B{batch:<3} S{seq:<6} N{heads:<3} KV{kv_heads:<3} keys/block {block_keys:<4} pairs {pairs:<5} "
-            f"tail {auto:<4} pair order {ratios[0]:.4f}  auto {ratios[1]:.4f}  all {ratios[2]:.4f}")
+            f"tail {auto:<4} pair order {ratios[0]:.4f}  auto {ratios[1]:.4f}  all {ratios[2]:.4f}  "
+            f"head split 2 {splits[0]:.4f}  group {splits[1]:.4f}")
 
 
 def main() -> None:

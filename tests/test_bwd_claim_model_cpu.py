@@ -26,3 +26,13 @@ def test_makespan_of_pair_order_and_heaviest_first():
     # Four pairs of tasks of 4 and 2 block pairs split evenly over two CTAs.
     assert m.makespan_ratio(1, 256, 4, 4, 128, 2, tail=0) == pytest.approx(1.0)
     assert m.tail_pairs_auto(32, 32, 132) == 17
+
+
+def test_head_split_shortens_the_tail():
+    # Each pair's 8 query heads over 2 or 8 units: the last heavy tasks 2x / 8x shorter; one head per unit balances as
+    # the same shape without GQA (B16 S 4096 N16: 1.0176).
+    assert m.makespan_ratio(16, 4096, 16, 2, 128, 132, tail=0, split=1) == pytest.approx(1.1406, abs=1e-4)
+    assert m.makespan_ratio(16, 4096, 16, 2, 128, 132, tail=0, split=2) == pytest.approx(1.0703, abs=1e-4)
+    assert m.makespan_ratio(16, 4096, 16, 2, 128, 132, tail=0, split=8) == pytest.approx(
+        m.makespan_ratio(16, 4096, 16, 16, 128, 132, tail=0), abs=1e-4)
+
