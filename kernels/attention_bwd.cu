@@ -1,5 +1,6 @@
 // Instantiations of the attention backward kernel: bf16 / f16 x head_dim 64 / 128 x variant (base, dqfirst,
-// l2order_dqfirst, w3: attention_bwd_kernel.cuh), each with its DEBUG build.
+// l2order_dqfirst, w3: attention_bwd_kernel.cuh), each with its DEBUG build; l2order_dqfirst and w3 also with the
+// GQA head split (SPLIT).
 #include "attention_bwd.cuh"
 
 #include <cstdlib>
@@ -29,8 +30,8 @@ constexpr int stages_for() {
 }
 
 // DEBUG: the variant whose mbarrier waits time out, report and trap (attention_bwd_kernel.cuh).
-template <typename T, int D, bool DEBUG = false, int VARIANT = 0>
-using KernelOf = Kernel<T, D, stages_for<D, VARIANT>(), DEBUG, VARIANT>;
+template <typename T, int D, bool DEBUG = false, int VARIANT = 0, bool SPLIT = false>
+using KernelOf = Kernel<T, D, stages_for<D, VARIANT>(), DEBUG, VARIANT, SPLIT>;
 
 // The debug variant's wait limit in ns when $PK_JAX_ATTENTION_BWD_DEBUG is set to anything but "" or "0"
 // ($PK_JAX_ATTENTION_BWD_TIMEOUT_MS, default 2000), else 0: the default kernel. Read at every launch.
@@ -45,9 +46,9 @@ unsigned long long debug_timeout_ns() {
   return ms * 1000000ull;
 }
 
-template <typename T, int D, bool DEBUG, int VARIANT>
+template <typename T, int D, bool DEBUG, int VARIANT, bool SPLIT>
 void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long long timeout_ns) {
-  using K = KernelOf<T, D, DEBUG, VARIANT>;
+  using K = KernelOf<T, D, DEBUG, VARIANT, SPLIT>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two Q/dO stages");
   Globals g{};
@@ -90,11 +91,11 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long l
   }
 }
 
-template <typename T, int D, int VARIANT>
+template <typename T, int D, int VARIANT, bool SPLIT = false>
 void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
   const unsigned long long timeout_ns = debug_timeout_ns();
-  if (timeout_ns) run<T, D, true, VARIANT>(p, compute_sms, stream, timeout_ns);
-  else run<T, D, false, VARIANT>(p, compute_sms, stream, 0);
+  if (timeout_ns) run<T, D, true, VARIANT, SPLIT>(p, compute_sms, stream, timeout_ns);
+  else run<T, D, false, VARIANT, SPLIT>(p, compute_sms, stream, 0);
 }
 
 template <typename T, int D>
@@ -102,19 +103,21 @@ void run(const Problem& p, int compute_sms, cudaStream_t stream) {
   switch (p.variant) {
     case 0: run_variant<T, D, 0>(p, compute_sms, stream); return;
     case 1: run_variant<T, D, 1>(p, compute_sms, stream); return;
-    case 2: run_variant<T, D, 2>(p, compute_sms, stream); return;
-    case 3: run_variant<T, D, 3>(p, compute_sms, stream); return;
+    case 2: return p.head_split > 1 ? run_variant<T, D, 2, true>(p, compute_sms, stream)
+                                    : run_variant<T, D, 2>(p, compute_sms, stream);
+    case 3: return p.head_split > 1 ? run_variant<T, D, 3, true>(p, compute_sms, stream)
+                                    : run_variant<T, D, 3>(p, compute_sms, stream);
     default:
       throw std::invalid_argument("pk_jax attention backward: variant " + std::to_string(p.variant) + " is not 0..3");
   }
 }
 
-template <typename T, int VARIANT>
+template <typename T, int VARIANT, bool SPLIT = false>
 cudaError_t configure_variant() {
-  cudaError_t e = lcsc::configure<KernelOf<T, 64, false, VARIANT>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 128, false, VARIANT>>();
-  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 64, true, VARIANT>>();
-  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128, true, VARIANT>>() : e;
+  cudaError_t e = lcsc::configure<KernelOf<T, 64, false, VARIANT, SPLIT>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 128, false, VARIANT, SPLIT>>();
+  if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, 64, true, VARIANT, SPLIT>>();
+  return e == cudaSuccess ? lcsc::configure<KernelOf<T, 128, true, VARIANT, SPLIT>>() : e;
 }
 
 template <typename T>
@@ -122,7 +125,9 @@ cudaError_t configure_type() {
   cudaError_t e = configure_variant<T, 0>();
   if (e == cudaSuccess) e = configure_variant<T, 1>();
   if (e == cudaSuccess) e = configure_variant<T, 2>();
-  return e == cudaSuccess ? configure_variant<T, 3>() : e;
+  if (e == cudaSuccess) e = configure_variant<T, 3>();
+  if (e == cudaSuccess) e = configure_variant<T, 2, true>();
+  return e == cudaSuccess ? configure_variant<T, 3, true>() : e;
 }
 
 }  // namespace
@@ -147,10 +152,10 @@ void launch(const Problem& p, int compute_sms, cudaStream_t stream) {
       p.dk == nullptr || p.dv == nullptr)
     throw std::invalid_argument("pk_jax attention backward: a buffer is missing");
   const int group = p.heads / p.kv_heads;
-  if (p.head_split < 1 || group % p.head_split != 0 || (p.head_split > 1 && p.dkv_acc == nullptr))
+  if (p.head_split < 1 || group % p.head_split != 0 || (p.head_split > 1 && (p.dkv_acc == nullptr || p.variant < 2)))
     throw std::invalid_argument("pk_jax attention backward: head_split " + std::to_string(p.head_split) +
                                 " must divide heads / kv_heads (" + std::to_string(group) +
-                                "), with dkv_acc scratch when above 1");
+                                "); above 1 it needs dkv_acc scratch and variant 2 or 3");
   if (p.q_rows < 0 || p.q_row0 < 0 || (p.q_rows > 0 ? p.q_rows : p.tq) < p.q_row0 + p.tq)
     throw std::invalid_argument("pk_jax attention backward: query rows [" + std::to_string(p.q_row0) + ", " +
                                 std::to_string(p.q_row0 + p.tq) + ") are not within q's " + std::to_string(p.q_rows));

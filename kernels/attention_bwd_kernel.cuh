@@ -21,7 +21,8 @@
 // float32 buffer with a TMA bulk reduce-add (cp.reduce.async.bulk .add.f32). The buffer, zeroed by
 // the host before the launch, is (B, N, tq_pad, D) in that chunk order; pk_jax/attention.py
 // un-permutes it, scales it and casts it (one XLA fusion). The adds from different CTAs land in a
-// run-dependent order: dQ's bits may differ between runs (dK and dV are deterministic).
+// run-dependent order: dQ's bits may differ between runs (dK and dV are deterministic, but with a head split
+// of more than two tasks per kv head: Globals::head_split).
 //   D = 128: warpgroup w computes dQ columns [64w, 64w + 64) over all 128 keys, so it reads both
 //            warpgroups' dS: a 256-thread named barrier per block pair publishes it.
 //   D = 64:  warpgroup w computes all 64 columns over its own 64 keys (its own dS only; a 128-thread
@@ -119,13 +120,18 @@ struct Work {
 // role, barrier, stage and parity it waited on and every role's progress, then traps, so a hang
 // becomes a launch failure that names the barrier (host: PK_JAX_ATTENTION_BWD_DEBUG=1). The default
 // variant's waits are tma::mbar_wait, unchanged.
-template <typename T, int D_, int STAGES_, bool DEBUG_ = false, int VARIANT_ = 0>
+// SPLIT_: the kernel honours Globals::head_split (variants 2 and 3 only); without it head_split is taken as 1 and the
+// code is the unsplit kernel's (the split's extra task arithmetic and dK / dV adds cost D 64 l2order_dqfirst 6 % when
+// compiled into every kernel: one H100, session 43).
+template <typename T, int D_, int STAGES_, bool DEBUG_ = false, int VARIANT_ = 0, bool SPLIT_ = false>
 struct Kernel {
   using Globals = attention_bwd::Globals;
   struct CommShared {};
   static constexpr int D = D_, STAGES = STAGES_;
   static constexpr bool DEBUG = DEBUG_;
   static constexpr int VARIANT = VARIANT_;
+  static constexpr bool kHeadSplit = SPLIT_;
+  static_assert(!SPLIT_ || VARIANT_ >= 2, "the head split: variants 2 and 3");
   static_assert(VARIANT >= 0 && VARIANT <= 3, "backward variant 0..3");
   static constexpr bool kDqFirst = VARIANT >= 1;           // dQ before dK, its chunk stored under dK
   static constexpr bool kKeyBlocksFastest = VARIANT >= 2;  // l2order: FA3's task order
@@ -199,8 +205,9 @@ struct Kernel {
 
   __host__ __device__ static int kv_blocks(const Globals& g) { return (g.tk + BN - 1) / BN; }
   __host__ __device__ static int q_blocks(const Globals& g) { return (g.tq + BM - 1) / BM; }
+  __host__ __device__ static int head_split(const Globals& g) { return kHeadSplit ? g.head_split : 1; }
   __host__ __device__ static int num_tasks(const Globals& g) {
-    return kv_blocks(g) * g.kv_heads * g.batch * g.head_split;
+    return kv_blocks(g) * g.kv_heads * g.batch * head_split(g);
   }
 
   // Key blocks in ascending order: with a causal mask the first ones see the most query blocks, so
@@ -208,21 +215,23 @@ struct Kernel {
   // A unit is (batch, kv head, share of the group): unit = (batch * kv_heads + kv head) * head_split + share.
   __device__ static Work work_of(const Globals& g, int task) {
     Work w;
-    int unit;
+    const int group = g.heads / g.kv_heads;
     if constexpr (kKeyBlocksFastest) {
-      const int blocks = kv_blocks(g);
-      unit = task / blocks;
+      const int blocks = kv_blocks(g), unit = task / blocks;
       w.n0 = (task - unit * blocks) * BN;
+      const int pair = kHeadSplit ? unit / g.head_split : unit;  // pair: batch * kv_heads + kv head
+      w.kv_head = pair % g.kv_heads;
+      w.batch = pair / g.kv_heads;
+      w.heads = kHeadSplit ? group / g.head_split : group;
+      w.head0 = w.kv_head * group + (kHeadSplit ? (unit - pair * g.head_split) * w.heads : 0);
     } else {
-      const int per_block = g.kv_heads * g.batch * g.head_split;
-      unit = task % per_block;
+      const int per_block = g.kv_heads * g.batch;
       w.n0 = (task / per_block) * BN;
+      w.kv_head = (task % per_block) % g.kv_heads;
+      w.batch = (task % per_block) / g.kv_heads;
+      w.heads = group;
+      w.head0 = w.kv_head * group;
     }
-    const int pair = unit / g.head_split, group = g.heads / g.kv_heads;
-    w.kv_head = pair % g.kv_heads;
-    w.batch = pair / g.kv_heads;
-    w.heads = group / g.head_split;
-    w.head0 = w.kv_head * group + (unit - pair * g.head_split) * w.heads;
     w.q_offset = g.offsets[0];
     w.kv_offset = g.offsets[1];
     const int all = q_blocks(g);
@@ -601,7 +610,7 @@ struct Kernel {
   // split, float2 reduce-adds of the task's partials into dkv_acc (a task that saw no query adds nothing).
   __device__ static void store_dkv(const Globals& g, const Work& w, int key_row, int lane, const float (&dk)[D / 2],
                                    const float (&dv)[D / 2]) {
-    const bool split = g.head_split > 1;
+    const bool split = kHeadSplit && g.head_split > 1;
     if (split && w.iters == 0) return;
     T* dk_out = static_cast<T*>(g.dk);
     T* dv_out = static_cast<T*>(g.dv);
@@ -615,7 +624,7 @@ struct Kernel {
       for (int i = 0; i < D / 2; i += 2)
         if (row_half(i) == h) {
           const int col = col_of(i, lane);
-          if (split) {
+          if (kHeadSplit && split) {
             atomicAdd(reinterpret_cast<float2*>(g.dkv_acc + base + col), make_float2(dk[i] * g.scale, dk[i + 1] * g.scale));
             atomicAdd(reinterpret_cast<float2*>(g.dkv_acc + dv_acc + base + col), make_float2(dv[i], dv[i + 1]));
           } else {

@@ -105,7 +105,13 @@ BWD_VARIANTS = ("base", "dqfirst", "l2order_dqfirst", "w3")  # index = the bwd h
 DEFAULT_BWD_VARIANT = "l2order_dqfirst"
 # GQA head split (kernels/attention_bwd_kernel.cuh Globals::head_split): a backward task walks group / split of its kv
 # head's query heads, and the split tasks' dK / dV partials are summed in float32 scratch, then cast (see bwd_head_split).
+# One H100 (session 43, one build, two turns, fwd+bwd x cuDNN; docs/design-attention.md "the GQA head split"): causal GQA
+# 8:1 split 2 / 8 against 1: D 128 S 4096 1.00 / 0.98 against 0.95, S 16384 1.02 / 1.01 against 0.99, D 64 S 4096 0.98 /
+# 0.97 against 0.96, S 16384 0.99 / 0.99 against 0.98; non-causal GQA loses (D 128 S 4096 1.00 / 0.98 against 1.04).
+# So causal calls take 2 (deterministic: two adds onto zero commute), the rest 1.
 BWD_HEAD_SPLIT_VAR = "PK_JAX_ATTENTION_BWD_HEAD_SPLIT"
+BWD_HEAD_SPLIT_CAUSAL = 2
+BWD_HEAD_SPLIT_VARIANTS = ("l2order_dqfirst", "w3")  # the variants built with the split
 DQ_CONVERT_VAR = "PK_JAX_ATTENTION_DQ_CONVERT"  # "kernel" (default) or "xla": see dq_convert()
 DQ_CONVERTS = ("kernel", "xla")
 
@@ -193,13 +199,17 @@ def bwd_variant(tk: int | None = None, head_dim: int | None = None, causal: bool
     return choice_setting(BWD_VARIANT_VAR, default, BWD_VARIANTS, owner="pk_jax.attention")
 
 
-def bwd_head_split(heads: int, kv_heads: int, causal: bool) -> int:
-    """How many backward tasks share one kv head's query heads ($PK_JAX_ATTENTION_BWD_HEAD_SPLIT, read when a program
-    is lowered: the largest count dividing both it and heads / kv_heads; unset or empty: 1, one task walks all of
-    them). Above 1, dK and dV are float32 sums of the tasks' partials: with more than two, their bits may differ
-    between runs (adds in run-dependent order; two adds onto zero commute)."""
-    split = int_setting(BWD_HEAD_SPLIT_VAR, 1, minimum=1, owner="pk_jax.attention", what="a count of tasks per kv head")
-    return math.gcd(split, heads // kv_heads)
+def bwd_head_split(heads: int, kv_heads: int, causal: bool, variant: str = DEFAULT_BWD_VARIANT) -> int:
+    """How many backward tasks share one kv head's query heads: $PK_JAX_ATTENTION_BWD_HEAD_SPLIT, read when a program
+    is lowered, cut to the largest count dividing both it and heads / kv_heads; unset or empty: BWD_HEAD_SPLIT_CAUSAL
+    under a causal mask (where it divides the group), else 1. Only the variants in BWD_HEAD_SPLIT_VARIANTS split
+    (others: 1). Above 1, dK and dV are float32 sums of the tasks' partials: with more than two tasks their bits may
+    differ between runs (adds in run-dependent order; two adds onto zero commute)."""
+    group = heads // kv_heads
+    default = BWD_HEAD_SPLIT_CAUSAL if causal and group % BWD_HEAD_SPLIT_CAUSAL == 0 else 1
+    split = int_setting(BWD_HEAD_SPLIT_VAR, default, minimum=1, owner="pk_jax.attention",
+                        what="a count of tasks per kv head")
+    return math.gcd(split, group) if variant in BWD_HEAD_SPLIT_VARIANTS else 1
 
 
 def _cuda_lowering(ctx, q, k, v, offsets, *, scale, causal, with_lse, reserve_sms=0):
@@ -299,8 +309,9 @@ def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reser
     scratch = (1,) if in_place else (b, n, lse2.shape[-1], d)  # the kernel's dq_acc (unused in place)
     grads = (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype),
              jax.ShapeDtypeStruct(scratch, jnp.float32))
+    variant = bwd_variant(k.shape[1], d, bool(causal))
     attrs = dict(scale=np.float32(scale), causal=np.int32(causal), reserve_sms=np.int32(reserve_sms),
-                 variant=np.int32(BWD_VARIANTS.index(bwd_variant(k.shape[1], d, bool(causal)))))
+                 variant=np.int32(BWD_VARIANTS.index(variant)))
     if dq_into is not None and (in_kernel or in_place):
         dq, dk, dv, _ = jax.ffi.ffi_call("pk_attention_bwd_accumulate", (jax.ShapeDtypeStruct(dq_into.shape, jnp.float32),
                                                                          *grads), input_output_aliases={7: 0})(
@@ -308,7 +319,7 @@ def _kernel_bwd_call(q, k, v, dout, lse, delta, offsets, *, scale, causal, reser
             tq=np.int64(lse.shape[-1] if in_place else 0), q_row0=np.int64(row_start if in_place else 0),
             direct=np.int32(in_place), **attrs)
         return dq, dk, dv
-    split = bwd_head_split(n, k.shape[2], bool(causal))
+    split = bwd_head_split(n, k.shape[2], bool(causal), variant)
     dkv_scratch = jax.ShapeDtypeStruct((2, *k.shape) if split > 1 else (1,), jnp.float32)
     dq, dk, dv, dq_acc, _ = jax.ffi.ffi_call("pk_attention_bwd", (jax.ShapeDtypeStruct(q.shape, dq_dtype), *grads,
                                                                   dkv_scratch))(

@@ -150,6 +150,7 @@ def test_bwd_variant_matches_reference_and_base_bits(case, dtype, variant, monke
     b, tq, n, tk, kh, d, causal, qo, ko = case
     inputs = _variant_inputs(case, dtype)
     q, k, v, w_out, w_lse = inputs
+    monkeypatch.setenv(BWD_HEAD_SPLIT_VAR, "1")  # base and dqfirst have no head split: compare the orders alone
     monkeypatch.setenv(BWD_VARIANT_VAR, variant)
     poison_allocator(8 * (q.size + k.size) * 2)
     got = _grads(case, dtype, inputs)
@@ -172,7 +173,7 @@ def test_bwd_variant_matches_reference_and_base_bits(case, dtype, variant, monke
 HEAD_SPLIT_CASES = [CASES[3], CASES[4], CASES[5], CASES[10], CASES[13], CASES[15]]
 
 
-@pytest.mark.parametrize("variant", ["base", DEFAULT_BWD_VARIANT, "w3"])
+@pytest.mark.parametrize("variant", [DEFAULT_BWD_VARIANT, "w3"])
 @pytest.mark.parametrize("split", [2, 8])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("case", HEAD_SPLIT_CASES, ids=[_ids(c) for c in HEAD_SPLIT_CASES])
