@@ -108,9 +108,11 @@ DEFAULT_BWD_VARIANT = "l2order_dqfirst"
 # One H100 (session 43, one build, two turns, fwd+bwd x cuDNN; docs/design-attention.md "the GQA head split"): causal GQA
 # 8:1 split 2 / 8 against 1: D 128 S 4096 1.00 / 0.98 against 0.95, S 16384 1.02 / 1.01 against 0.99, D 64 S 4096 0.98 /
 # 0.97 against 0.96, S 16384 0.99 / 0.99 against 0.98; non-causal GQA loses (D 128 S 4096 1.00 / 0.98 against 1.04).
-# So causal calls take 2 (deterministic: two adds onto zero commute), the rest 1.
+# So causal calls take 2 (deterministic: two adds onto zero commute), the rest 1, but for w3 (D 64's variant without a
+# mask from Tk 16384): there split 2 ran 0.7 % and 1.6 % faster than 1 at D 64 S 16384 GQA (sessions 43 and 44, H100).
 BWD_HEAD_SPLIT_VAR = "PK_JAX_ATTENTION_BWD_HEAD_SPLIT"
 BWD_HEAD_SPLIT_CAUSAL = 2
+BWD_HEAD_SPLIT_ALWAYS_VARIANTS = ("w3",)  # variants that take BWD_HEAD_SPLIT_CAUSAL's split without a mask too
 BWD_HEAD_SPLIT_VARIANTS = ("l2order_dqfirst", "w3")  # the variants built with the split
 DQ_CONVERT_VAR = "PK_JAX_ATTENTION_DQ_CONVERT"  # "kernel" (default) or "xla": see dq_convert()
 DQ_CONVERTS = ("kernel", "xla")
@@ -202,11 +204,13 @@ def bwd_variant(tk: int | None = None, head_dim: int | None = None, causal: bool
 def bwd_head_split(heads: int, kv_heads: int, causal: bool, variant: str = DEFAULT_BWD_VARIANT) -> int:
     """How many backward tasks share one kv head's query heads: $PK_JAX_ATTENTION_BWD_HEAD_SPLIT, read when a program
     is lowered, cut to the largest count dividing both it and heads / kv_heads; unset or empty: BWD_HEAD_SPLIT_CAUSAL
-    under a causal mask (where it divides the group), else 1. Only the variants in BWD_HEAD_SPLIT_VARIANTS split
+    under a causal mask or in the BWD_HEAD_SPLIT_ALWAYS_VARIANTS (where it divides the group), else 1. Only the
+    variants in BWD_HEAD_SPLIT_VARIANTS split
     (others: 1). Above 1, dK and dV are float32 sums of the tasks' partials: with more than two tasks their bits may
     differ between runs (adds in run-dependent order; two adds onto zero commute)."""
     group = heads // kv_heads
-    default = BWD_HEAD_SPLIT_CAUSAL if causal and group % BWD_HEAD_SPLIT_CAUSAL == 0 else 1
+    wants_split = causal or variant in BWD_HEAD_SPLIT_ALWAYS_VARIANTS
+    default = BWD_HEAD_SPLIT_CAUSAL if wants_split and group % BWD_HEAD_SPLIT_CAUSAL == 0 else 1
     split = int_setting(BWD_HEAD_SPLIT_VAR, default, minimum=1, owner="pk_jax.attention",
                         what="a count of tasks per kv head")
     return math.gcd(split, group) if variant in BWD_HEAD_SPLIT_VARIANTS else 1

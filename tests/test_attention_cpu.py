@@ -204,8 +204,8 @@ def test_bwd_variant_var_and_bench_selection(monkeypatch):
 
 def test_bwd_head_split_var(monkeypatch):
     """$PK_JAX_ATTENTION_BWD_HEAD_SPLIT: tasks per kv head's query heads, cut to a divisor of the group (gcd), so one
-    setting serves GQA and plain rows alike; unset: BWD_HEAD_SPLIT_CAUSAL (2) under a causal mask, else 1; variants
-    without the split (base, dqfirst): 1; not a positive integer: ValueError naming the variable."""
+    setting serves GQA and plain rows alike; unset: BWD_HEAD_SPLIT_CAUSAL (2) under a causal mask or for w3, else 1;
+    variants without the split (base, dqfirst): 1; not a positive integer: ValueError naming the variable."""
     from pk_jax.attention import BWD_HEAD_SPLIT_CAUSAL, BWD_HEAD_SPLIT_VAR, bwd_head_split
 
     monkeypatch.delenv(BWD_HEAD_SPLIT_VAR, raising=False)
@@ -213,6 +213,7 @@ def test_bwd_head_split_var(monkeypatch):
     assert [bwd_head_split(16, 2, True), bwd_head_split(16, 2, False), bwd_head_split(16, 16, True)] == [2, 1, 1]
     assert bwd_head_split(12, 4, True) == 1 and bwd_head_split(16, 2, True, "w3") == 2  # group 3: no even split
     assert bwd_head_split(16, 2, True, "base") == bwd_head_split(16, 2, True, "dqfirst") == 1
+    assert bwd_head_split(16, 2, False, "w3") == 2 and bwd_head_split(16, 16, False, "w3") == 1  # w3: any mask
     monkeypatch.setenv(BWD_HEAD_SPLIT_VAR, "8")
     assert [bwd_head_split(n, kv, True) for n, kv in [(16, 2), (16, 16), (8, 2), (12, 2)]] == [8, 1, 4, 2]
     monkeypatch.setenv(BWD_HEAD_SPLIT_VAR, "2")
