@@ -205,9 +205,9 @@ def bwd_head_split(heads: int, kv_heads: int, causal: bool, variant: str = DEFAU
     """How many backward tasks share one kv head's query heads: $PK_JAX_ATTENTION_BWD_HEAD_SPLIT, read when a program
     is lowered, cut to the largest count dividing both it and heads / kv_heads; unset or empty: BWD_HEAD_SPLIT_CAUSAL
     under a causal mask or in the BWD_HEAD_SPLIT_ALWAYS_VARIANTS (where it divides the group), else 1. Only the
-    variants in BWD_HEAD_SPLIT_VARIANTS split
-    (others: 1). Above 1, dK and dV are float32 sums of the tasks' partials: with more than two tasks their bits may
-    differ between runs (adds in run-dependent order; two adds onto zero commute)."""
+    variants in BWD_HEAD_SPLIT_VARIANTS split (others: 1). Above 1, dK and dV are float32 sums of the tasks' partials:
+    with more than two tasks their bits may differ between runs (adds in run-dependent order; two adds onto zero
+    commute)."""
     group = heads // kv_heads
     wants_split = causal or variant in BWD_HEAD_SPLIT_ALWAYS_VARIANTS
     default = BWD_HEAD_SPLIT_CAUSAL if wants_split and group % BWD_HEAD_SPLIT_CAUSAL == 0 else 1
