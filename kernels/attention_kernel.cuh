@@ -33,6 +33,8 @@
 //               block's fixed costs (turn barriers, waits, releases, the row max / sum shuffles, the O
 //               rescale) are spread over 25% more MMA work. Same protocol as fa3 (only BKV differs); the
 //               key-length tail and the causal diagonal go through the same mask (any BKV, multiple of 16).
+//               Without a causal mask at D = 128 the last block is short (TAIL): its S and P V are as wide as
+//               Tk's last keys rounded up to 32 (Tk 4096: 96 of 160), not a full block of padding.
 //   5 fa3n176:  fa3 with FA3's own D = 128 key block, BKV = 176: the room comes from the output slots, which
 //               this variant drops: each consumer writes its normalized O rows to global memory straight from
 //               registers (16-bit pairs, rows past Tq skipped; 32 KiB per 128-row task against >= 1 MiB of
@@ -120,8 +122,8 @@ struct NoRing {
 // PIPELINED_: the consumers overlap one block's softmax with the previous block's P V (blocks_pipelined).
 // VARIANT_: FwdVariant (see the top of the file; variants >= 2 take their own schedule and ignore
 // PIPELINED_). DEBUG_: bounded mbarrier waits (variants 2 and 3).
-// TAIL_ (0: none): every task's last key block holds TAIL_ keys (Tk's remainder rounded up to 16) and is worked on
-// with TAIL_-wide wgmmas and softmax (short_tail_keys in attention.cu picks it; blocks_fa3_rest peels that turn).
+// TAIL_ (0: none): every task's last key block is worked on TAIL_ keys wide (Tk's remainder rounded up to whole
+// k-steps; attention.cu's short_tail_keys picks it, in steps of 32, for fa3n160 without a causal mask).
 template <typename T, int D_, int STAGES_, class Ext = NoRing, bool PIPELINED_ = false, int VARIANT_ = 0,
           bool DEBUG_ = false, int TAIL_ = 0>
 struct Kernel {
