@@ -58,8 +58,22 @@ constexpr int stages_of() {
   else return stages_for<D>();
 }
 
-template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false>
-using KernelOf = Kernel<T, D, stages_of<D, VARIANT>(), NoRing, PIPELINED, VARIANT, DEBUG>;
+template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false, int TAIL = 0>
+using KernelOf = Kernel<T, D, stages_of<D, VARIANT>(), NoRing, PIPELINED, VARIANT, DEBUG, TAIL>;
+
+// The short last key block fa3n160 takes at head_dim 128 (Kernel's TAIL): the keys of Tk's last 160-key block rounded
+// up to 32 (32 / 64 / 96 / 128; 0: a full block, no short build), without a causal mask (every task then visits the
+// same blocks) and where a task has >= 2 blocks. $PK_JAX_ATTENTION_FWD_TAIL=0 turns it off (read at every launch,
+// for A/B runs); so does the DEBUG build (it has no short builds).
+constexpr int kTailBlockKeys = 160;
+int short_tail_keys(const Problem& p) {
+  if (p.causal) return 0;
+  if (const char* v = std::getenv("PK_JAX_ATTENTION_FWD_TAIL"); v != nullptr && std::strcmp(v, "0") == 0) return 0;
+  const int blocks = (p.tk + kTailBlockKeys - 1) / kTailBlockKeys;
+  if (blocks < 2) return 0;
+  const int rest = p.tk - (blocks - 1) * kTailBlockKeys, keys = (rest + 31) / 32 * 32;
+  return keys < kTailBlockKeys ? keys : 0;
+}
 
 // The DEBUG builds' wait limit in ns when $PK_JAX_ATTENTION_FWD_DEBUG is set to anything but "" or "0"
 // ($PK_JAX_ATTENTION_FWD_TIMEOUT_MS, default 2000), else 0 (the normal build). Read at every launch; only
@@ -88,9 +102,9 @@ int heads_per_section(const Problem& p, int d) {
   return int(h < pairs ? h : pairs);
 }
 
-template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false>
+template <typename T, int D, bool PIPELINED, int VARIANT = kFwdDefault, bool DEBUG = false, int TAIL = 0>
 void run(const Problem& p, int compute_sms, cudaStream_t stream, unsigned long long timeout_ns = 0) {
-  using K = KernelOf<T, D, PIPELINED, VARIANT, DEBUG>;
+  using K = KernelOf<T, D, PIPELINED, VARIANT, DEBUG, TAIL>;
   static_assert(lcsc::smem_bytes<K>() <= kSmemLimit, "shared memory");
   static_assert(K::STAGES >= 2, "at least two K/V stages");
   Globals g{};
@@ -125,6 +139,12 @@ cudaError_t configure_dim() {
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N176>>();
   if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3W3>>();
+  if constexpr (D == 128) {
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160, false, 32>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160, false, 64>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160, false, 96>>();
+    if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3N160, false, 128>>();
+  }
   if constexpr (std::is_same_v<T, __nv_bfloat16>) {
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdPingpong, true>>();
     if (e == cudaSuccess) e = lcsc::configure<KernelOf<T, D, false, kFwdFa3, true>>();
@@ -139,6 +159,18 @@ template <typename T>
 cudaError_t configure_type() {
   const cudaError_t e = configure_dim<T, 64>();
   return e == cudaSuccess ? configure_dim<T, 128>() : e;
+}
+
+// fa3n160 with the short last block its keys call for (short_tail_keys), or none.
+template <typename T, int D>
+void run_fa3n160(const Problem& p, int compute_sms, cudaStream_t stream) {
+  switch (short_tail_keys(p)) {
+    case 32: return run<T, D, false, kFwdFa3N160, false, 32>(p, compute_sms, stream);
+    case 64: return run<T, D, false, kFwdFa3N160, false, 64>(p, compute_sms, stream);
+    case 96: return run<T, D, false, kFwdFa3N160, false, 96>(p, compute_sms, stream);
+    case 128: return run<T, D, false, kFwdFa3N160, false, 128>(p, compute_sms, stream);
+    default: return run<T, D, false, kFwdFa3N160>(p, compute_sms, stream);
+  }
 }
 
 template <typename T, int D>
@@ -163,6 +195,7 @@ void run_variant(const Problem& p, int compute_sms, cudaStream_t stream) {
       return;
     case kFwdFa3N160:
       if (kHasDebug && timeout_ns) run<T, D, false, kFwdFa3N160, kHasDebug>(p, compute_sms, stream, timeout_ns);
+      else if constexpr (D == 128) run_fa3n160<T, D>(p, compute_sms, stream);
       else run<T, D, false, kFwdFa3N160>(p, compute_sms, stream);
       return;
     case kFwdFa3N176:

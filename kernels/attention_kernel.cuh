@@ -33,6 +33,8 @@
 //               block's fixed costs (turn barriers, waits, releases, the row max / sum shuffles, the O
 //               rescale) are spread over 25% more MMA work. Same protocol as fa3 (only BKV differs); the
 //               key-length tail and the causal diagonal go through the same mask (any BKV, multiple of 16).
+//               Without a causal mask at D = 128 the last block is short (TAIL): its S and P V are as wide as
+//               Tk's last keys rounded up to 32 (Tk 4096: 96 of 160), not a full block of padding.
 //   5 fa3n176:  fa3 with FA3's own D = 128 key block, BKV = 176: the room comes from the output slots, which
 //               this variant drops: each consumer writes its normalized O rows to global memory straight from
 //               registers (16-bit pairs, rows past Tq skipped; 32 KiB per 128-row task against >= 1 MiB of
@@ -120,8 +122,10 @@ struct NoRing {
 // PIPELINED_: the consumers overlap one block's softmax with the previous block's P V (blocks_pipelined).
 // VARIANT_: FwdVariant (see the top of the file; variants >= 2 take their own schedule and ignore
 // PIPELINED_). DEBUG_: bounded mbarrier waits (variants 2 and 3).
+// TAIL_ (0: none): every task's last key block is worked on TAIL_ keys wide (Tk's remainder rounded up to whole
+// k-steps; attention.cu's short_tail_keys picks it, in steps of 32, for fa3n160 without a causal mask).
 template <typename T, int D_, int STAGES_, class Ext = NoRing, bool PIPELINED_ = false, int VARIANT_ = 0,
-          bool DEBUG_ = false>
+          bool DEBUG_ = false, int TAIL_ = 0>
 struct Kernel {
   using Globals = attention::Globals;
   using CommShared = typename Ext::CommShared;
@@ -144,6 +148,14 @@ struct Kernel {
   // the CTA's last task). Without the carry each task switch ran that P V, finish_rows and the next first Q Kᵀ
   // one after another. Measured (one H200, session 38): D 128 forward +1-2 % from S 4096, S 1024 unchanged.
   static constexpr bool kCarry = kFa3Mainloop && WGS == 2;
+  // A short last block (TAIL): without a causal mask every task visits the same blocks, and the last one's padding
+  // (e.g. Tk 4096 in 160-key blocks: 96 keys of 160) cost a full block's MMAs and exponentials. With TAIL its S and
+  // P V are TAIL keys wide. The carried P V is then always a last block's: TAIL keys.
+  static constexpr int TAIL = TAIL_;
+  static constexpr bool kShortTail = TAIL != 0;
+  static_assert(!kShortTail || (kCarry && TAIL % 16 == 0 && TAIL > 0 && TAIL < BKV),
+                "a short last block: the carrying mainloops, whole k-steps, narrower than a block");
+  static constexpr int kCarriedKeys = kShortTail ? TAIL : BKV;  // the keys of a task's last block
   static constexpr int kBoxCols = 128 / int(sizeof(T));  // 64 elements per swizzled 128-byte box row
   static constexpr int kConsumerWarpgroups = WGS;
   static constexpr bool kUniformWarpgroup = true;  // pk/lcsc.cuh UniformWarpgroup
@@ -391,7 +403,8 @@ struct Kernel {
   // register i (col_of without the lane's part), each score costs one compare with a constant and a select (the
   // per-key form cost three compares and an add per score: 320 instructions per masked block at D 64 against
   // the softmax's 347).
-  __device__ static void mask(const Globals& g, const Work& w, int kb, int row0, int lane, float (&s)[BKV / 2]) {
+  template <int N = BKV>  // the block's keys (a short last block: N < BKV)
+  __device__ static void mask(const Globals& g, const Work& w, int kb, int row0, int lane, float (&s)[N / 2]) {
     const int base = kb * BKV + 2 * (lane % 4);  // the key at column offset 0 of this thread's registers
     int last[2];                                 // per row half: the last visible column offset
 #pragma unroll
@@ -404,13 +417,14 @@ struct Kernel {
       last[h] = int(key) - base;
     }
 #pragma unroll
-    for (int i = 0; i < BKV / 2; ++i)
+    for (int i = 0; i < N / 2; ++i)
       if (8 * (i / 4) + i % 2 > last[row_half(i)]) s[i] = -CUDART_INF_F;
   }
 
   // Whether any score of block kb may be masked for this tile (a partial block, or the diagonal).
+  template <int N = BKV>
   __device__ static bool block_needs_mask(const Globals& g, const Work& w, int kb) {
-    const int last_key = kb * BKV + BKV - 1;
+    const int last_key = kb * BKV + N - 1;
     return last_key >= g.tk || (g.causal && (long long)w.kv_offset + last_key > (long long)w.q_offset + w.q0);
   }
 
@@ -427,13 +441,14 @@ struct Kernel {
   // Online softmax over one block: new row maxima, the running sums rescaled, S -> P in place; `corr`
   // gets each row half's factor for O (rescale_o), which the pipelined consumer applies only once the
   // previous block's P V has left O's registers.
-  __device__ static void softmax_scores(const Globals& g, float (&s)[BKV / 2], float (&m)[2], float (&l)[2],
+  template <int N = BKV>  // the block's keys (a short last block: N < BKV)
+  __device__ static void softmax_scores(const Globals& g, float (&s)[N / 2], float (&m)[2], float (&l)[2],
                                         float (&corr)[2]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float mx = m[h];
 #pragma unroll
-      for (int i = 0; i < BKV / 2; ++i)
+      for (int i = 0; i < N / 2; ++i)
         if (row_half(i) == h) mx = fmaxf(mx, s[i]);
       mx = quad_max(mx);
       // A row that has seen nothing yet keeps -inf; subtracting 0 then leaves exp2(-inf) = 0.
@@ -442,7 +457,7 @@ struct Kernel {
       m[h] = mx;
       l[h] *= corr[h];
 #pragma unroll
-      for (int i = 0; i < BKV / 2; ++i)
+      for (int i = 0; i < N / 2; ++i)
         if (row_half(i) == h) {
           s[i] = fast_exp2(fmaf(s[i], g.scale_log2, -base));
           l[h] += s[i];  // this thread's share; the quad's shares are summed once, at the end
@@ -455,8 +470,9 @@ struct Kernel {
     for (int i = 0; i < D / 2; ++i) o[i] *= corr[row_half(i)];
   }
 
-  // S = Q Kᵀ for the warpgroup's 64 rows and one K tile (issued, not waited for).
-  __device__ static void issue_qk(const T* q_wg, const Stage& in, float (&sc)[BKV / 2]) {
+  // S = Q Kᵀ for the warpgroup's 64 rows and the first N keys of one K tile (issued, not waited for).
+  template <int N = BKV>
+  __device__ static void issue_qk(const T* q_wg, const Stage& in, float (&sc)[N / 2]) {
     const uint64_t da0 = wgmma::desc_sw128(q_wg, 16, 1024), db0 = wgmma::desc_sw128(in.k, 16, 1024);
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
@@ -464,17 +480,18 @@ struct Kernel {
       const int box = kk / 4, step = (kk % 4) * 16;
       const uint64_t da = wgmma::desc_advance(da0, (box * BM * kBoxCols + step) * sizeof(T));
       const uint64_t db = wgmma::desc_advance(db0, (box * BKV * kBoxCols + step) * sizeof(T));
-      wgmma::mma<T, BKV, 0, 0>(sc, da, db, kk != 0);
+      wgmma::mma<T, N, 0, 0>(sc, da, db, kk != 0);
     }
     wgmma::commit();
   }
 
-  // O += P V for one V tile, P from registers (issued, not waited for).
+  // O += P V for the first N keys of one V tile, P from registers (issued, not waited for).
+  template <int N = BKV>
   __device__ static void issue_pv(const Stage& in, const uint32_t (&pa)[BKV / 16][4], float (&o)[D / 2]) {
     // V (keys x D) is MN-major for O += P V: 16 key rows per step; LBO steps to the next 64-wide box.
     const uint64_t db0 = wgmma::desc_sw128(in.v, BKV * kBoxCols * sizeof(T), 1024);
 #pragma unroll
-    for (int kk = 0; kk < BKV / 16; ++kk) {
+    for (int kk = 0; kk < N / 16; ++kk) {
       const uint64_t db = wgmma::desc_advance(db0, kk * 16 * kBoxCols * sizeof(T));
       wgmma::mma_rs<T, D, 1>(o, pa[kk], db, 1);
     }
@@ -482,9 +499,10 @@ struct Kernel {
   }
 
   // P (fp32 accumulator layout) -> 16-bit A fragments: k-step kk's fragment is registers 8kk..8kk+7.
-  __device__ static void to_a_fragments(const float (&p)[BKV / 2], uint32_t (&a)[BKV / 16][4]) {
+  template <int N = BKV>  // the first N / 16 fragments (a short last block: N < BKV)
+  __device__ static void to_a_fragments(const float (&p)[N / 2], uint32_t (&a)[BKV / 16][4]) {
 #pragma unroll
-    for (int kk = 0; kk < BKV / 16; ++kk)
+    for (int kk = 0; kk < N / 16; ++kk)
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[kk][r] = pack2<T>(p[8 * kk + 2 * r], p[8 * kk + 2 * r + 1]);
   }
@@ -739,7 +757,7 @@ struct Kernel {
     wgmma::fence();
     issue_qk(q_wg, s.stage[cur.stage], sc);
     wgmma::fence();
-    issue_pv(s.stage[p.pos.stage], p.pa, o);  // the previous task's last P V
+    issue_pv<kCarriedKeys>(s.stage[p.pos.stage], p.pa, o);  // the previous task's last P V
     turn_pass(next_wg(st.warpgroup));
     wgmma::wait<1>();  // S of block 0 is done; the previous P V may still run
     wgmma::fence_operands(sc);
@@ -776,44 +794,62 @@ struct Kernel {
   }
 
   // fa3, blocks 1 .. kv_blocks - 1 (P of block 0 in `pa`, its stage `cur`): on return `pa` holds the last block's P
-  // and `cur` its stage, whose P V is not yet issued.
+  // and `cur` its stage, whose P V is not yet issued. kShortTail: the last block's turn is peeled, TAIL keys wide (a
+  // wgmma under a run-time condition would serialize the warpgroup's wgmmas, C7519); the host takes such a build
+  // only where every task has >= 2 blocks.
   __device__ __forceinline__ static void blocks_fa3_rest(const Globals& g, Shared& s, ConsumerState& st,
                                                          const Work& w, const T* q_wg, int row0, int lane,
                                                          RingPos<STAGES>& cur, float (&sc)[BKV / 2],
                                                          float (&corr)[2], uint32_t (&pa)[BKV / 16][4],
                                                          float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
-    for (int kb = 1; kb < w.kv_blocks; ++kb) {
-      RingPos<STAGES> next = cur;
-      next.advance();
-      wait_cons(g, s, &s.ring.full[next.stage], next.phase, "k_full", next.stage);
-      wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
-      turn_wait(st.warpgroup);
-      wgmma::fence();
-      issue_qk(q_wg, s.stage[next.stage], sc);
-      wgmma::fence();  // O and P are loop-carried: keep ptxas from injecting its own wait (C7519)
-      issue_pv(s.stage[cur.stage], pa, o);
-      turn_pass(next_wg(st.warpgroup));
-      wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
-      wgmma::fence_operands(sc);
-      if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);
-      if (lane == 0 && kb == w.kv_blocks - 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
-      if (block_needs_mask(g, w, kb)) mask(g, w, kb, row0, lane, sc);
-      softmax_scores(g, sc, m, l, corr);
-      wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
-      wgmma::fence_operands(o);
-      if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
-      rescale_o(o, corr);
-      to_a_fragments(sc, pa);
-      cur = next;
+    const int full_blocks = kShortTail ? w.kv_blocks - 1 : w.kv_blocks;
+    for (int kb = 1; kb < full_blocks; ++kb) fa3_turn<BKV>(g, s, st, w, q_wg, row0, lane, kb, cur, sc, corr, pa, o, m, l);
+    if constexpr (kShortTail) {
+      // Scores of their own: as the first TAIL / 2 of `sc`, ptxas lacked the registers to pipeline the wgmmas
+      // (C7511) at TAIL 64 and 96.
+      float tail[TAIL / 2];
+      fa3_turn<TAIL>(g, s, st, w, q_wg, row0, lane, full_blocks, cur, tail, corr, pa, o, m, l);
     }
   }
 
-  // A task's last P V, outside the turns (its V at stage `at`), waited for; V released.
+  // fa3, one block kb >= 1 of N keys (BKV, or TAIL for a short last block): one turn issues [Q Kᵀ of kb, P V of
+  // kb - 1]; wait for Q Kᵀ only, release K (and Q after the last S), softmax of kb under P V of kb - 1, then wait for
+  // P V, release V, rescale O and convert P of kb to `pa`. `cur` advances to kb's stage.
+  template <int N>
+  __device__ __forceinline__ static void fa3_turn(const Globals& g, Shared& s, ConsumerState& st, const Work& w,
+                                                  const T* q_wg, int row0, int lane, int kb, RingPos<STAGES>& cur,
+                                                  float (&sc)[N / 2], float (&corr)[2], uint32_t (&pa)[BKV / 16][4],
+                                                  float (&o)[D / 2], float (&m)[2], float (&l)[2]) {
+    RingPos<STAGES> next = cur;
+    next.advance();
+    wait_cons(g, s, &s.ring.full[next.stage], next.phase, "k_full", next.stage);
+    wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+    turn_wait(st.warpgroup);
+    wgmma::fence();
+    issue_qk<N>(q_wg, s.stage[next.stage], sc);
+    wgmma::fence();  // O and P are loop-carried: keep ptxas from injecting its own wait (C7519)
+    issue_pv(s.stage[cur.stage], pa, o);  // block kb - 1: a full block
+    turn_pass(next_wg(st.warpgroup));
+    wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
+    wgmma::fence_operands(sc);
+    if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);
+    if (lane == 0 && kb == w.kv_blocks - 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
+    if (block_needs_mask<N>(g, w, kb)) mask<N>(g, w, kb, row0, lane, sc);
+    softmax_scores<N>(g, sc, m, l, corr);
+    wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
+    wgmma::fence_operands(o);
+    if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
+    rescale_o(o, corr);
+    to_a_fragments<N>(sc, pa);
+    cur = next;
+  }
+
+  // A task's last P V (kCarriedKeys wide), outside the turns (its V at stage `at`), waited for; V released.
   __device__ __forceinline__ static void last_pv(const Globals& g, Shared& s, const RingPos<STAGES>& at, int lane,
                                                  const uint32_t (&pa)[BKV / 16][4], float (&o)[D / 2]) {
     wait_cons(g, s, &s.v_full[at.stage], at.phase, "v_full", at.stage);
     wgmma::fence();
-    issue_pv(s.stage[at.stage], pa, o);
+    issue_pv<kCarriedKeys>(s.stage[at.stage], pa, o);
     wgmma::wait<0>();
     wgmma::fence_operands(o);
     if (lane == 0) tma::mbar_arrive(&s.v_empty[at.stage]);

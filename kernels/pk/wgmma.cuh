@@ -59,23 +59,22 @@ template <typename T, int N, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void mma(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, uint32_t scale_d) {
   constexpr bool kBf16 = std::is_same_v<T, __nv_bfloat16>;
   static_assert(kBf16 || std::is_same_v<T, __half>, "wgmma: bf16 or f16 operands");
-  if constexpr (N == 256) {
-    if constexpr (kBf16) mma_m64n256k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-    else mma_m64n256k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-  } else if constexpr (N == 176) {
-    if constexpr (kBf16) mma_m64n176k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-    else mma_m64n176k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-  } else if constexpr (N == 160) {
-    if constexpr (kBf16) mma_m64n160k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-    else mma_m64n160k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-  } else if constexpr (N == 128) {
-    if constexpr (kBf16) mma_m64n128k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-    else mma_m64n128k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-  } else {
-    static_assert(N == 64, "wgmma: N is 64, 128, 160, 176 or 256");
-    if constexpr (kBf16) mma_m64n64k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
-    else mma_m64n64k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);
+#define PK_WGMMA_SHAPE(n)                                                                  \
+  if constexpr (N == n) {                                                                  \
+    if constexpr (kBf16) mma_m64n##n##k16_bf16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d); \
+    else mma_m64n##n##k16_f16<TRANS_A, TRANS_B>(d, desc_a, desc_b, scale_d);                  \
+    return;                                                                                \
   }
+  PK_WGMMA_SHAPE(32)
+  PK_WGMMA_SHAPE(64)
+  PK_WGMMA_SHAPE(96)
+  PK_WGMMA_SHAPE(128)
+  PK_WGMMA_SHAPE(160)
+  PK_WGMMA_SHAPE(176)
+  PK_WGMMA_SHAPE(256)
+#undef PK_WGMMA_SHAPE
+  static_assert(N == 32 || N == 64 || N == 96 || N == 128 || N == 160 || N == 176 || N == 256,
+                "wgmma: N is 32, 64, 96, 128, 160, 176 or 256");
 }
 
 // d (+)= A(64 x 16, registers) * B(16 x N, shared) for T = bf16 or f16; `a` holds the thread's four

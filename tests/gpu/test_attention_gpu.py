@@ -172,3 +172,34 @@ def test_vmap_and_traced_offsets():
             want, _ = attention_f32(q[i], k[i], v[i], scale=0.125, causal=True, q_offset=off)
             np.testing.assert_allclose(out[i], want, atol=2e-2, rtol=2e-2)
     print("PASS attention vmap + traced offsets")
+
+
+# fa3n160 without a causal mask works on Tk's last 160-key block with wgmmas as wide as its keys rounded up to 32
+# (kernels/attention.cu short_tail_keys): 32, 64, 96 and 128 keys exactly, masked (Tk 321: 1 key -> 32, Tk 1001:
+# 41 -> 64), none (Tk 470: 150 keys), and the bench's Tk 4096 (96). 256 tasks, so every CTA carries a short P V
+# from one task into the next.
+SHORT_TAIL_TKS = [352, 384, 416, 448, 321, 1001, 470, 4096]
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("tk", SHORT_TAIL_TKS)
+def test_short_last_block_gives_the_full_blocks_bits(tk, dtype, monkeypatch):
+    """The short last block drops only masked scores (exp2 -> 0) and zero products from the full-width one
+    ($PK_JAX_ATTENTION_FWD_TAIL=0, read at every launch): identical out and lse, matching the float32 reference."""
+    case = (2, 1000, 16, tk, 4, 128, False, 0, 0)
+    q, k, v, want_out, want_lse = _case_data(case, dtype)
+    _select(monkeypatch, "fa3n160")
+    f = _kernel_fn(case)
+    monkeypatch.setenv("PK_JAX_ATTENTION_FWD_TAIL", "0")
+    full_out, full_lse = f(q, k, v)
+    monkeypatch.delenv("PK_JAX_ATTENTION_FWD_TAIL")
+    poison_allocator(4 * (q.size + 2 * 16 * 1000) * 2)
+    out, lse = f(q, k, v)
+    out32, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert not np.isnan(out32).any() and not np.isnan(lse).any(), "rows never written"
+    atol = 2e-2 if dtype == jnp.bfloat16 else 4e-3
+    np.testing.assert_allclose(out32, want_out, atol=atol, rtol=2e-2)
+    np.testing.assert_allclose(lse, want_lse, atol=2e-3, rtol=1e-3)
+    assert np.array_equal(out32, np.asarray(full_out, np.float32)), "out differs from the full-width last block's"
+    assert np.array_equal(lse, np.asarray(full_lse)), "lse differs from the full-width last block's"
+    print(f"PASS attention short last block Tk {tk} {jnp.dtype(dtype).name}")
