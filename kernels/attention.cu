@@ -64,15 +64,14 @@ using KernelOf = Kernel<T, D, stages_of<D, VARIANT>(), NoRing, PIPELINED, VARIAN
 // The short last key block fa3n160 takes at head_dim 128 (Kernel's TAIL): the keys of Tk's last 160-key block rounded
 // up to 32 (32 / 64 / 96 / 128; 0: a full block, no short build), without a causal mask (every task then visits the
 // same blocks) and where a task has >= 2 blocks. $PK_JAX_ATTENTION_FWD_TAIL=0 turns it off (read at every launch,
-// for A/B runs); so does the DEBUG build (it has no short builds).
-constexpr int kTailBlockKeys = 160;
-int short_tail_keys(const Problem& p) {
+// for A/B runs); so does the DEBUG build (it has no short builds). block_keys: the kernel's BKV.
+int short_tail_keys(const Problem& p, int block_keys) {
   if (p.causal) return 0;
   if (const char* v = std::getenv("PK_JAX_ATTENTION_FWD_TAIL"); v != nullptr && std::strcmp(v, "0") == 0) return 0;
-  const int blocks = (p.tk + kTailBlockKeys - 1) / kTailBlockKeys;
+  const int blocks = (p.tk + block_keys - 1) / block_keys;
   if (blocks < 2) return 0;
-  const int rest = p.tk - (blocks - 1) * kTailBlockKeys, keys = (rest + 31) / 32 * 32;
-  return keys < kTailBlockKeys ? keys : 0;
+  const int rest = p.tk - (blocks - 1) * block_keys, keys = (rest + 31) / 32 * 32;
+  return keys < block_keys ? keys : 0;
 }
 
 // The DEBUG builds' wait limit in ns when $PK_JAX_ATTENTION_FWD_DEBUG is set to anything but "" or "0"
@@ -164,7 +163,7 @@ cudaError_t configure_type() {
 // fa3n160 with the short last block its keys call for (short_tail_keys), or none.
 template <typename T, int D>
 void run_fa3n160(const Problem& p, int compute_sms, cudaStream_t stream) {
-  switch (short_tail_keys(p)) {
+  switch (short_tail_keys(p, KernelOf<T, D, false, kFwdFa3N160>::BKV)) {
     case 32: return run<T, D, false, kFwdFa3N160, false, 32>(p, compute_sms, stream);
     case 64: return run<T, D, false, kFwdFa3N160, false, 64>(p, compute_sms, stream);
     case 96: return run<T, D, false, kFwdFa3N160, false, 96>(p, compute_sms, stream);

@@ -186,14 +186,15 @@ SHORT_TAIL_TKS = [352, 384, 416, 448, 321, 1001, 470, 4096]
 def test_short_last_block_gives_the_full_blocks_bits(tk, dtype, monkeypatch):
     """The short last block drops only masked scores (exp2 -> 0) and zero products from the full-width one
     ($PK_JAX_ATTENTION_FWD_TAIL=0, read at every launch): identical out and lse, matching the float32 reference."""
-    case = (2, 1000, 16, tk, 4, 128, False, 0, 0)
+    b, tq, n = 2, 1000, 16
+    case = (b, tq, n, tk, 4, 128, False, 0, 0)
     q, k, v, want_out, want_lse = _case_data(case, dtype)
     _select(monkeypatch, "fa3n160")
     f = _kernel_fn(case)
     monkeypatch.setenv("PK_JAX_ATTENTION_FWD_TAIL", "0")
     full_out, full_lse = f(q, k, v)
     monkeypatch.delenv("PK_JAX_ATTENTION_FWD_TAIL")
-    poison_allocator(4 * (q.size + 2 * 16 * 1000) * 2)
+    poison_allocator(4 * (q.size + b * n * tq) * 2)
     out, lse = f(q, k, v)
     out32, lse = np.asarray(out, np.float32), np.asarray(lse)
     assert not np.isnan(out32).any() and not np.isnan(lse).any(), "rows never written"
