@@ -9,11 +9,13 @@ aligned mask of jax.nn.dot_product_attention). A row that sees no key gets out =
 
 Implementations:
   "pk":       our Hopper kernel (kernels/attention_kernel.cuh: FlashAttention-3's structure on the
-              LCSC template), bf16/fp16, D = 64 or 128, any lengths, GQA, offsets, LSE. Correct on an
-              H200 (GPU tests) at 0.73-0.95x cuDNN's forward (2026-11-23), so it is used only when
-              asked for: implementation="pk" or the environment variable PK_JAX_ATTENTION=pk. Calls it
-              cannot take run the fallback and say why once.
-  "fallback": the default while the kernel trails cuDNN: pk_jax.sdpa.dot_product_attention (cuDNN where
+              LCSC template), bf16/fp16, D = 64 or 128, any lengths, GQA, offsets, LSE. The whole suite
+              at defaults on one H100 (benchmarks/results/2026-12-07-attention-nvidia-h100.json): geomean
+              1.03x cuDNN, 0.92-1.15x per row; it still trails on a few rows (the forward at S 1024 at D 128
+              and causal at D 64, some fwd+bwd rows), so it is used only when asked for: implementation="pk"
+              or the environment variable PK_JAX_ATTENTION=pk. Calls it cannot take run the fallback and say
+              why once.
+  "fallback": the default while the kernel trails cuDNN on some rows: pk_jax.sdpa.dot_product_attention (cuDNN where
               it takes the call, else XLA) when neither the LSE nor a causal offset is asked for, else an XLA einsum
               path with float32 accumulation (pk_jax/context/block_attention.py).
 Backward (`jax.grad`): a custom VJP from the saved LSE; a cotangent of the LSE output is honoured
@@ -473,7 +475,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
       q_offset, kv_offset: global positions of query row 0 and key 0 (Python ints or 0-d int32
         arrays, e.g. traced in a ring step); only the causal mask reads them.
       implementation: "pk" (our kernel), "fallback", or None: $PK_JAX_ATTENTION if set, else
-        "fallback" (the kernel trails cuDNN, 0.73-0.95x on H200; see the module doc).
+        "fallback" (the kernel still trails cuDNN on a few rows; see the module doc).
 
     Returns:
       out (B, Tq, N, D) in q's dtype, or (out, lse) with return_lse.
