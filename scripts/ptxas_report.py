@@ -39,6 +39,12 @@ def compile_command(build: Path, name: str, obj: str) -> list[str]:
     return kept + ["-Xptxas", "-v"]
 
 
+def short_kernel_names(mangled: list[str]) -> list[str]:
+    """Demangled names (c++filt), a pk::lcsc::kernel<K> shortened to K, in the order given."""
+    names = subprocess.run(["c++filt"], input="\n".join(mangled), capture_output=True, text=True).stdout.splitlines()
+    return [re.sub(r"^void pk::lcsc::kernel<(.*)>\(.*$", r"\1", n).strip() for n in names]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("name", help="kernels/<name>.cu, e.g. grouped_gemm (a path to the file works too)")
@@ -61,13 +67,11 @@ def main() -> None:
             stats.setdefault(kernel, {})["spill"] = (int(m.group(1)), int(m.group(2)))
         elif kernel and (m := re.search(r"Used (\d+) registers", line)):
             stats.setdefault(kernel, {})["regs"] = int(m.group(1))
-    names = subprocess.run(["c++filt"], input="\n".join(stats), capture_output=True, text=True).stdout.splitlines()
     spills = 0
-    for (mangled, st), name in zip(stats.items(), names):
+    for (mangled, st), short in zip(stats.items(), short_kernel_names(list(stats))):
         stores, loads = st.get("spill", (0, 0))
         spills += stores + loads > 0
         if a.all or stores + loads or mangled in serialized:
-            short = re.sub(r"^void pk::lcsc::kernel<(.*)>\(.*$", r"\1", name)
             print(f"{st.get('regs', '?'):>4} regs  spill {stores:>5} / {loads:>5} B"
                   f"{'  WGMMA SERIALIZED' if mangled in serialized else ''}  {short[:150]}")
     print(f"{len(stats)} kernels, {spills} with spills", file=sys.stderr)

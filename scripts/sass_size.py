@@ -10,7 +10,6 @@ second copy of a pipeline costs in code.
 from __future__ import annotations
 
 import argparse
-import re
 import struct
 import subprocess
 import sys
@@ -18,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ptxas_report import compile_command  # noqa: E402
+from ptxas_report import compile_command, short_kernel_names  # noqa: E402
 
 
 def kernel_sizes(cubin: Path) -> dict[str, int]:
@@ -55,9 +54,7 @@ def main() -> None:
             sys.exit(log.stderr[-4000:])
         sizes = kernel_sizes(cubin)
     base = kernel_sizes(a.base) if a.base else {}
-    names = subprocess.run(["c++filt"], input="\n".join(sizes), capture_output=True, text=True).stdout.splitlines()
-    for (mangled, size), demangled in sorted(zip(sizes.items(), names), key=lambda x: -x[0][1]):
-        short = re.sub(r"^void pk::lcsc::kernel<(.*)>\(.*$", r"\1", demangled).strip()
+    for (mangled, size), short in sorted(zip(sizes.items(), short_kernel_names(list(sizes))), key=lambda x: -x[0][1]):
         was = f"  base {base[mangled]:>8} ({size / base[mangled]:.2f}x)" if mangled in base else ""
         print(f"{size:>8} B{was}  {short[:150]}")
     print(f"{len(sizes)} kernels, {sum(sizes.values())} B", file=sys.stderr)
