@@ -61,6 +61,7 @@
 #include <cstdio>
 
 #include "pk/acc_store.cuh"
+#include "pk/clock_trace.cuh"
 #include "pk/debug_wait.cuh"
 #include "pk/fast_exp2.cuh"
 #include "pk/lcsc.cuh"
@@ -88,6 +89,19 @@ struct Globals {
   int num_comm_sms;  // SMs given to a communicator (0: none yet)
   int heads_per_section;                // variants >= 1: (batch, head) pairs per L2 section (>= 1)
   unsigned long long debug_timeout_ns;  // DEBUG variants: the mbarrier wait limit (unused otherwise)
+};
+
+// PK_ATTN_TRACE (cmake -DPK_JAX_ATTENTION_TRACE=ON; a diagnosis build): Kernel::kTrace.
+#ifndef PK_ATTN_TRACE
+#define PK_ATTN_TRACE 0
+#endif
+
+// The steps a PK_ATTN_TRACE build stamps (scripts/attention_trace.py names them alike).
+enum TraceEvent : int {
+  kTrTask = 1, kTrQReady, kTrKvReady, kTrIssued, kTrSReady, kTrPvReady, kTrFinished,  // consumers
+  kTrLoaderQIssued = 9, kTrLoaderKIssued, kTrLoaderVIssued, kTrLoaderTask, kTrLoaderQEmpty,  // loader
+  kTrFinNormed = 14, kTrFinSlot, kTrFinStored,  // consumers, inside finish_rows
+  kTrStorerFull = 17, kTrStorerRead,            // storer: a slot's O arrived (index: warpgroup); TMA has read both
 };
 
 enum FwdVariant : int {
@@ -137,7 +151,10 @@ struct Kernel {
   static constexpr bool kSplitRelease = VARIANT >= kFwdPingpong;  // K and V stages released separately
   static constexpr bool kPingpong = VARIANT >= kFwdPingpong;      // warp-scheduler barriers between the consumers
   static constexpr bool kFa3Mainloop = VARIANT >= kFwdFa3;         // blocks_fa3 (fa3, fa3n160, fa3n176, fa3w3)
-  static constexpr bool kDirectO = VARIANT == kFwdFa3N176;          // O from registers to global, no O slots
+  // O from registers to global, no O slots: fa3n176 only. Each of a thread's D / 4 four-byte stores spans 8 rows of the
+  // warp (8 L1 wavefronts, on the switch's path) where the slot takes D / 16 stmatrix and one TMA store: fa3 / fa3n160
+  // with it ran 8-13 % slower at D 128 S 1024 and 2-6 % at S 4096 (session 49, one H100).
+  static constexpr bool kDirectO = VARIANT == kFwdFa3N176;
   static_assert(VARIANT >= kFwdDefault && VARIANT <= kFwdFa3W3, "forward variant 0..6");
   static_assert(!DEBUG || kPingpong, "the DEBUG build is for the variants that change the barrier protocol");
   static constexpr int WGS = VARIANT == kFwdFa3W3 && D == 64 ? 3 : 2, BM = 64 * WGS;
@@ -164,6 +181,9 @@ struct Kernel {
   static constexpr int kProducerRegs = WGS == 3 ? 32 : 40;
   static constexpr int kConsumerRegs = WGS == 3 ? 160 : 232;
   static constexpr bool kHasCommunicator = Ext::kHasCommunicator;
+  // PK_ATTN_TRACE builds, two-warpgroup fa3 mainloops: CTAs 0-7's loader (role 0), consumers (1, 2) and storer (3)
+  // stamp their steps into the LSE buffer (pk/clock_trace.cuh), which then holds no LSE: timing diagnosis only.
+  static constexpr bool kTrace = PK_ATTN_TRACE && kCarry;
   static constexpr bool kTaskCounter = kFa3Mainloop && !Ext::kHasCommunicator;  // causal calls (task_counter)
   static constexpr bool kSingleWalk = kTaskCounter;  // pk/lcsc.cuh: one consumer body for both task orders
   static constexpr bool kHasPusher = false;
@@ -202,6 +222,8 @@ struct Kernel {
   struct LoaderState {
     RingPos<STAGES> pos;
     uint32_t q_phase;
+    uint32_t trace_count;  // kTrace: events stamped; and the tasks seen
+    int trace_task;
   };
   // kCarry: the task whose last P V is pending. o, pa, m and l are the running task's registers themselves
   // (blocks_fa3_carry works in them), carried from one consumer call to the next.
@@ -220,10 +242,25 @@ struct Kernel {
     uint32_t q_phase, o_phase;
     bool turns_started;  // kPingpong: the first warpgroup's first turn has been granted
     Pending prev;        // kCarry only
+    uint32_t trace_count;  // kTrace
+    int trace_task;
   };
   struct StorerState {
     uint32_t o_phase;
+    uint32_t trace_count;  // kTrace
+    int trace_task;
   };
+
+  // kTrace: one stamp of `role`'s step (its first thread's; a consumer's thread 0 of its warpgroup).
+  template <class State>
+  __device__ __forceinline__ static void trace(const Globals& g, State& st, int role, TraceEvent event, int index) {
+    if constexpr (kTrace)
+      if (g.lse != nullptr && (role == 0 || role == 3 || threadIdx.x % 128 == 0))
+        clock_trace::stamp(reinterpret_cast<uint32_t*>(g.lse), role, st.trace_count, event, st.trace_task, index);
+  }
+  __device__ __forceinline__ static void trace(const Globals& g, ConsumerState& st, TraceEvent event, int index) {
+    trace(g, st, 1 + st.warpgroup, event, index);
+  }
 
   __host__ __device__ static int q_tiles(const Globals& g) { return (g.tq + BM - 1) / BM; }
   __host__ __device__ static int num_tasks(const Globals& g) { return q_tiles(g) * g.heads * g.batch; }
@@ -375,10 +412,14 @@ struct Kernel {
   // block can land while the consumers still read the V of an earlier one.
   __device__ static void loader_split(const Globals& g, Shared& s, LoaderState& st, int task) {
     const Work w = work_of(g, task);
+    ++st.trace_task;
+    trace(g, st, 0, kTrLoaderTask, 0);
     wait_bar(g, s, &s.q_slot.empty, st.q_phase ^ 1, "q_slot.empty", -1);
+    trace(g, st, 0, kTrLoaderQEmpty, 0);
     s.work = w;  // read by the consumers once Q has landed (see consumer)
     tma::mbar_expect_tx(&s.q_slot.full, kQBytes);
     load_boxes(s.q, &g.q, BM, w.head, w.q0, w.batch, &s.q_slot.full);
+    trace(g, st, 0, kTrLoaderQIssued, 0);
     st.q_phase ^= 1;
     for (int kb = 0; kb < w.kv_blocks; ++kb) {
       const int i = st.pos.stage;
@@ -386,9 +427,11 @@ struct Kernel {
       wait_bar(g, s, &s.ring.empty[i], st.pos.phase ^ 1, "k_empty", i);
       tma::mbar_expect_tx(&s.ring.full[i], kKvBytes);
       load_boxes(dst.k, &g.k, BKV, w.kv_head, kb * BKV, w.batch, &s.ring.full[i]);
+      trace(g, st, 0, kTrLoaderKIssued, kb);
       wait_bar(g, s, &s.v_empty[i], st.pos.phase ^ 1, "v_empty", i);
       tma::mbar_expect_tx(&s.v_full[i], kKvBytes);
       load_boxes(dst.v, &g.v, BKV, w.kv_head, kb * BKV, w.batch, &s.v_full[i]);
+      trace(g, st, 0, kTrLoaderVIssued, kb);
       st.pos.advance();
     }
   }
@@ -510,7 +553,10 @@ struct Kernel {
   __device__ static void consumer(const Globals& g, Shared& s, ConsumerState& st, int task) {
     float o[D / 2], m[2], l[2];
     start_rows(o, m, l);
+    ++st.trace_task;
+    trace(g, st, kTrTask, 0);
     wait_cons(g, s, &s.q_slot.full, st.q_phase, "q_slot.full", -1);
+    trace(g, st, kTrQReady, 0);
     st.q_phase ^= 1;
     // The task's work as the loader wrote it before Q's arrival (the arrival releases it, this wait acquires it; it
     // is rewritten only after this task's last S). work_of here cost ~130 instructions (three divisions by runtime
@@ -753,24 +799,29 @@ struct Kernel {
     RingPos<STAGES> cur = st.pos;  // the block whose P is in `pa`
     wait_cons(g, s, &s.ring.full[cur.stage], cur.phase, "k_full", cur.stage);
     if (p.live) wait_cons(g, s, &s.v_full[p.pos.stage], p.pos.phase, "v_full", p.pos.stage);
+    trace(g, st, kTrKvReady, 0);
     turn_wait(st.warpgroup);
     wgmma::fence();
     issue_qk(q_wg, s.stage[cur.stage], sc);
     wgmma::fence();
     issue_pv<kCarriedKeys>(s.stage[p.pos.stage], p.pa, o);  // the previous task's last P V
     turn_pass(next_wg(st.warpgroup));
+    trace(g, st, kTrIssued, 0);
     wgmma::wait<1>();  // S of block 0 is done; the previous P V may still run
     wgmma::fence_operands(sc);
+    trace(g, st, kTrSReady, 0);
     float m_prev[2] = {m[0], m[1]}, l_prev[2] = {l[0], l[1]};
     m[0] = m[1] = -CUDART_INF_F;
     l[0] = l[1] = 0.f;
     first_scores(g, s, w, row0, lane, cur, sc, m, l, corr);
     wgmma::wait<0>();
     wgmma::fence_operands(o);
+    trace(g, st, kTrPvReady, 0);
     if (p.live) {
       if (lane == 0) tma::mbar_arrive(&s.v_empty[p.pos.stage]);
       finish_rows(g, s, st, p.w, p.row0, lane, o, m_prev, l_prev);
     }
+    trace(g, st, kTrFinished, 0);
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] = 0.f;
     to_a_fragments(sc, p.pa);
@@ -824,20 +875,24 @@ struct Kernel {
     next.advance();
     wait_cons(g, s, &s.ring.full[next.stage], next.phase, "k_full", next.stage);
     wait_cons(g, s, &s.v_full[cur.stage], cur.phase, "v_full", cur.stage);
+    trace(g, st, kTrKvReady, kb);
     turn_wait(st.warpgroup);
     wgmma::fence();
     issue_qk<N>(q_wg, s.stage[next.stage], sc);
     wgmma::fence();  // O and P are loop-carried: keep ptxas from injecting its own wait (C7519)
     issue_pv(s.stage[cur.stage], pa, o);  // block kb - 1: a full block
     turn_pass(next_wg(st.warpgroup));
+    trace(g, st, kTrIssued, kb);
     wgmma::wait<1>();  // groups retire in order: S of block kb is done, P V of kb - 1 may still run
     wgmma::fence_operands(sc);
+    trace(g, st, kTrSReady, kb);
     if (lane == 0) tma::mbar_arrive(&s.ring.empty[next.stage]);
     if (lane == 0 && kb == w.kv_blocks - 1) tma::mbar_arrive(&s.q_slot.empty);  // the last S
     if (block_needs_mask<N>(g, w, kb)) mask<N>(g, w, kb, row0, lane, sc);
     softmax_scores<N>(g, sc, m, l, corr);
     wgmma::wait<0>();  // P V of kb - 1 is done: O and `pa` are free
     wgmma::fence_operands(o);
+    trace(g, st, kTrPvReady, kb);
     if (lane == 0) tma::mbar_arrive(&s.v_empty[cur.stage]);
     rescale_o(o, corr);
     to_a_fragments<N>(sc, pa);
@@ -930,9 +985,10 @@ struct Kernel {
         if (row_half(i) == h) o[i] *= inv;
       const int row = row0 + 8 * h;
       block_lse[h] = l[h] > 0.f ? m[h] * g.scale + __logf(l[h]) : -CUDART_INF_F;
-      if (g.acc_mode == 0 && g.lse != nullptr && lane % 4 == 0 && row < g.tq)
+      if (!kTrace && g.acc_mode == 0 && g.lse != nullptr && lane % 4 == 0 && row < g.tq)
         g.lse[(size_t(w.batch) * g.heads + w.head) * g.lse_seq + row] = block_lse[h];
     }
+    trace(g, st, kTrFinNormed, 0);
     if (g.acc_mode != 0) {
       accumulate_rows(g, w, row0, lane, o, block_lse);
       return;
@@ -943,9 +999,11 @@ struct Kernel {
     }
     Handoff& slot = s.o_slot[st.warpgroup];
     wait_cons(g, s, &slot.empty, st.o_phase ^ 1, "o_slot.empty", st.warpgroup);
+    trace(g, st, kTrFinSlot, 0);
     store_acc<T, D>(s.o[st.warpgroup], o);
     tma::fence_proxy_async_shared();  // the storer's TMA (async proxy) reads what we just wrote
     tma::mbar_arrive(&slot.full);
+    trace(g, st, kTrFinStored, 0);
     st.o_phase ^= 1;
   }
 
@@ -1013,14 +1071,17 @@ struct Kernel {
     if constexpr (kDirectO) return;  // the consumers store O themselves
     if (g.acc_mode != 0) return;     // the consumers accumulate O in float32 themselves
     const Work w = work_of(g, task);
+    ++st.trace_task;
     for (int wg = 0; wg < WGS; ++wg) {
       wait_bar(g, s, &s.o_slot[wg].full, st.o_phase, "o_slot.full", wg);
+      trace(g, st, 3, kTrStorerFull, wg);
 #pragma unroll
       for (int j = 0; j < D / kBoxCols; ++j)
         tma::store_tile_4d(&g.o, j * kBoxCols, w.head, w.q0 + wg * 64, w.batch, s.o[wg] + j * 64 * kBoxCols);
       tma::commit_group();
     }
     tma::wait_group_read<0>();  // slots may be rewritten once TMA has read them
+    trace(g, st, 3, kTrStorerRead, 0);
     for (int wg = 0; wg < WGS; ++wg) tma::mbar_arrive(&s.o_slot[wg].empty);
     st.o_phase ^= 1;
   }
