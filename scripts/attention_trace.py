@@ -119,20 +119,22 @@ def consumer_summary(events: list[tuple[int, str, int, int]]) -> None:
 
 def loader_summary(events: list[tuple[int, str, int, int]], consumers: list[list[tuple[int, str, int, int]]]) -> None:
     """When the loader got the Q slot and issued Q, against the consumers' Q waits (same CTA, same clock)."""
-    q_issued = {t: c for c, name, t, _ in events if name == "l_q_issued"}
-    q_empty = {t: c for c, name, t, _ in events if name == "l_q_empty"}
+    # Index: the Q part (one per consumer warpgroup where Q is loaded in parts; 0 for a single slot).
+    q_issued = {(t, i): c for c, name, t, i in events if name == "l_q_issued"}
+    q_empty = {(t, i): c for c, name, t, i in events if name == "l_q_empty"}
     l_task = {t: c for c, name, t, _ in events if name == "l_task"}
     wait_slot, latency = [], []
-    for ev in consumers:
+    for wg, ev in enumerate(consumers):
         ready = {t: c for c, name, t, _ in ev if name == "q_ready"}
         entered = {t: c for c, name, t, _ in ev if name == "task"}
         for t in sorted(ready)[1:-1]:
-            if t in q_issued and ready[t] > entered[t] + 64:  # the consumer waited for Q
-                latency.append(ready[t] - q_issued[t])
-    for t in sorted(q_empty)[1:-1]:
+            issued = q_issued.get((t, wg), q_issued.get((t, 0)))
+            if issued is not None and ready[t] > entered[t] + 64:  # the consumer waited for Q
+                latency.append(ready[t] - issued)
+    for (t, _), c in sorted(q_empty.items())[1:-1]:
         if t in l_task:
-            wait_slot.append(q_empty[t] - l_task[t])
-    print(f"    loader: waits for the Q slot {median(wait_slot)} cycles per task; Q issued -> a waiting consumer has it "
+            wait_slot.append(c - l_task[t])
+    print(f"    loader: waits for a Q slot {median(wait_slot)} cycles after the task began; Q issued -> a waiting consumer has it "
           f"{median(latency)} ({len(latency)} waits)")
 
 

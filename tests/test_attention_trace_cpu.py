@@ -71,7 +71,13 @@ def test_decodes_and_summarizes_a_known_timeline(capsys):
     turn = 2000
     wg0 = _consumer_timeline(10_000, 5, 4, turn)
     wg1 = _consumer_timeline(11_000, 5, 4, turn)
-    loader = [(9_000 + 8_200 * t, 12, t, 0) for t in range(1, 6)] + [(9_050 + 8_200 * t, 13, t, 0) for t in range(1, 6)]
+    # The loader: each task's Q in two parts (index: the warpgroup), issued 40 / 20 cycles after that warpgroup entered
+    # the task (its Q arrives 100 cycles after entering): latencies 60 and 80.
+    loader = []
+    for t in range(1, 6):
+        start = 10_000 + (t - 1) * (200 + 4 * turn)
+        loader += [(start - 500, 12, t, 0), (start - 400, 13, t, 1), (start + 1_000 + 20, 9, t, 1),
+                   (start - 300, 13, t, 0), (start + 40, 9, t, 0)]
     loader.sort()
     trace = attention_trace.read_trace(_buffer({(0, 0): loader, (0, 1): wg0, (0, 2): wg1}))
     assert sorted(trace) == [(0, 0), (0, 1), (0, 2)]
@@ -86,3 +92,7 @@ def test_decodes_and_summarizes_a_known_timeline(capsys):
     assert finish == {"pv_ready 0 -> O /= l, LSE": 50, "-> slot free": 50, "-> stmatrix, fence, arrive": 100}
     # A task is 4 turns plus 200 cycles of task / Q / K steps: 0.10 turns.
     assert "= 4 turns x 2000 + 200 (0.10 turns" in out
+    attention_trace.loader_summary(trace[0, 0], [trace[0, 1], trace[0, 2]])
+    out = capsys.readouterr().out
+    assert re.search(r"waits for a Q slot\s+-?\d+ cycles after the task began; Q issued -> a waiting consumer has it\s+70 "
+                     r"\(6 waits\)", out), out
