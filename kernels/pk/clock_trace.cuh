@@ -1,8 +1,8 @@
 // A kernel's own timeline, for diagnosis builds only (attention's PK_ATTN_TRACE): one thread per role stamps its steps
 // with the SM clock into a global buffer of kCtas x kRoles x kEvents (clock, word) pairs. Entry 0 of a role holds
 // (count, kMagic); word = event (8 bits) | task (12 bits) | index (12 bits). scripts/attention_trace.py reads it.
-// Measuring a pipeline step by step is what named the forward's tile-switch costs (session 48); the stamps cost a few
-// instructions each and change the timing little.
+// The stamps are a few instructions and a global store each: read a traced build's cycles against each other, not
+// against an untraced build's times.
 #pragma once
 #include <cstddef>
 #include <cstdint>
