@@ -222,8 +222,8 @@ struct Kernel {
   struct LoaderState {
     RingPos<STAGES> pos;
     uint32_t q_phase;
-    uint32_t trace_count;  // kTrace: events stamped; and the tasks seen
-    int trace_task;
+    uint32_t trace_count;  // kTrace: events stamped
+    int trace_task;        // kTrace: tasks seen (the task number in each stamp)
   };
   // kCarry: the task whose last P V is pending. o, pa, m and l are the running task's registers themselves
   // (blocks_fa3_carry works in them), carried from one consumer call to the next.
